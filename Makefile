@@ -1,0 +1,32 @@
+# Two entry points do all the set-up on a fresh machine with python3 and make:
+#   make demo   -- trains a small model with fit_large_batch(batch_size=4096)
+#   make test   -- ruff, then the whole test suite (slow tests included)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench bench-quick clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/autosplit demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check autosplit tests benchmarks
+
+test: lint
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -ra
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

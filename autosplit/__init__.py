@@ -1,0 +1,32 @@
+"""autosplit: train with any batch size on one accelerator, exactly."""
+
+from autosplit.errors import (
+    AutosplitError,
+    BatchSizeError,
+    DatasetError,
+    MemoryLimitError,
+    ModelNotReadyError,
+    NothingFitsError,
+    UnsupportedModelError,
+)
+from autosplit.fit import fit_large_batch
+from autosplit.step import Accumulated, Split, TrainStep, accumulate_gradients, split_batch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accumulated",
+    "AutosplitError",
+    "BatchSizeError",
+    "DatasetError",
+    "MemoryLimitError",
+    "ModelNotReadyError",
+    "NothingFitsError",
+    "Split",
+    "TrainStep",
+    "UnsupportedModelError",
+    "__version__",
+    "accumulate_gradients",
+    "fit_large_batch",
+    "split_batch",
+]

@@ -1,0 +1,61 @@
+"""Typed errors raised by autosplit.
+
+Every error subclasses a builtin (``ValueError``, ``TypeError``, ``RuntimeError``,
+``MemoryError``) so ``except ValueError`` in user code keeps working, and every
+message says what was expected, what was received and how to fix it. All argument
+errors are raised before any model, optimizer or metric state changes.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AutosplitError",
+    "BatchSizeError",
+    "DatasetError",
+    "MemoryLimitError",
+    "ModelNotReadyError",
+    "NothingFitsError",
+    "UnsupportedModelError",
+]
+
+
+class AutosplitError(Exception):
+    """Base class of every error autosplit raises on purpose."""
+
+
+class BatchSizeError(AutosplitError, ValueError):
+    """A batch or micro-batch size is not a positive integer."""
+
+
+class ModelNotReadyError(AutosplitError, ValueError):
+    """The model is not compiled, has no optimizer or loss, or has no trainable weights."""
+
+
+class UnsupportedModelError(AutosplitError, TypeError):
+    """The model cannot be split exactly (custom ``train_step``, unreduced loss...)."""
+
+
+class DatasetError(AutosplitError, ValueError):
+    """The data is not a dataset of single ``(x, y[, sample_weight])`` examples."""
+
+
+class MemoryLimitError(AutosplitError, ValueError):
+    """A memory limit could not be parsed, or is too small to hold the model."""
+
+
+class NothingFitsError(AutosplitError, MemoryError):
+    """Not even a micro-batch of one example fits in the memory budget."""
+
+    def __init__(self, message: str, *, bytes_per_example: int | None = None,
+                 budget_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.bytes_per_example = bytes_per_example
+        self.budget_bytes = budget_bytes
+
+
+def describe(value: object) -> str:
+    """Short ``repr`` for error messages: type and value, truncated."""
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} (type {type(value).__name__})"

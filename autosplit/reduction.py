@@ -1,0 +1,129 @@
+"""Keras's loss reduction, taken apart into a numerator and a denominator.
+
+A Keras loss on a batch is ``sum(w * l) / D``: per-element losses ``l`` weighted by
+the sample weight and the Keras mask, divided by a denominator ``D`` that depends on
+the reduction (``sum_over_batch_size``: the number of loss elements, or of unmasked
+ones; ``mean_with_sample_weight``: the sum of the weights; ``sum``: 1). The mean of
+per-micro-batch means is NOT the mean of the batch when the micro-batches differ in
+size, in weight or in masked tokens. So for every micro-batch autosplit keeps the
+numerator and the denominator apart, sums each over the large batch and divides once.
+
+``output_terms`` mirrors ``keras.losses.Loss.__call__`` and
+``keras.src.losses.loss.reduce_weighted_values`` step for step, with one addition:
+``row_valid`` (1.0 for real rows, 0.0 for the padding rows of a short micro-batch)
+removes padding rows from both the numerator and the denominator.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+
+from autosplit import _keras
+from autosplit.errors import UnsupportedModelError
+
+__all__ = ["LossTerms", "output_terms", "row_weight"]
+
+# A denominator that does not depend on the model (no Keras mask on the output) is
+# known before the first micro-batch runs; one that counts unmasked tokens is not.
+SUM = "sum"
+COUNT = "count"
+WEIGHT = "weight"
+
+
+class LossTerms(NamedTuple):
+    """Numerator and denominator of one output's loss on one micro-batch."""
+
+    numerator: tf.Tensor  # shape=(), float32: sum(w * l) over real rows
+    denominator: tf.Tensor  # shape=(), float32: what Keras divides by (1 for "sum")
+    masked: bool  # static: the denominator depends on a Keras mask from the model
+    kind: str  # static: SUM, COUNT or WEIGHT
+    per_row: int | None  # static: loss elements per example (None if not static)
+
+
+def row_weight(row_valid: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """``row_valid`` of shape (m,) reshaped to broadcast against ``like`` (m, ...)."""
+    rank = like.shape.rank
+    shape = [-1] + [1] * (rank - 1)
+    return tf.reshape(tf.cast(row_valid, like.dtype), shape)
+
+
+def output_terms(loss: object, y_true, y_pred, sample_weight, row_valid) -> LossTerms:
+    """The numerator and denominator of ``loss(y_true, y_pred, sample_weight)``.
+
+    Args:
+        loss: a ``keras.losses.Loss`` (Keras wraps plain functions in one).
+        y_true: targets of one micro-batch, leading dimension m.
+        y_pred: model outputs for the micro-batch (possibly carrying a Keras mask).
+        sample_weight: the user's sample weights for the micro-batch, or None.
+        row_valid: float tensor (m,): 1.0 for real examples, 0.0 for padding.
+
+    Returns:
+        ``LossTerms``; the full-batch Keras loss is ``sum(numerators) / sum(denominators)``
+        (or ``sum(numerators)`` for ``reduction="sum"``).
+    """
+    reduction = getattr(loss, "reduction", "sum_over_batch_size")
+    if reduction in (None, "none"):
+        raise UnsupportedModelError(
+            "Expected the compiled loss to reduce to a scalar. Received: a loss with "
+            f"reduction={reduction!r} ({type(loss).__name__}). autosplit needs a "
+            "per-example loss it can sum: compile with reduction='sum_over_batch_size' "
+            "(the Keras default), 'mean_with_sample_weight' or 'sum'."
+        )
+    dtype = loss.dtype
+    in_mask = _keras.get_keras_mask(y_pred)
+    y_pred = tree.map_structure(lambda t: keras.ops.convert_to_tensor(t, dtype=dtype), y_pred)
+    y_true = tree.map_structure(lambda t: keras.ops.convert_to_tensor(t, dtype=dtype), y_true)
+    values = loss.call(y_true, y_pred)
+    out_mask = _keras.get_keras_mask(values)
+    if in_mask is not None and out_mask is not None:
+        mask = tf.logical_and(tf.cast(in_mask, tf.bool), tf.cast(out_mask, tf.bool))
+    else:
+        mask = in_mask if in_mask is not None else out_mask
+    values = keras.ops.convert_to_tensor(values, dtype=dtype)
+
+    # Merge mask and sample weight as keras.src.losses.loss.apply_mask does, minus its
+    # `total / valid` rescaling: the division by `valid` happens once, on the large batch.
+    weight = None if sample_weight is None else tf.cast(sample_weight, dtype)
+    float_mask = None
+    if mask is not None:
+        float_mask = tf.cast(mask, dtype)
+        valid_mask = float_mask * row_weight(row_valid, float_mask)
+        if weight is not None:
+            float_mask, weight = squeeze(float_mask, weight)
+            weight = weight * float_mask
+        else:
+            weight = float_mask
+    if weight is not None:
+        values, weight = squeeze(values, weight)
+        weighted = values * weight
+    else:
+        weighted = values
+    # Zero-weight padding rows are copies of real rows, so `values` is finite there
+    # and multiplying by 0 cannot make a NaN.
+    weighted = weighted * row_weight(row_valid, weighted)
+    numerator = tf.cast(tf.reduce_sum(weighted), tf.float32)
+    dims = values.shape[1:].as_list()
+    per_row = None if any(d is None for d in dims) else math.prod(dims)
+
+    if reduction == "sum":
+        return LossTerms(numerator, tf.constant(1.0, tf.float32), False, SUM, per_row)
+    if reduction == "mean_with_sample_weight" and weight is not None:
+        denominator = tf.reduce_sum(weight * row_weight(row_valid, weight))
+        return LossTerms(
+            numerator, tf.cast(denominator, tf.float32), mask is not None, WEIGHT, per_row
+        )
+    if mask is not None and reduction in ("sum_over_batch_size", "mean"):
+        denominator = tf.reduce_sum(valid_mask)
+        return LossTerms(numerator, tf.cast(denominator, tf.float32), True, COUNT, per_row)
+    denominator = tf.reduce_sum(tf.ones_like(values) * row_weight(row_valid, values))
+    return LossTerms(numerator, tf.cast(denominator, tf.float32), False, COUNT, per_row)
+
+
+def squeeze(x1: tf.Tensor, x2: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Keras's ``squeeze_or_expand_to_same_rank`` (a rank-1 weight meets (m, 1) losses)."""
+    return _keras.squeeze_or_expand_to_same_rank(x1, x2)
