@@ -266,6 +266,7 @@ def fit_large_batch(
         if model.stop_training:
             break
     callback_list.on_train_end(logs=epoch_logs if epochs > initial_epoch else logs)
+    info["traces"] = step.tracing_count()
     history = model.history
     history.autosplit = info
     return history

@@ -26,7 +26,7 @@ from keras.src import tree
 from autosplit import _keras
 from autosplit.errors import UnsupportedModelError
 
-__all__ = ["LossTerms", "output_terms", "row_weight"]
+__all__ = ["LossTerms", "check_reduction", "output_terms", "row_weight"]
 
 # A denominator that does not depend on the model (no Keras mask on the output) is
 # known before the first micro-batch runs; one that counts unmasked tokens is not.
@@ -52,6 +52,19 @@ def row_weight(row_valid: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
     return tf.reshape(tf.cast(row_valid, like.dtype), shape)
 
 
+def check_reduction(loss: object) -> str:
+    """The loss's reduction, refusing one that does not reduce to a scalar."""
+    reduction = getattr(loss, "reduction", "sum_over_batch_size")
+    if reduction in (None, "none"):
+        raise UnsupportedModelError(
+            "Expected the compiled loss to reduce to a scalar. Received: a loss with "
+            f"reduction={reduction!r} ({type(loss).__name__}). autosplit needs a "
+            "per-example loss it can sum: compile with reduction='sum_over_batch_size' "
+            "(the Keras default), 'mean_with_sample_weight' or 'sum'."
+        )
+    return reduction
+
+
 def output_terms(loss: object, y_true, y_pred, sample_weight, row_valid) -> LossTerms:
     """The numerator and denominator of ``loss(y_true, y_pred, sample_weight)``.
 
@@ -66,14 +79,7 @@ def output_terms(loss: object, y_true, y_pred, sample_weight, row_valid) -> Loss
         ``LossTerms``; the full-batch Keras loss is ``sum(numerators) / sum(denominators)``
         (or ``sum(numerators)`` for ``reduction="sum"``).
     """
-    reduction = getattr(loss, "reduction", "sum_over_batch_size")
-    if reduction in (None, "none"):
-        raise UnsupportedModelError(
-            "Expected the compiled loss to reduce to a scalar. Received: a loss with "
-            f"reduction={reduction!r} ({type(loss).__name__}). autosplit needs a "
-            "per-example loss it can sum: compile with reduction='sum_over_batch_size' "
-            "(the Keras default), 'mean_with_sample_weight' or 'sum'."
-        )
+    reduction = check_reduction(loss)
     dtype = loss.dtype
     in_mask = _keras.get_keras_mask(y_pred)
     y_pred = tree.map_structure(lambda t: keras.ops.convert_to_tensor(t, dtype=dtype), y_pred)

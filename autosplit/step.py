@@ -32,7 +32,7 @@ from keras.src import tree
 
 from autosplit import _keras
 from autosplit.errors import BatchSizeError, ModelNotReadyError, UnsupportedModelError, describe
-from autosplit.reduction import COUNT, SUM, output_terms, row_weight
+from autosplit.reduction import COUNT, SUM, check_reduction, output_terms, row_weight
 
 __all__ = [
     "Accumulated",
@@ -249,7 +249,10 @@ def _update_metrics(model, y, y_pred, sample_weight, row_valid) -> None:
     y_flat, p_flat = flatten(y), flatten(y_pred)
     for mls, y_t, y_p in zip(unweighted, y_flat, p_flat, strict=False):
         if mls:
-            mls.update_state(y_t, y_p, sample_weight=row_valid)
+            # Rank of a per-sample value (y_pred less its last axis), so that Keras
+            # broadcasts it against a (m, T) mask instead of refusing (m,) * (m, T).
+            rank = max(1, y_p.shape.rank - 1)
+            mls.update_state(y_t, y_p, sample_weight=tf.reshape(row_valid, [-1] + [1] * (rank - 1)))
     if sample_weight is not None:
         sw_flat = flatten(sample_weight)
         if len(sw_flat) < len(y_flat):
@@ -259,7 +262,8 @@ def _update_metrics(model, y, y_pred, sample_weight, row_valid) -> None:
     for mls, y_t, y_p, s_w in zip(weighted, y_flat, p_flat, sw_flat, strict=False):
         if mls:
             if s_w is None:
-                s_w = row_valid
+                rank = max(1, y_p.shape.rank - 1)
+                s_w = tf.reshape(row_valid, [-1] + [1] * (rank - 1))
             else:
                 s_w = tf.cast(s_w, tf.float32) * row_weight(row_valid, tf.cast(s_w, tf.float32))
             mls.update_state(y_t, y_p, sample_weight=s_w)
@@ -342,6 +346,9 @@ def accumulate_gradients(
         return _map(lambda t: tf.gather(t, i), (xs, ys, sws))
 
     sample_x, sample_y, sample_w = _map(lambda t: t[0], (xs, ys, sws))
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is not None and not compile_loss.built:
+        _keras.build_model(model, (sample_x, sample_y, sample_w))
     plan = _loss_plan(model, sample_x, sample_y, sample_w)
     variables = model.trainable_variables
     deferred = [j for j, f in enumerate(plan.folded) if not f]
@@ -486,6 +493,8 @@ class TrainStep:
         self.split = split
         self.jit_compile = bool(model.jit_compile if jit_compile is None else jit_compile)
         self.run_eagerly = bool(model.run_eagerly if run_eagerly is None else run_eagerly)
+        for flat in _keras.flat_losses(model):
+            check_reduction(flat.loss)
         self.guard = _StateGuard(model)
         self._function = None
         if split.accumulation_steps > 1 and has_batch_norm(model):

@@ -1,0 +1,57 @@
+"""Shared fixtures: small real Keras models and a plain full-batch reference step."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from autosplit import _keras
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    keras.utils.set_random_seed(1234)
+    yield
+    keras.backend.clear_session()
+
+
+def twin(make_model, sample):
+    """Two identical compiled models (same initial weights), built on ``sample``."""
+    reference, candidate = make_model(), make_model()
+    for model in (reference, candidate):
+        _keras.build_model(model, sample)
+    candidate.set_weights(reference.get_weights())
+    return reference, candidate
+
+
+def dense_reference_step(model, x, y, sample_weight=None):
+    """A full-batch step whose gradient is made dense before the optimizer sees it.
+
+    Equal to ``model.train_on_batch`` except for Embedding gradients: Keras applies an
+    ``IndexedSlices`` gradient with repeated indices row by row (Adam then sums the
+    squares of duplicates), autosplit applies the true, dense gradient of the batch.
+    """
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(x, y, y_pred, sample_weight, training=True)
+    grads = tape.gradient(loss, model.trainable_variables)
+    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+    model.optimizer.apply_gradients(
+        [(g, v) for g, v in zip(grads, model.trainable_variables, strict=True) if g is not None])
+    return float(loss)
+
+
+def assert_weights_close(expected, actual, rtol):
+    """Every weight tensor equal to ``rtol`` relative to the tensor's largest entry."""
+    assert len(expected) == len(actual)
+    for index, (e, a) in enumerate(zip(expected, actual, strict=True)):
+        e, a = np.asarray(e, np.float64), np.asarray(a, np.float64)
+        scale = max(float(np.max(np.abs(e))), 1e-12)
+        err = float(np.max(np.abs(e - a))) / scale if e.size else 0.0
+        assert err <= rtol, f"weight {index} {e.shape}: relative error {err:.2e} > {rtol:.0e}"

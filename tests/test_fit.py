@@ -1,0 +1,302 @@
+"""fit_large_batch: model.fit behaviour, traces, graph size, callbacks and bad input."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import assert_weights_close, twin
+
+import autosplit
+from autosplit import TrainStep, split_batch
+from autosplit.errors import (
+    BatchSizeError,
+    DatasetError,
+    ModelNotReadyError,
+    UnsupportedModelError,
+)
+
+
+def make_mlp(optimizer=None, metrics=("accuracy",)):
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=list(metrics))
+    return model
+
+
+def data(n=230, seed=0):
+    r = np.random.default_rng(seed)
+    x = r.normal(size=(n, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 1).astype("int32")
+    return x, y
+
+
+def test_fit_equals_model_fit_over_epochs_with_a_short_last_batch():
+    x, y = data(230)  # 230 = 3 * 64 + 38: a short last large batch each epoch
+    reference, candidate = twin(make_mlp, (x[:16], y[:16], None))
+    reference.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
+    history = autosplit.fit_large_batch(candidate, (x, y), batch_size=64, micro_batch_size=16,
+                                        epochs=3, shuffle=False, verbose=0)
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+    assert int(candidate.optimizer.iterations) == 3 * math.ceil(230 / 64)
+    assert history.autosplit["micro_batch_size"] == 16
+    assert history.autosplit["accumulation_steps"] == 4
+    assert history.autosplit["traces"] == 1  # the padded last batch reuses the trace
+    assert len(history.history["loss"]) == 3
+
+
+def test_dataset_of_examples_with_dict_inputs_and_weights():
+    x, y = data(100)
+    w = np.linspace(0.5, 1.5, 100).astype("float32")
+    inputs = {"a": keras.Input((3,), name="a"), "b": keras.Input((3,), name="b")}
+    out = keras.layers.Dense(3)(keras.layers.Concatenate()([inputs["a"], inputs["b"]]))
+
+    def make():
+        model = keras.Model(inputs, out)
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    ref = make()
+    ref.build({"a": (None, 3), "b": (None, 3)})
+    features = {"a": x[:, :3], "b": x[:, 3:]}
+    initial = ref.get_weights()
+    ref.fit(features, y, sample_weight=w, batch_size=40, shuffle=False, verbose=0)
+    model = make()
+    model.set_weights(initial)
+    ds = tf.data.Dataset.from_tensor_slices((features, y, w))
+    autosplit.fit_large_batch(model, ds, batch_size=40, micro_batch_size=8, verbose=0)
+    assert_weights_close(ref.get_weights(), model.get_weights(), 1e-5)
+
+
+def test_learning_rate_schedule_sees_large_batch_steps():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    model = make_mlp(keras.optimizers.SGD(schedule))
+    x, y = data(200)
+    autosplit.fit_large_batch(model, (x, y), batch_size=50, micro_batch_size=10, epochs=2,
+                              verbose=0)
+    assert int(model.optimizer.iterations) == 8
+    np.testing.assert_allclose(float(model.optimizer.learning_rate), 0.1 * 0.5**8, rtol=1e-6)
+
+
+def test_one_trace_serves_an_epoch_and_graph_size_does_not_grow_with_k():
+    x, y = data(64)
+    sizes = {}
+    for micro in (32, 4):
+        model = make_mlp()
+        autosplit._keras.build_model(model, (x[:micro], y[:micro], None))
+        step = TrainStep(model, split_batch(64, micro))
+        for n in (64, 64, 17):  # two full batches, then a padded one
+            step(tf.constant(x), tf.constant(y), None, tf.constant(n))
+        assert step.tracing_count() == 1
+        graph = step.function.get_concrete_function(
+            tf.constant(x), tf.constant(y), None, tf.constant(64)).graph
+        sizes[micro] = len(graph.as_graph_def().node) + sum(
+            len(f.node_def) for f in graph.as_graph_def().library.function)
+    assert sizes[32] == sizes[4], sizes  # k = 2 and k = 16 give the same graph
+
+
+def test_callbacks_see_large_batches_and_stop_training():
+    x, y = data(300)
+    seen = []
+
+    class Recorder(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((batch, self.params["micro_batch_size"], sorted(logs)))
+            if len(seen) == 5:
+                self.model.stop_training = True
+
+    model = make_mlp()
+    history = autosplit.fit_large_batch(model, (x, y), batch_size=100, micro_batch_size=25,
+                                        epochs=4, callbacks=[Recorder()], verbose=0)
+    assert [b for b, _, _ in seen] == [0, 1, 2, 0, 1]
+    assert seen[0][1] == 25 and seen[0][2] == ["accuracy", "loss"]
+    assert len(history.history["loss"]) == 2
+    assert int(model.optimizer.iterations) == 5
+
+
+def test_early_stopping_checkpoint_tensorboard_and_validation(tmp_path):
+    x, y = data(200)
+    model = make_mlp()
+    callbacks = [
+        keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0),
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), monitor="val_loss"),
+        keras.callbacks.TensorBoard(str(tmp_path / "tb")),
+    ]
+    history = autosplit.fit_large_batch(
+        model, (x, y), batch_size=100, micro_batch_size=20, epochs=5,
+        validation_data=(x[:50], y[:50]), callbacks=callbacks, verbose=0)
+    assert len(history.history["val_loss"]) == 2  # patience 0 with an impossible delta
+    assert (tmp_path / "best.keras").exists()
+    assert any((tmp_path / "tb").rglob("*tfevents*"))
+    evaluated = model.evaluate(x[:50], y[:50], verbose=0, return_dict=True)
+    np.testing.assert_allclose(history.history["val_loss"][-1], evaluated["loss"], rtol=1e-5)
+
+
+def test_progress_bar_is_shown(capsys):
+    x, y = data(100)
+    autosplit.fit_large_batch(make_mlp(), (x, y), batch_size=50, micro_batch_size=10,
+                              verbose=1)
+    out = capsys.readouterr().out
+    assert "2/2" in out and "loss" in out
+
+
+def test_steps_per_epoch_with_repeated_dataset():
+    x, y = data(100)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
+    model = make_mlp()
+    autosplit.fit_large_batch(model, ds, batch_size=30, micro_batch_size=10, epochs=2,
+                              steps_per_epoch=3, verbose=0)
+    assert int(model.optimizer.iterations) == 6
+
+
+def test_batch_norm_warns_once_per_step_build():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    x, y = data(64)
+    with pytest.warns(UserWarning, match="ghost batch norm"):
+        autosplit.fit_large_batch(model, (x, y), batch_size=64, micro_batch_size=16, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autosplit.fit_large_batch(model, (x, y), batch_size=64, micro_batch_size=64, verbose=0)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("value", [0, -4, 2.5, "64", None, True, np.float32(8)])
+@pytest.mark.parametrize("name", ["batch_size", "micro_batch_size"])
+def test_bad_sizes(name, value):
+    model = make_mlp()
+    model.build((None, 6))
+    before = [w.copy() for w in model.get_weights()]
+    kwargs = {"batch_size": 64, "micro_batch_size": 16, name: value}
+    with pytest.raises(BatchSizeError, match=rf"Expected `{name}` to be a positive integer"):
+        autosplit.fit_large_batch(model, data(), verbose=0, **kwargs)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
+def test_numpy_integer_sizes_are_accepted():
+    x, y = data(40)
+    h = autosplit.fit_large_batch(make_mlp(), (x, y), batch_size=np.int64(20),
+                                  micro_batch_size=np.int32(10), verbose=0)
+    assert h.autosplit["accumulation_steps"] == 2
+
+
+def test_micro_batch_at_least_batch_means_no_split():
+    x, y = data(40)
+    h = autosplit.fit_large_batch(make_mlp(), (x, y), batch_size=20, micro_batch_size=500,
+                                  verbose=0)
+    assert h.autosplit["accumulation_steps"] == 1 and h.autosplit["micro_batch_size"] == 20
+
+
+def test_uncompiled_model():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    with pytest.raises(ModelNotReadyError, match=r"model\.compile"):
+        autosplit.fit_large_batch(model, data(), batch_size=8, micro_batch_size=4)
+
+
+def test_model_without_loss():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd")
+    with pytest.raises(ModelNotReadyError, match="loss"):
+        autosplit.fit_large_batch(model, data(), batch_size=8, micro_batch_size=4)
+
+
+def test_not_a_model():
+    with pytest.raises(ModelNotReadyError, match="Received: model="):
+        autosplit.fit_large_batch("resnet", data(), batch_size=8, micro_batch_size=4)
+
+
+def test_model_without_trainable_weights():
+    model = make_mlp()
+    for layer in model.layers:
+        layer.trainable = False
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ModelNotReadyError, match="trainable"):
+        autosplit.fit_large_batch(model, data(), batch_size=8, micro_batch_size=4, verbose=0)
+
+
+def test_custom_train_step_is_refused():
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    inputs = keras.Input((6,))
+    model = Custom(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(UnsupportedModelError, match="train_step"):
+        autosplit.fit_large_batch(model, data(), batch_size=8, micro_batch_size=4)
+
+
+def test_unreduced_loss_is_refused():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="none"))
+    x = np.zeros((8, 6), "float32")
+    with pytest.raises(UnsupportedModelError, match="reduction"):
+        autosplit.fit_large_batch(model, (x, x[:, :3]), batch_size=8, micro_batch_size=4,
+                                  verbose=0)
+
+
+def test_batched_dataset_is_refused_with_unbatch_hint():
+    x, y = data(40)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).map(lambda a, b: (a, b))
+    with pytest.raises(DatasetError, match=r"\.unbatch\(\)"):
+        autosplit.fit_large_batch(make_mlp(), ds, batch_size=16, micro_batch_size=4)
+    # ...and unbatching fixes it.
+    autosplit.fit_large_batch(make_mlp(), ds.unbatch(), batch_size=16, micro_batch_size=4,
+                              verbose=0)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda x, y: tf.data.Dataset.from_tensor_slices(x),
+    lambda x, y: tf.data.Dataset.from_tensor_slices({"x": x, "y": y}),
+    lambda x, y: tf.data.Dataset.from_tensor_slices((x, y, y, y)),
+], ids=["x-only", "dict", "four-items"])
+def test_dataset_elements_must_be_x_y_w(bad):
+    x, y = data(40)
+    with pytest.raises(DatasetError, match=r"\(x, y\) or \(x, y, sample_weight\)"):
+        autosplit.fit_large_batch(make_mlp(), bad(x, y), batch_size=16, micro_batch_size=4)
+
+
+def test_empty_dataset():
+    x, y = data(40)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).take(0)
+    with pytest.raises(DatasetError, match="non-empty"):
+        autosplit.fit_large_batch(make_mlp(), ds, batch_size=16, micro_batch_size=4)
+    with pytest.raises(DatasetError, match="non-empty"):
+        autosplit.fit_large_batch(make_mlp(), (x[:0], y[:0]), batch_size=16, micro_batch_size=4)
+
+
+def test_mismatched_array_lengths():
+    x, y = data(40)
+    with pytest.raises(DatasetError, match="same number of rows"):
+        autosplit.fit_large_batch(make_mlp(), (x, y[:39]), batch_size=16, micro_batch_size=4)
+
+
+def test_not_data_at_all():
+    with pytest.raises(DatasetError, match=r"tf\.data\.Dataset or a tuple"):
+        autosplit.fit_large_batch(make_mlp(), "data.csv", batch_size=16, micro_batch_size=4)
+
+
+def test_errors_are_builtin_subclasses():
+    assert issubclass(BatchSizeError, ValueError)
+    assert issubclass(DatasetError, ValueError)
+    assert issubclass(ModelNotReadyError, ValueError)
+    assert issubclass(UnsupportedModelError, TypeError)
+
+
+def test_bad_verbose_and_on_oom():
+    with pytest.raises(ValueError, match="verbose"):
+        autosplit.fit_large_batch(make_mlp(), data(), batch_size=8, micro_batch_size=4,
+                                  verbose=3)
+    with pytest.raises(ValueError, match="on_oom"):
+        autosplit.fit_large_batch(make_mlp(), data(), batch_size=8, micro_batch_size=4,
+                                  on_oom="ignore")
