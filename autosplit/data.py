@@ -165,8 +165,14 @@ class LargeBatches:
         padded = tree.map_structure(lambda t: tf.gather(t, index), batch)
         return (*padded, n)
 
-    def dataset(self) -> tf.data.Dataset:
-        """One epoch of ``(x, y, sample_weight_or_empty, n_valid)`` large batches."""
+    def dataset(self, *, repeat: bool = False) -> tf.data.Dataset:
+        """One epoch (or, with ``repeat``, endless epochs) of large batches.
+
+        Elements are ``(x, y, sample_weight_or_empty, n_valid)``. Repeating inside one
+        iterator reshuffles every epoch without building a new iterator per epoch:
+        under a tight memory cap, a second iterator's buffers next to the first's are
+        an avoidable peak (and tf.data does not survive an allocation failure).
+        """
         if self._arrays is not None:
             arrays = self._arrays
             index = tf.data.Dataset.range(self.num_examples)
@@ -183,11 +189,17 @@ class LargeBatches:
             ds = ds.map(lambda *b: self._pad(b), num_parallel_calls=tf.data.AUTOTUNE)
         if not self.has_weights:
             ds = ds.map(lambda x, y, n: (x, y, (), n))
-        return ds.prefetch(2)
+        if repeat:
+            ds = ds.repeat()
+        return ds.prefetch(1)
+
+    def iterate(self, *, repeat: bool = False) -> Iterator[tuple]:
+        """``(x, y, sample_weight_or_None, n_valid)`` tuples, one per large batch."""
+        for x, y, w, n in self.dataset(repeat=repeat):
+            yield x, y, (w if self.has_weights else None), n
 
     def __iter__(self) -> Iterator[tuple]:
-        for x, y, w, n in self.dataset():
-            yield x, y, (w if self.has_weights else None), n
+        return self.iterate()
 
     def sample(self, rows: int) -> tuple:
         """The first ``rows`` examples as one batch ``(x, y, sample_weight_or_None)``."""

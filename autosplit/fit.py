@@ -203,8 +203,13 @@ def fit_large_batch(
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
         callback_list.on_epoch_begin(epoch)
-        if iterator is None or steps_per_epoch is None:
-            iterator = iter(batches)
+        if iterator is None:
+            # Known epoch length: one endless, reshuffling iterator for the whole run.
+            # An explicit steps_per_epoch keeps one iterator too, as model.fit does.
+            endless = steps_per_epoch is None and steps is not None
+            iterator = batches.iterate(repeat=endless)
+        elif steps is None:
+            iterator = batches.iterate()
         for index in range(steps) if steps is not None else _count():
             try:
                 x, y, w, n_valid = next(iterator)
@@ -245,7 +250,9 @@ def fit_large_batch(
                         from autosplit.probe import invalidate_cache
 
                         invalidate_cache(probe_result)
-                    known_fits = [m for m in known_fits if m < failed]
+                    # A size the probe saw fit has just failed: memory is tighter than
+                    # at probe time, so its other measurements are not trusted either.
+                    known_fits = []
                     info["oom_recoveries"].append(
                         {"step": global_step, "failed": failed, "retry": smaller})
                     step = TrainStep(model, split_batch(batch_size, smaller),

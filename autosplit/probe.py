@@ -44,7 +44,7 @@ from autosplit.step import TrainStep, check_model, check_size, split_batch
 
 __all__ = ["ProbeResult", "Trial", "cache_dir", "invalidate_cache", "probe"]
 
-_TRIAL_STEPS = 2  # the first creates slots/accumulators and traces; the peak spans both
+_TRIAL_STEPS = 2  # measured steps per trial, after one warm-up step
 _TOLERANCE = 0.05  # stop bisecting when the gap is within 5% of the best fit
 
 
@@ -255,6 +255,7 @@ def probe(
     budget = math.floor(ceiling * (1 - headroom))
     jit = bool(model.jit_compile if jit_compile is None else jit_compile)
     x, y, w, n_valid = next(iter(batches))
+    in_flight = sum(int(t.numpy().nbytes) for t in tf.nest.flatten((x, y, w)) if t is not None)
     key = _fingerprint(model, (x, y, w), batch_size, budget, device, headroom, jit)
     if cache:
         try:
@@ -274,10 +275,14 @@ def probe(
         step = None
         try:
             step = TrainStep(model, split_batch(batch_size, m), jit_compile=jit)
+            # The first step traces and makes one-time allocations (kernel caches,
+            # scratch buffers) that stay; the steady-state peak is what training sees.
+            step(x, y, w, n_valid)
             meter.reset()
             for _ in range(_TRIAL_STEPS):
                 step(x, y, w, n_valid)
-            peak = meter.peak_bytes()
+            # While a step runs, the input pipeline already holds the next large batch.
+            peak = meter.peak_bytes() + in_flight
             result = Trial(m, peak <= budget, False, int(peak), time.perf_counter() - t0)
         except tf.errors.ResourceExhaustedError:
             result = Trial(m, False, True, None, time.perf_counter() - t0)
@@ -388,16 +393,11 @@ def _search(batch_size: int, trial, trials: list[Trial], budget: int) -> int | N
         else:
             hi = mid
     if lo == 0:
-        # Even the smallest measured size failed: bisect down to one example.
+        # Even the smallest measured size failed: one example decides, then bisect.
         hi = min(t.micro_batch_size for t in trials)
-        m = hi // 2
-        while m >= 1:
-            if trial(m).fits:
-                lo = m
-                break
-            m //= 2
-        if lo == 0:
+        if hi == 1 or not trial(1).fits:
             return None
+        lo = 1
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if trial(mid).fits:

@@ -1,0 +1,3 @@
+from autosplit.cli import main
+
+raise SystemExit(main())

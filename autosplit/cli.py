@@ -1,0 +1,243 @@
+"""``autosplit`` command line: ``demo`` and ``probe``. Thin: parse, call the library, print.
+
+Exit codes: 0 success, 2 usage error (bad arguments, unknown model, bad memory
+string), 3 nothing fits (not even one example).
+
+With ``--memory-limit`` the work runs in a child process under a real cap: on the CPU
+through TensorFlow's BFC allocator capped at the limit (``TF_CPU_BFC_MEM_LIMIT_IN_MB``,
+so the limit means the memory TensorFlow may allocate, as on a GPU), on a GPU through a
+logical-device memory limit. A crash under the cap cannot take the CLI down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+EXIT_OK, EXIT_USAGE, EXIT_NOTHING_FITS = 0, 2, 3
+_CHILD_ENV = "AUTOSPLIT_CHILD"
+_GPU_LIMIT_ENV = "AUTOSPLIT_GPU_MEMORY_LIMIT_BYTES"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autosplit", description="Exact large-batch training for Keras on one device.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a small model with fit_large_batch(batch_size=4096)")
+    demo.add_argument("--batch-size", type=int, default=4096)
+    demo.add_argument("--examples", type=int, default=32768)
+    demo.add_argument("--epochs", type=int, default=3)
+    demo.add_argument("--memory-limit", default="128MiB",
+                      help="real cap for the demo's child process ('none' for no cap)")
+
+    probe = sub.add_parser("probe", help="find the largest micro-batch that fits")
+    probe.add_argument("--model", required=True,
+                       help="mlp, cnn, transformer, mobilenet_v2, resnet50 or module:function")
+    probe.add_argument("--input-shape", required=True, help="e.g. 224,224,3")
+    probe.add_argument("--batch-size", type=int, required=True)
+    probe.add_argument("--classes", type=int, default=10)
+    probe.add_argument("--memory-limit", default=None, help="e.g. 2GiB, 512MB, or bytes")
+    probe.add_argument("--headroom", type=float, default=0.1)
+    probe.add_argument("--json", action="store_true", help="print the result as JSON")
+    probe.add_argument("--no-cache", action="store_true")
+    probe.add_argument("--report", action="store_true",
+                       help="also print the memory model's prediction for a range of sizes")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``autosplit`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    from autosplit.memory import parse_memory
+
+    try:
+        limit = None if str(args.memory_limit).lower() in ("none", "0") else parse_memory(
+            args.memory_limit, name="--memory-limit")
+        if args.command == "probe":
+            from autosplit.models import MODELS, parse_shape
+
+            parse_shape(args.input_shape)
+            if args.model not in MODELS and ":" not in args.model:
+                raise ValueError(
+                    f"Expected `--model` to be one of {sorted(MODELS)} or 'module:function'. "
+                    f"Received: {args.model!r}.")
+            if args.batch_size < 1:
+                raise ValueError(
+                    f"Expected `--batch-size` to be a positive integer. Received: {args.batch_size}.")
+    except ValueError as exc:
+        print(f"autosplit: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if limit is not None and os.environ.get(_CHILD_ENV) != "1":
+        return _run_capped(argv, limit, json_output=getattr(args, "json", False))
+    if args.command == "demo":
+        return _demo(args)
+    return _probe(args, limit)
+
+
+def _run_capped(argv: list[str], limit: int, *, json_output: bool) -> int:
+    """Re-run this command in a child process under a real memory cap."""
+    from autosplit.memory import capped_cpu_env
+
+    env = capped_cpu_env(limit)
+    env[_CHILD_ENV] = "1"
+    env[_GPU_LIMIT_ENV] = str(limit)
+    command = [sys.executable, "-m", "autosplit", *argv]
+    completed = subprocess.run(command, env=env, check=False)
+    if completed.returncode < 0:
+        print(f"autosplit: the capped child process died with signal {-completed.returncode}",
+              file=sys.stderr)
+        return 1
+    return completed.returncode
+
+
+def _configure_gpu_cap() -> None:
+    """In the child: cap the first GPU through a logical device, before TF starts."""
+    limit = os.environ.get(_GPU_LIMIT_ENV)
+    if not limit:
+        return
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        tf.config.set_logical_device_configuration(
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(limit) // 2**20)])
+
+
+def _probe(args: argparse.Namespace, limit: int | None) -> int:
+    _configure_gpu_cap()
+    import numpy as np
+
+    from autosplit.errors import AutosplitError, NothingFitsError
+    from autosplit.models import load_model, parse_shape
+    from autosplit.probe import probe
+
+    shape = parse_shape(args.input_shape)
+    try:
+        model = load_model(args.model, shape)
+    except ValueError as exc:
+        print(f"autosplit: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.batch_size, *shape)).astype("float32")
+    y = rng.integers(0, args.classes, size=(args.batch_size,)).astype("int32")
+    try:
+        result = probe(model, (x, y), args.batch_size, memory_limit=limit,
+                       headroom=args.headroom, cache=not args.no_cache)
+    except NothingFitsError as exc:
+        if args.json:
+            print(json.dumps({"error": "nothing_fits", "message": str(exc),
+                              "bytes_per_example": exc.bytes_per_example,
+                              "budget_bytes": exc.budget_bytes}))
+        else:
+            print(f"autosplit: {exc}", file=sys.stderr)
+        return EXIT_NOTHING_FITS
+    except (AutosplitError, ValueError) as exc:
+        print(f"autosplit: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(result.to_json())
+    else:
+        print(format_result(result, report=args.report))
+    return EXIT_OK
+
+
+def format_result(result, *, report: bool = False) -> str:
+    """A table of the trials and the choice, for people."""
+    from autosplit.memory import format_bytes
+
+    def size(n):
+        return "-" if n is None else format_bytes(int(n))
+
+    device = result.device
+    lines = [
+        f"device      {device['kind']} {device['name']} ({device['tf_device']}), "
+        f"available {size(device['available_bytes'])}, limit by {device['limit_source']}",
+        f"budget      {size(result.budget_bytes)} ({result.headroom:.0%} headroom kept), "
+        f"peaks read from {result.peak_source}"
+        + ("  [cached result]" if result.from_cache else ""),
+        "",
+        f"{'micro-batch':>11}  {'result':<6}  {'peak':>11}  {'predicted':>11}  {'seconds':>7}",
+    ]
+    for t in result.trials:
+        outcome = "OOM" if t.oom else ("fits" if t.fits else "over")
+        lines.append(f"{t.micro_batch_size:>11}  {outcome:<6}  {size(t.peak_bytes):>11}  "
+                     f"{size(result.predict_peak(t.micro_batch_size)):>11}  {t.seconds:>7.2f}")
+    lines += [
+        "",
+        f"chosen      micro_batch_size={result.micro_batch_size}, "
+        f"accumulation_steps={result.accumulation_steps} for batch_size={result.batch_size}",
+        f"peak        predicted {size(result.predicted_peak_bytes)}, "
+        f"measured {size(result.measured_peak_bytes)}; {result.ooms} OOM trial(s), "
+        f"{len(result.trials)} trials, {result.seconds:.1f} s",
+    ]
+    if report and result.per_example_bytes is not None:
+        measured = {t.micro_batch_size: t.peak_bytes for t in result.trials}
+        lines += ["", "memory model: peak = "
+                  f"{size(result.fixed_bytes)} + {size(result.per_example_bytes)} x m",
+                  f"{'micro-batch':>11}  {'predicted':>11}  {'measured':>11}  {'error':>7}"]
+        sizes, m = set(measured), 1
+        while m <= result.batch_size:
+            sizes.add(m)
+            m *= 2
+        for m in sorted(sizes):
+            predicted, real = result.predict_peak(m), measured.get(m)
+            error = f"{(predicted - real) / real:+.1%}" if real else ""
+            lines.append(f"{m:>11}  {size(predicted):>11}  {size(real):>11}  {error:>7}")
+    return "\n".join(lines)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    _configure_gpu_cap()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import numpy as np
+
+    import autosplit
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    features, classes = 128, 10
+    teacher = rng.normal(size=(features, classes)).astype("float32")
+    x = rng.normal(size=(args.examples, features)).astype("float32")
+    y = np.argmax(x @ teacher + 0.5 * rng.normal(size=(args.examples, classes)), axis=1)
+    model = keras.Sequential([
+        keras.Input((features,)),
+        keras.layers.Dense(1024, activation="relu"),
+        keras.layers.Dense(1024, activation="relu"),
+        keras.layers.Dense(classes),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    loss_before = model.evaluate(x, y, batch_size=1024, verbose=0, return_dict=True)["loss"]
+    cap = os.environ.get(_GPU_LIMIT_ENV)
+    print(f"autosplit demo: {args.examples} synthetic examples, MLP {features}-1024-1024-"
+          f"{classes}, target batch {args.batch_size}"
+          + (f", real memory cap {int(cap) // 2**20} MiB" if cap else ", no memory cap"))
+    history = autosplit.fit_large_batch(model, (x, y), batch_size=args.batch_size,
+                                        epochs=args.epochs, cache=False)
+    loss_after = model.evaluate(x, y, batch_size=1024, verbose=0, return_dict=True)["loss"]
+    info = history.autosplit
+    print(
+        "\nsummary\n"
+        f"  target batch        {info['batch_size']}\n"
+        f"  micro-batch         {info['micro_batch_size']} (found by "
+        f"{len(info['probe']['trials'])} trial steps)\n"
+        f"  accumulation steps  {info['accumulation_steps']}\n"
+        f"  optimizer steps     {int(model.optimizer.iterations)}\n"
+        f"  loss before/after   {loss_before:.4f} -> {loss_after:.4f}"
+    )
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
