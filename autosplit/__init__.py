@@ -10,6 +10,7 @@ from autosplit.errors import (
     UnsupportedModelError,
 )
 from autosplit.fit import fit_large_batch
+from autosplit.probe import ProbeResult, Trial, probe
 from autosplit.step import Accumulated, Split, TrainStep, accumulate_gradients, split_batch
 
 __version__ = "0.1.0"
@@ -22,11 +23,14 @@ __all__ = [
     "MemoryLimitError",
     "ModelNotReadyError",
     "NothingFitsError",
+    "ProbeResult",
     "Split",
     "TrainStep",
+    "Trial",
     "UnsupportedModelError",
     "__version__",
     "accumulate_gradients",
     "fit_large_batch",
+    "probe",
     "split_batch",
 ]

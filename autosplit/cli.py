@@ -30,9 +30,9 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a small model with fit_large_batch(batch_size=4096)")
     demo.add_argument("--batch-size", type=int, default=4096)
-    demo.add_argument("--examples", type=int, default=32768)
+    demo.add_argument("--examples", type=int, default=16384)
     demo.add_argument("--epochs", type=int, default=3)
-    demo.add_argument("--memory-limit", default="128MiB",
+    demo.add_argument("--memory-limit", default="80MiB",
                       help="real cap for the demo's child process ('none' for no cap)")
 
     probe = sub.add_parser("probe", help="find the largest micro-batch that fits")

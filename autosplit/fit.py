@@ -231,7 +231,7 @@ def fit_large_batch(
                     logs = step(x, y, w, n_valid)
                     break
                 except tf.errors.ResourceExhaustedError as error:
-                    step.restore()
+                    step.restore()  # undoes only what this attempt changed
                     failed = step.split.micro_batch_size
                     if on_oom == "raise":
                         raise

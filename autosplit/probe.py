@@ -16,6 +16,7 @@ The model, the optimizer and the metrics are restored bitwise after the trials.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import math
@@ -115,7 +116,7 @@ def cache_dir() -> Path:
     return Path(base) / "autosplit"
 
 
-def _fingerprint(model: keras.Model, sample: tuple, batch_size: int, budget: int,
+def _fingerprint(model: keras.Model, sample: tuple, batch_size: int, limit: int | None,
                  device: DeviceInfo, headroom: float, jit_compile: bool) -> str:
     spec = tf.nest.map_structure(
         lambda t: None if t is None else (tuple(t.shape[1:]), str(t.dtype)), list(sample))
@@ -133,7 +134,7 @@ def _fingerprint(model: keras.Model, sample: tuple, batch_size: int, budget: int
         "optimizer": [type(optimizer).__name__,
                       json.dumps(optimizer.get_config(), sort_keys=True, default=str)],
         "jit_compile": jit_compile,
-        "budget": budget,
+        "memory_limit": limit,
         "batch_size": batch_size,
         "headroom": headroom,
     }
@@ -255,8 +256,13 @@ def probe(
     budget = math.floor(ceiling * (1 - headroom))
     jit = bool(model.jit_compile if jit_compile is None else jit_compile)
     x, y, w, n_valid = next(iter(batches))
-    in_flight = sum(int(t.numpy().nbytes) for t in tf.nest.flatten((x, y, w)) if t is not None)
-    key = _fingerprint(model, (x, y, w), batch_size, budget, device, headroom, jit)
+    # While a step runs, the input pipeline holds the next large batch (prefetch) and
+    # is already gathering the one after: two more copies of the inputs.
+    in_flight = 2 * sum(int(t.numpy().nbytes) for t in tf.nest.flatten((x, y, w))
+                        if t is not None)
+    # The live budget moves with whatever else holds memory right now; the key uses
+    # what defines it: the device's total, the user's limit and the headroom.
+    key = _fingerprint(model, (x, y, w), batch_size, limit, device, headroom, jit)
     if cache:
         try:
             cached = ProbeResult.from_dict(json.loads(_cache_path(key).read_text()))
@@ -267,9 +273,9 @@ def probe(
     snapshot = _Snapshot(model)
     trials: list[Trial] = []
 
-    def trial(m: int) -> Trial:
+    def trial(m: int, again: bool = False) -> Trial:
         for done in trials:
-            if done.micro_batch_size == m:
+            if done.micro_batch_size == m and not again:
                 return done
         t0 = time.perf_counter()
         step = None
@@ -281,19 +287,30 @@ def probe(
             meter.reset()
             for _ in range(_TRIAL_STEPS):
                 step(x, y, w, n_valid)
-            # While a step runs, the input pipeline already holds the next large batch.
             peak = meter.peak_bytes() + in_flight
             result = Trial(m, peak <= budget, False, int(peak), time.perf_counter() - t0)
         except tf.errors.ResourceExhaustedError:
             result = Trial(m, False, True, None, time.perf_counter() - t0)
         finally:
             snapshot.restore()
+            # A TrainStep and its tf.function reference each other: collect the cycle
+            # now, or the dead trial's buffers count against the next one.
             del step
+            gc.collect()
         trials.append(result)
         return result
 
     try:
         chosen = _search(batch_size, trial, trials, budget)
+        # Trials leave lasting allocations behind (kernel caches, scratch buffers for
+        # each new shape), so what fit early may not fit now. Verify the choice last,
+        # in a fresh step, as training will run it; step down through the fits if not.
+        while chosen is not None:
+            final = trial(chosen, again=True)
+            if final.fits:
+                break
+            smaller = [t.micro_batch_size for t in trials if t.fits and t.micro_batch_size < chosen]
+            chosen = max(smaller) if smaller else None
     finally:
         snapshot.restore()
     fitting = [t for t in trials if t.fits]
@@ -313,7 +330,7 @@ def probe(
             bytes_per_example=int(per_example) if per_example else None,
             budget_bytes=budget,
         )
-    chosen_trial = next(t for t in fitting if t.micro_batch_size == chosen)
+    chosen_trial = [t for t in fitting if t.micro_batch_size == chosen][-1]
     result = ProbeResult(
         batch_size=batch_size,
         micro_batch_size=chosen,

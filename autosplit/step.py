@@ -456,17 +456,29 @@ class _StateGuard:
                 seen.add(id(v))
                 self.variables.append(v)
         self.backups = [
-            tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, name="autosplit_backup")
+            tf.Variable(tf.convert_to_tensor(v), trainable=False, name="autosplit_backup")
             for v in self.variables
         ]
+        # Counts the saves that ran, so a failure before this step's save (nothing
+        # changed yet) does not roll back the previous step.
+        self.generation = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._completed = 0
 
-    def save(self) -> list:
-        return [b.assign(tf.convert_to_tensor(v)) for b, v in
-                zip(self.backups, self.variables, strict=True)]
+    def save(self) -> tf.Operation:
+        saves = [b.assign(tf.convert_to_tensor(v)) for b, v in
+                 zip(self.backups, self.variables, strict=True)]
+        with tf.control_dependencies(saves):
+            return self.generation.assign_add(1)
+
+    def succeeded(self) -> None:
+        self._completed += 1
 
     def restore(self) -> None:
-        for b, v in zip(self.backups, self.variables, strict=True):
-            v.assign(b)
+        generation = int(self.generation.numpy())
+        if generation > self._completed:
+            for b, v in zip(self.backups, self.variables, strict=True):
+                v.assign(b)
+        self._completed = generation
 
 
 def has_batch_norm(model: keras.Model) -> bool:
@@ -508,7 +520,7 @@ class TrainStep:
 
     def _step(self, x, y, sample_weight, n_valid):
         model = self.model
-        with tf.control_dependencies(self.guard.save()):
+        with tf.control_dependencies([self.guard.save()]):
             n_valid = tf.identity(n_valid)
         result = accumulate_gradients(
             model, x, y, sample_weight, micro_batch_size=self.split.micro_batch_size,
@@ -538,7 +550,9 @@ class TrainStep:
         return self._function
 
     def __call__(self, x, y, sample_weight, n_valid) -> dict:
-        return self.function(x, y, sample_weight, n_valid)
+        logs = self.function(x, y, sample_weight, n_valid)
+        self.guard.succeeded()
+        return logs
 
     def restore(self) -> None:
         """Undo the metric and non-trainable updates of a step that raised."""

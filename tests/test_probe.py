@@ -1,0 +1,135 @@
+"""The micro-batch search: real trials, bitwise-restored state, cache, real caps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import autosplit
+from autosplit.errors import MemoryLimitError, NothingFitsError
+from autosplit.memory import PeakMeter, capped_cpu_env
+from autosplit.probe import ProbeResult, invalidate_cache, probe
+
+HERE = Path(__file__).parent
+
+
+def small_model():
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def data(n=512):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(n, 16)).astype("float32"),
+            rng.integers(0, 4, size=(n,)).astype("int32"))
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path / "autosplit"
+
+
+def state(model):
+    return ([np.array(v.numpy(), copy=True) for v in model.variables]
+            + [np.array(v.numpy(), copy=True) for v in model.optimizer.variables]
+            + [np.array(v.numpy(), copy=True) for v in model.metrics_variables])
+
+
+def test_probe_leaves_state_bitwise_unchanged_and_round_trips(cache_home):
+    model = small_model()
+    autosplit._keras.build_model(model, (data()[0][:8], data()[1][:8], None))
+    before = state(model)
+    result = probe(model, data(), 256, cache=False)
+    after = state(model)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    assert int(model.optimizer.iterations) == 0
+    assert 1 <= result.micro_batch_size <= 256
+    assert result.accumulation_steps == -(-256 // result.micro_batch_size)
+    assert result.trials and all(t.seconds >= 0 for t in result.trials)
+    assert result.peak_source == PeakMeter().source
+    again = ProbeResult.from_dict(json.loads(result.to_json()))
+    assert again == result
+
+
+def test_whole_batch_fits_means_no_split(cache_home):
+    result = probe(small_model(), data(), 64, cache=False)
+    assert result.micro_batch_size == 64 and result.accumulation_steps == 1
+
+
+def test_cache_hit_bypass_and_invalidation(cache_home):
+    model = small_model()
+    first = probe(model, data(), 128)
+    assert not first.from_cache and list(cache_home.glob("probe-*.json"))
+    second = probe(model, data(), 128)
+    assert second.from_cache and second.micro_batch_size == first.micro_batch_size
+    assert second.seconds == first.seconds  # nothing re-measured
+    assert not probe(model, data(), 128, cache=False).from_cache
+    invalidate_cache(second)
+    assert not list(cache_home.glob("probe-*.json"))
+    # A different budget is a different entry.
+    other = probe(model, data(), 128, headroom=0.2)
+    assert other.cache_key != first.cache_key
+
+
+def test_limit_below_what_the_process_holds_is_refused(cache_home):
+    with pytest.raises(MemoryLimitError, match="above what the process already holds"):
+        probe(small_model(), data(), 64, memory_limit="1KiB", cache=False)
+
+
+@pytest.mark.parametrize("bad", ["6 gigs", "-1GiB", 0, "GiB"])
+def test_bad_memory_strings(bad, cache_home):
+    with pytest.raises(MemoryLimitError, match="Received"):
+        probe(small_model(), data(), 64, memory_limit=bad, cache=False)
+
+
+def test_fit_with_auto_micro_batch(cache_home):
+    x, y = data(300)
+    history = autosplit.fit_large_batch(small_model(), (x, y), batch_size=100, verbose=0)
+    info = history.autosplit
+    assert info["probe"]["micro_batch_size"] == info["micro_batch_size"]
+    assert info["accumulation_steps"] == -(-100 // info["micro_batch_size"])
+
+
+def run_child(scenario, tmp_path, limit_mib):
+    out = tmp_path / f"{scenario}.json"
+    env = capped_cpu_env(limit_mib * 2**20)
+    env["PYTHONPATH"] = str(HERE.parent) + ":" + str(HERE)
+    completed = subprocess.run([sys.executable, str(HERE / "capped_child.py"), scenario,
+                                str(out)], env=env, capture_output=True, text=True,
+                               timeout=600, check=False)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(out.read_text()), out
+
+
+@pytest.mark.slow
+def test_under_a_real_cap_the_choice_trains_and_twice_it_does_not(tmp_path):
+    report, _ = run_child("probe", tmp_path, 72)
+    result = report["result"]
+    assert result["peak_source"] == "tf-allocator"
+    assert result["device"]["limit_source"] == "tf-bfc-cap"
+    assert report["weights_unchanged"] and report["optimizer_unchanged"]
+    assert report["chosen_trained"]
+    assert 1 < result["micro_batch_size"] < 4096
+    assert report["bigger_fits"] is False, report  # within 2x of the true maximum
+    assert result["measured_peak_bytes"] <= result["budget_bytes"]
+
+
+@pytest.mark.slow
+def test_nothing_fits_raises_with_what_one_example_needs(tmp_path):
+    """Real trials under a real cap, with a budget just above what the model holds."""
+    report, _ = run_child("nothing", tmp_path, 128)
+    assert report["error"] == "NothingFitsError"
+    assert "Not even a micro-batch of 1 example fits" in report["message"]
+    assert report["budget_bytes"] > 0
+    assert report["weights_unchanged"]
