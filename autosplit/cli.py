@@ -71,8 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"Expected `--model` to be one of {sorted(MODELS)} or 'module:function'. "
                     f"Received: {args.model!r}.")
             if args.batch_size < 1:
-                raise ValueError(
-                    f"Expected `--batch-size` to be a positive integer. Received: {args.batch_size}.")
+                raise ValueError("Expected `--batch-size` to be a positive integer. "
+                                 f"Received: {args.batch_size}.")
     except ValueError as exc:
         print(f"autosplit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -84,7 +84,7 @@ MODELS: dict[str, Callable[..., keras.Model]] = {
 def parse_shape(text: str) -> tuple[int, ...]:
     """``"224,224,3"`` -> ``(224, 224, 3)``, with a clear error otherwise."""
     try:
-        shape = tuple(int(part) for part in str(text).replace("x", ",").split(",") if part)
+        shape = tuple(int(part) for part in str(text).split(","))
     except ValueError:
         shape = ()
     if not shape or any(d < 1 for d in shape):

@@ -15,6 +15,7 @@ The model, the optimizer and the metrics are restored bitwise after the trials.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -148,10 +149,8 @@ def _cache_path(key: str) -> Path:
 
 def invalidate_cache(result: ProbeResult) -> None:
     """Forget a cached result (an OOM during training proved it wrong)."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         _cache_path(result.cache_key).unlink()
-    except FileNotFoundError:
-        pass
 
 
 # ---------------------------------------------------------------- state
@@ -309,8 +308,9 @@ def probe(
             final = trial(chosen, again=True)
             if final.fits:
                 break
-            smaller = [t.micro_batch_size for t in trials if t.fits and t.micro_batch_size < chosen]
-            chosen = max(smaller) if smaller else None
+            # Step down by 10% (a measured step), not to a far smaller earlier fit.
+            smaller = _round(int(chosen * 0.9))
+            chosen = smaller if 1 <= smaller < chosen else (chosen - 1 or None)
     finally:
         snapshot.restore()
     fitting = [t for t in trials if t.fits]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import autosplit
-from autosplit.errors import MemoryLimitError, NothingFitsError
+from autosplit.errors import MemoryLimitError
 from autosplit.memory import PeakMeter, capped_cpu_env
 from autosplit.probe import ProbeResult, invalidate_cache, probe
 
