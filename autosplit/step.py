@@ -297,6 +297,7 @@ def accumulate_gradients(
     micro_batch_size: int,
     n_valid: tf.Tensor | int | None = None,
     update_metrics: bool = False,
+    loss_scale: tf.Tensor | float | None = None,
 ) -> Accumulated:
     """Exact gradients and loss of one large batch, computed in micro-batches.
 
@@ -311,6 +312,9 @@ def accumulate_gradients(
         micro_batch_size: rows per micro-batch; ``>= B`` means no split.
         n_valid: how many leading rows are real (the rest weigh 0); default B.
         update_metrics: also update the compiled metrics from every micro-batch.
+        loss_scale: multiply every micro-batch's loss by this before differentiating
+            (mixed precision's loss scale, one value for the whole large batch); the
+            gradients come back scaled, the loss does not.
 
     Returns:
         ``Accumulated(loss, gradients)``; gradients align with
@@ -334,6 +338,7 @@ def accumulate_gradients(
     split = split_batch(batch, micro_batch_size)
     k, m = split.accumulation_steps, split.micro_batch_size
     n_valid = tf.constant(batch, tf.int32) if n_valid is None else tf.cast(n_valid, tf.int32)
+    scale = tf.constant(1.0, tf.float32) if loss_scale is None else tf.cast(loss_scale, tf.float32)
 
     xs, ys, sws = _map(lambda t: _reshape_rows(tf.convert_to_tensor(t), split),
                        (x, y, sample_weight))
@@ -369,15 +374,15 @@ def accumulate_gradients(
             direct = []
             for j, term in enumerate(terms):
                 if plan.folded[j]:
-                    scale = weights[j]
+                    factor = weights[j]
                     if plan.kinds[j] == COUNT:
-                        scale = weights[j] / (n_real * plan.per_row[j])
-                    direct.append(term.numerator * scale)
+                        factor = weights[j] / (n_real * plan.per_row[j])
+                    direct.append(term.numerator * factor)
             forward_sum = tf.add_n(forward) if forward else tf.constant(0.0)
             if forward:
                 direct.append(forward_sum * share)
-            objectives = [tf.add_n(direct) if direct else None]
-            objectives += [terms[j].numerator * weights[j] for j in deferred]
+            objectives = [tf.add_n(direct) * scale if direct else None]
+            objectives += [terms[j].numerator * weights[j] * scale for j in deferred]
         new_accs = []
         for group, objective in enumerate(objectives):
             if objective is None:
@@ -412,7 +417,8 @@ def accumulate_gradients(
 
     with tf.GradientTape() as tape:
         regularization = weight_regularization(model)
-    reg_grads = tape.gradient(regularization, variables) if plan.has_grad else []
+        scaled_regularization = regularization * scale
+    reg_grads = tape.gradient(scaled_regularization, variables) if plan.has_grad else []
 
     loss = regularization + forward_total
     for j, kind in enumerate(plan.kinds):
@@ -522,9 +528,14 @@ class TrainStep:
         model = self.model
         with tf.control_dependencies([self.guard.save()]):
             n_valid = tf.identity(n_valid)
+        # One loss scale for the whole large batch (mixed_float16 wraps the optimizer in
+        # a LossScaleOptimizer; for others scale_loss is the identity). Its apply then
+        # unscales, checks the accumulated gradients once, and skips the whole large
+        # step and lowers the scale once if any micro-batch overflowed.
+        scale = tf.cast(model.optimizer.scale_loss(tf.constant(1.0, tf.float32)), tf.float32)
         result = accumulate_gradients(
             model, x, y, sample_weight, micro_batch_size=self.split.micro_batch_size,
-            n_valid=n_valid, update_metrics=True,
+            n_valid=n_valid, update_metrics=True, loss_scale=scale,
         )
         pairs = [(g, v) for g, v in zip(result.gradients, model.trainable_variables,
                                         strict=True) if g is not None]
