@@ -16,6 +16,7 @@ __all__ = [
     "ModelNotReadyError",
     "NothingFitsError",
     "UnsupportedModelError",
+    "WorkerLostError",
 ]
 
 
@@ -41,6 +42,10 @@ class DatasetError(AutosplitError, ValueError):
 
 class MemoryLimitError(AutosplitError, ValueError):
     """A memory limit could not be parsed, or is too small to hold the model."""
+
+
+class WorkerLostError(AutosplitError, RuntimeError):
+    """Another worker of a multi-worker run died or stopped answering mid-step."""
 
 
 class NothingFitsError(AutosplitError, MemoryError):

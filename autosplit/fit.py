@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from autosplit import _keras
 from autosplit.data import LargeBatches, batched_ancestor
-from autosplit.errors import BatchSizeError, NothingFitsError, describe
+from autosplit.errors import BatchSizeError, NothingFitsError, WorkerLostError, describe
 from autosplit.step import TrainStep, check_model, check_size, split_batch
 
 __all__ = ["fit_large_batch"]
@@ -166,7 +166,8 @@ def fit_large_batch(
                              headroom=headroom, cache=cache, _batches=batches)
         micro_batch_size = probe_result.micro_batch_size
     split = split_batch(batch_size, micro_batch_size)
-    _keras.build_model(model, batches.sample(split.micro_batch_size))
+    with model.distribute_strategy.scope():
+        _keras.build_model(model, batches.sample(split.micro_batch_size))
     check_model(model)
     step = TrainStep(model, split, jit_compile=jit_compile)
     known_fits = list(probe_result.fitting_sizes()) if probe_result is not None else []
@@ -230,6 +231,17 @@ def fit_large_batch(
                         _FAULT_HOOK(global_step, step.split.micro_batch_size)
                     logs = step(x, y, w, n_valid)
                     break
+                except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as error:
+                    if step.replicas == 1:
+                        raise
+                    raise WorkerLostError(
+                        f"A worker of the {type(step.strategy).__name__} run stopped "
+                        f"answering during step {global_step} ({type(error).__name__}); this "
+                        "worker stops too instead of waiting forever. Restart the job; "
+                        "keras.callbacks.BackupAndRestore resumes it from the last epoch. "
+                        "Collective timeouts are set with tf.distribute.experimental."
+                        "CommunicationOptions(timeout_seconds=...)."
+                    ) from error
                 except tf.errors.ResourceExhaustedError as error:
                     step.restore()  # undoes only what this attempt changed
                     failed = step.split.micro_batch_size

@@ -344,7 +344,14 @@ def accumulate_gradients(
                        (x, y, sample_weight))
     rows = tf.range(k * m, dtype=tf.int32)
     row_valid_all = tf.reshape(tf.cast(rows < n_valid, tf.float32), [k, m])
+    # Under a tf.distribute strategy each replica splits its own share; denominators
+    # are those of the GLOBAL batch (one scalar all-reduce before the loop, one after),
+    # and the optimizer all-reduces the gradients once, after the loop.
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync if context is not None else 1
     n_real = tf.cast(n_valid, tf.float32)
+    if replicas > 1:
+        n_real = context.all_reduce(tf.distribute.ReduceOp.SUM, n_real)
     steps = (n_valid + m - 1) // m  # micro-batches holding at least one real row
 
     def take(i):
@@ -415,12 +422,16 @@ def accumulate_gradients(
         maximum_iterations=k,
     )
 
+    if replicas > 1:
+        numerators, denominators, forward_total = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, (numerators, denominators, forward_total))
     with tf.GradientTape() as tape:
-        regularization = weight_regularization(model)
+        # Counted once per large batch: each replica adds its 1/replicas share.
+        regularization = weight_regularization(model) / replicas
         scaled_regularization = regularization * scale
     reg_grads = tape.gradient(scaled_regularization, variables) if plan.has_grad else []
 
-    loss = regularization + forward_total
+    loss = regularization * replicas + forward_total
     for j, kind in enumerate(plan.kinds):
         if kind == SUM:
             loss += weights[j] * numerators[j]
@@ -497,56 +508,82 @@ class TrainStep:
 
     Args:
         model: a compiled Keras model (TensorFlow backend).
-        split: how each large batch is cut (``split_batch(B, m)``).
+        split: how each large batch is cut (``split_batch(B, m)``). Under a
+            ``tf.distribute`` strategy B is the global batch: each of the R replicas
+            takes B/R rows and splits them into micro-batches of m.
         jit_compile: XLA on/off; default: what ``model.compile`` resolved.
         run_eagerly: run the step eagerly (debugging); default ``model.run_eagerly``.
 
-    Calling it with ``(x, y, sample_weight, n_valid)`` applies the optimizer once and
-    returns the logs (``loss`` and the compiled metrics), like ``model.train_step``.
+    Calling it with the global ``(x, y, sample_weight, n_valid)`` applies the optimizer
+    once and returns the logs (``loss`` and the compiled metrics), like
+    ``model.train_step``.
     """
 
     def __init__(self, model: keras.Model, split: Split, *, jit_compile: bool | None = None,
                  run_eagerly: bool | None = None) -> None:
         self.model = model
-        self.split = split
+        self.strategy = model.distribute_strategy
+        self.replicas = self.strategy.num_replicas_in_sync
+        if split.batch_size % self.replicas:
+            raise BatchSizeError(
+                f"Expected `batch_size` to divide evenly across the {self.replicas} replicas "
+                f"of {type(self.strategy).__name__}. Received: batch_size={split.batch_size}. "
+                f"Use a multiple of {self.replicas}, e.g. "
+                f"{split.batch_size - split.batch_size % self.replicas or self.replicas}."
+            )
+        local = split_batch(split.batch_size // self.replicas, split.micro_batch_size)
+        self.local_split = local
+        self.split = Split(split.batch_size, local.micro_batch_size,
+                           local.accumulation_steps, local.padded_rows * self.replicas)
         self.jit_compile = bool(model.jit_compile if jit_compile is None else jit_compile)
         self.run_eagerly = bool(model.run_eagerly if run_eagerly is None else run_eagerly)
         for flat in _keras.flat_losses(model):
             check_reduction(flat.loss)
-        self.guard = _StateGuard(model)
+        # Under a strategy the metric variables are per-replica sums; only the weights
+        # and the optimizer (touched after the loop) are guarded there.
+        self.guard = _StateGuard(model) if self.replicas == 1 else None
         self._function = None
-        if split.accumulation_steps > 1 and has_batch_norm(model):
+        if local.accumulation_steps > 1 and has_batch_norm(model):
             warnings.warn(
                 "This model has BatchNormalization layers: in training mode they normalise "
-                f"each micro-batch of {split.micro_batch_size} with its own statistics "
+                f"each micro-batch of {local.micro_batch_size} with its own statistics "
                 "(ghost batch norm), not the whole batch of "
                 f"{split.batch_size}. Gradients are exact for that computation.",
                 stacklevel=3,
             )
 
-    def _step(self, x, y, sample_weight, n_valid):
+    def _replica_step(self, x, y, sample_weight, n_valid):
         model = self.model
-        with tf.control_dependencies([self.guard.save()]):
-            n_valid = tf.identity(n_valid)
+        if self.guard is not None:
+            with tf.control_dependencies([self.guard.save()]):
+                n_valid = tf.identity(n_valid)
         # One loss scale for the whole large batch (mixed_float16 wraps the optimizer in
         # a LossScaleOptimizer; for others scale_loss is the identity). Its apply then
         # unscales, checks the accumulated gradients once, and skips the whole large
         # step and lowers the scale once if any micro-batch overflowed.
         scale = tf.cast(model.optimizer.scale_loss(tf.constant(1.0, tf.float32)), tf.float32)
         result = accumulate_gradients(
-            model, x, y, sample_weight, micro_batch_size=self.split.micro_batch_size,
+            model, x, y, sample_weight, micro_batch_size=self.local_split.micro_batch_size,
             n_valid=n_valid, update_metrics=True, loss_scale=scale,
         )
         pairs = [(g, v) for g, v in zip(result.gradients, model.trainable_variables,
                                         strict=True) if g is not None]
         # The optimizer (and its `iterations`) must not move before every
         # micro-batch has succeeded: make the apply wait for the loop's results.
+        # Under a strategy, Keras's optimizer all-reduces these gradients: once.
         with tf.control_dependencies([result.loss] + [g for g, _ in pairs]):
             model.optimizer.apply_gradients(pairs)
         tracker = _keras.loss_tracker(model)
         if tracker is not None:
             tracker.update_state(result.loss, sample_weight=tf.cast(n_valid, tf.float32))
-        return model.get_metrics_result()
+        return result.loss
+
+    def _step(self, x, y, sample_weight, n_valid):
+        if self.replicas == 1:
+            self._replica_step(x, y, sample_weight, n_valid)
+        else:
+            self.strategy.run(self._replica_step, args=(x, y, sample_weight, n_valid))
+        return self.model.get_metrics_result()
 
     @property
     def function(self):
@@ -560,14 +597,48 @@ class TrainStep:
                 )
         return self._function
 
+    def distribute(self, x, y, sample_weight, n_valid):
+        """The global batch cut into per-replica shares (identity on one device)."""
+        if self.replicas == 1:
+            return x, y, sample_weight, n_valid
+        local = self.local_split.batch_size
+
+        def share(context):
+            r = context.replica_id_in_sync_group
+            rows = _map(lambda t: t[r * local:(r + 1) * local], (x, y, sample_weight))
+            n = tf.clip_by_value(tf.cast(n_valid, tf.int32) - r * local, 0, local)
+            return (*rows, n)
+
+        return self.strategy.experimental_distribute_values_from_function(share)
+
     def __call__(self, x, y, sample_weight, n_valid) -> dict:
-        logs = self.function(x, y, sample_weight, n_valid)
-        self.guard.succeeded()
+        if self.replicas == 1:
+            logs = self.function(x, y, sample_weight, n_valid)
+        else:
+            per_replica = self.distribute(x, y, sample_weight, n_valid)
+            logs = self.function(*self._unpack(per_replica))
+        if self.guard is not None:
+            self.guard.succeeded()
         return logs
+
+    def _unpack(self, per_replica):
+        values = self.strategy.experimental_local_results(per_replica)
+        parts = [[v[i] for v in values] for i in range(4)]
+        return tuple(
+            None if part[0] is None else tf.nest.map_structure(
+                lambda *leaves: self._per_replica(leaves), *part)
+            for part in parts
+        )
+
+    def _per_replica(self, leaves):
+        from tensorflow.python.distribute import values as distribute_values
+
+        return distribute_values.PerReplica(tuple(leaves))
 
     def restore(self) -> None:
         """Undo the metric and non-trainable updates of a step that raised."""
-        self.guard.restore()
+        if self.guard is not None:
+            self.guard.restore()
 
     def tracing_count(self) -> int:
         fn = self._function

@@ -1,0 +1,144 @@
+"""Distribution-strategy scenarios, each in its own process (devices are fixed at start).
+
+``python tests/strategy_child.py mirrored OUT.json``: MirroredStrategy over two logical
+CPU devices. ``python tests/strategy_child.py worker OUT.json`` with ``TF_CONFIG`` set:
+one worker of a MultiWorkerMirroredStrategy run on localhost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import tensorflow as tf
+
+SCENARIO = sys.argv[1]
+if SCENARIO == "mirrored":
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras  # noqa: E402
+
+import autosplit  # noqa: E402
+from autosplit import TrainStep, _keras, split_batch  # noqa: E402
+
+
+def make(optimizer):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((12,)),
+        keras.layers.Dense(32, activation="tanh",
+                           kernel_regularizer=keras.regularizers.L2(1e-2)),
+        keras.layers.Dense(5),
+    ])
+    model.compile(optimizer=optimizer(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+              "adam": lambda: keras.optimizers.Adam(1e-2)}
+
+
+def data(n=100, seed=0):
+    r = np.random.default_rng(seed)
+    return (r.normal(size=(n, 12)).astype("float32"), r.integers(0, 5, size=(n,)).astype("int32"),
+            r.uniform(0.1, 2.0, size=(n,)).astype("float32"))
+
+
+def reference_weights(optimizer, batch, epochs):
+    """Single-device, full-batch plain Keras: the reference."""
+    x, y, w = data()
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        model = make(OPTIMIZERS[optimizer])
+    model.fit(x, y, sample_weight=w, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def count_all_reduces(graph_def) -> dict:
+    ops = ("CollectiveReduce", "CollectiveReduceV2", "NcclAllReduce", "CollectiveAllReduce")
+    found = {"main": 0, "loop_body": 0}
+    for node in graph_def.node:
+        if any(op in node.op for op in ops):
+            found["main"] += 1
+    for function in graph_def.library.function:
+        n = sum(1 for node in function.node_def if any(op in node.op for op in ops))
+        key = "loop_body" if "while_body" in function.signature.name else "main"
+        found[key] += n
+    return found
+
+
+def mirrored(out):
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    report = {"replicas": strategy.num_replicas_in_sync, "errors": {}}
+    x, y, w = data()
+    for optimizer in OPTIMIZERS:
+        with strategy.scope():
+            model = make(OPTIMIZERS[optimizer])
+        history = autosplit.fit_large_batch(model, (x, y, w), batch_size=40, micro_batch_size=6,
+                                            epochs=2, shuffle=False, verbose=0)
+        expected = reference_weights(optimizer, 40, 2)
+        report[optimizer] = max(
+            float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
+            for a, b in zip(expected, model.get_weights(), strict=True))
+        report[f"{optimizer}_iterations"] = int(model.optimizer.iterations.numpy())
+        report[f"{optimizer}_info"] = {k: history.autosplit[k] for k in
+                                       ("micro_batch_size", "accumulation_steps")}
+    # All-reduces in the traced graph: the same for k = 2 and k = 10, none in the loop.
+    for micro in (10, 2):
+        with strategy.scope():
+            model = make(OPTIMIZERS["sgd"])
+            _keras.build_model(model, (x[:micro], y[:micro], w[:micro]))
+        step = TrainStep(model, split_batch(40, micro))
+        args = step._unpack(step.distribute(tf.constant(x[:40]), tf.constant(y[:40]),
+                                            tf.constant(w[:40]), tf.constant(40)))
+        graph = step.function.get_concrete_function(*args).graph.as_graph_def()
+        report[f"all_reduces_k{step.split.accumulation_steps}"] = count_all_reduces(graph)
+        report["trainable_variables"] = len(model.trainable_variables)
+    with strategy.scope():
+        model = make(OPTIMIZERS["sgd"])
+    try:
+        autosplit.fit_large_batch(model, (x, y, w), batch_size=41, micro_batch_size=6,
+                                  verbose=0)
+    except autosplit.BatchSizeError as exc:
+        report["errors"]["indivisible"] = str(exc)
+    out.write(json.dumps(report))
+
+
+def worker(out):
+    options = tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=float(os.environ.get("AUTOSPLIT_TEST_COLLECTIVE_TIMEOUT", "60")))
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    x, y, w = data()
+    with strategy.scope():
+        model = make(OPTIMIZERS["adam"])
+    die_after = int(os.environ.get("AUTOSPLIT_TEST_DIE_AFTER", "-1"))
+
+    class Die(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == die_after:
+                os._exit(17)  # a worker that dies mid-run
+
+    report = {}
+    try:
+        autosplit.fit_large_batch(model, (x, y, w), batch_size=40, micro_batch_size=6,
+                                  epochs=2, shuffle=False, verbose=0, callbacks=[Die()])
+        expected = reference_weights("adam", 40, 2)
+        report["adam"] = max(
+            float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
+            for a, b in zip(expected, model.get_weights(), strict=True))
+        report["iterations"] = int(model.optimizer.iterations.numpy())
+    except Exception as exc:  # reported to the parent, which checks the type and text
+        report["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    out.write(json.dumps(report))
+
+
+if __name__ == "__main__":
+    with open(sys.argv[2], "w") as handle:
+        {"mirrored": mirrored, "worker": worker}[SCENARIO](handle)
