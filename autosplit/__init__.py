@@ -1,5 +1,6 @@
 """autosplit: train with any batch size on one accelerator, exactly."""
 
+from autosplit.check import CheckReport, check
 from autosplit.errors import (
     AutosplitError,
     BatchSizeError,
@@ -8,6 +9,7 @@ from autosplit.errors import (
     ModelNotReadyError,
     NothingFitsError,
     UnsupportedModelError,
+    WorkerLostError,
 )
 from autosplit.fit import fit_large_batch
 from autosplit.probe import ProbeResult, Trial, probe
@@ -19,6 +21,7 @@ __all__ = [
     "Accumulated",
     "AutosplitError",
     "BatchSizeError",
+    "CheckReport",
     "DatasetError",
     "MemoryLimitError",
     "ModelNotReadyError",
@@ -28,8 +31,10 @@ __all__ = [
     "TrainStep",
     "Trial",
     "UnsupportedModelError",
+    "WorkerLostError",
     "__version__",
     "accumulate_gradients",
+    "check",
     "fit_large_batch",
     "probe",
     "split_batch",

@@ -1,7 +1,9 @@
-"""``autosplit`` command line: ``demo`` and ``probe``. Thin: parse, call the library, print.
+"""``autosplit`` command line: ``demo``, ``probe`` and ``check``. Thin: parse, call the
+library, print.
 
-Exit codes: 0 success, 2 usage error (bad arguments, unknown model, bad memory
-string), 3 nothing fits (not even one example).
+Exit codes: 0 success (for ``check``: the split is exact), 1 ``check`` found the split
+not exact, 2 usage error (bad arguments, unknown model, bad memory string), 3 nothing
+fits (not even one example).
 
 With ``--memory-limit`` the work runs in a child process under a real cap: on the CPU
 through TensorFlow's BFC allocator capped at the limit (``TF_CPU_BFC_MEM_LIMIT_IN_MB``,
@@ -18,7 +20,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-EXIT_OK, EXIT_USAGE, EXIT_NOTHING_FITS = 0, 2, 3
+EXIT_OK, EXIT_NOT_EXACT, EXIT_USAGE, EXIT_NOTHING_FITS = 0, 1, 2, 3
 _CHILD_ENV = "AUTOSPLIT_CHILD"
 _GPU_LIMIT_ENV = "AUTOSPLIT_GPU_MEMORY_LIMIT_BYTES"
 
@@ -47,6 +49,16 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--no-cache", action="store_true")
     probe.add_argument("--report", action="store_true",
                        help="also print the memory model's prediction for a range of sizes")
+
+    check = sub.add_parser("check", help="is the split step exact for this model? (exit 1 if not)")
+    check.add_argument("--model", required=True,
+                       help="mlp, cnn, transformer, mobilenet_v2, resnet50 or module:function")
+    check.add_argument("--input-shape", required=True, help="e.g. 224,224,3")
+    check.add_argument("--batch-size", type=int, required=True)
+    check.add_argument("--micro-batch-size", type=int, required=True)
+    check.add_argument("--classes", type=int, default=10)
+    check.add_argument("--tolerance", type=float, default=1e-4)
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
@@ -60,9 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from autosplit.memory import parse_memory
 
     try:
-        limit = None if str(args.memory_limit).lower() in ("none", "0") else parse_memory(
-            args.memory_limit, name="--memory-limit")
-        if args.command == "probe":
+        memory_limit = getattr(args, "memory_limit", None)
+        limit = None if str(memory_limit).lower() in ("none", "0") else parse_memory(
+            memory_limit, name="--memory-limit")
+        if args.command in ("probe", "check"):
             from autosplit.models import MODELS, parse_shape
 
             parse_shape(args.input_shape)
@@ -73,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.batch_size < 1:
                 raise ValueError("Expected `--batch-size` to be a positive integer. "
                                  f"Received: {args.batch_size}.")
+        if args.command == "check" and args.micro_batch_size < 1:
+            raise ValueError("Expected `--micro-batch-size` to be a positive integer. "
+                             f"Received: {args.micro_batch_size}.")
     except ValueError as exc:
         print(f"autosplit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -80,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_capped(argv, limit, json_output=getattr(args, "json", False))
     if args.command == "demo":
         return _demo(args)
+    if args.command == "check":
+        return _check(args)
     return _probe(args, limit)
 
 
@@ -114,8 +132,6 @@ def _configure_gpu_cap() -> None:
 
 def _probe(args: argparse.Namespace, limit: int | None) -> int:
     _configure_gpu_cap()
-    import numpy as np
-
     from autosplit.errors import AutosplitError, NothingFitsError
     from autosplit.models import load_model, parse_shape
     from autosplit.probe import probe
@@ -126,9 +142,7 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
     except ValueError as exc:
         print(f"autosplit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.batch_size, *shape)).astype("float32")
-    y = rng.integers(0, args.classes, size=(args.batch_size,)).astype("int32")
+    x, y = _synthetic_batch(shape, args.batch_size, args.classes)
     try:
         result = probe(model, (x, y), args.batch_size, memory_limit=limit,
                        headroom=args.headroom, cache=not args.no_cache)
@@ -148,6 +162,34 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
     else:
         print(format_result(result, report=args.report))
     return EXIT_OK
+
+
+def _synthetic_batch(shape: tuple[int, ...], batch_size: int, classes: int) -> tuple:
+    """Normal inputs of ``shape`` and integer labels below ``classes``, fixed seed."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch_size, *shape)).astype("float32")
+    y = rng.integers(0, classes, size=(batch_size,)).astype("int32")
+    return x, y
+
+
+def _check(args: argparse.Namespace) -> int:
+    from autosplit.check import check
+    from autosplit.errors import AutosplitError
+    from autosplit.models import load_model, parse_shape
+
+    shape = parse_shape(args.input_shape)
+    try:
+        model = load_model(args.model, shape)
+        x, y = _synthetic_batch(shape, args.batch_size, args.classes)
+        report = check(model, x, y, micro_batch_size=args.micro_batch_size,
+                       tolerance=args.tolerance)
+    except (AutosplitError, ValueError) as exc:
+        print(f"autosplit: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(report.to_json() if args.json else report.format())
+    return EXIT_OK if report.exact else EXIT_NOT_EXACT
 
 
 def format_result(result, *, report: bool = False) -> str:

@@ -1,0 +1,424 @@
+"""Is accumulation exact for this model? One batch, split and whole, side by side.
+
+``check`` runs the full-batch step (a ``GradientTape`` over ``model(x, training=True)``
+and ``model.compute_loss``, as ``model.fit`` does) and the split step
+(``accumulate_gradients``) on the same batch, compares the gradients variable by
+variable, tests whether the compiled loss is a sum over examples, and names the layers
+that make a split differ from the whole batch. Every model, metric and optimizer
+variable is restored bitwise afterwards: BatchNormalization moving statistics, dropout
+seed states and metric totals move during training-mode calls.
+
+Random layers are compared as training runs them: both sides start from the same seed
+state, but the split draws one mask per micro-batch and the full batch one mask for
+all, so a model with active Dropout is reported not exact (its split is equal in
+distribution, not bitwise). With one micro-batch (``micro_batch_size >= B``) the draws
+coincide and the comparison is exact again. To check the rest of such a model, build it
+with the rates at 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src import tree
+
+from autosplit import _keras
+from autosplit.errors import ModelNotReadyError, describe
+from autosplit.reduction import SUM, output_terms
+from autosplit.step import _align_targets, _reshape_rows, accumulate_gradients, split_batch
+
+__all__ = ["CheckReport", "Culprit", "VariableDifference", "check"]
+
+DEFAULT_TOLERANCE = 1e-4
+_SCALE_FLOOR = 1e-3  # of the model's largest gradient entry; see _differences
+
+BATCH_NORM = "normalises each micro-batch with its own statistics (ghost batch norm) and " \
+    "updates its moving averages once per micro-batch"
+RANDOM = "draws random numbers per micro-batch: the split equals the full batch in " \
+    "distribution, not bitwise"
+MIXES = "mixes examples across the batch, and draws random numbers per micro-batch"
+ACTIVITY = "has an activity regulariser: Keras divides it by each call's batch size, so a " \
+    "micro-batch holding padding rows (B not divisible by m, or the short last batch " \
+    "of an epoch) counts them"
+HINT = "The split differs from the full batch but no known layer explains it: a layer " \
+    "mixes examples across the batch, e.g. attention over the batch axis or a custom " \
+    "layer calling reduce_* over axis 0 (batch statistics, a batch-wise softmax)."
+
+_RATE_LAYERS = {  # random layer -> the attribute that switches it off at 0
+    keras.layers.Dropout: "rate",  # SpatialDropout1D/2D/3D subclass Dropout
+    keras.layers.GaussianDropout: "rate",
+    keras.layers.AlphaDropout: "rate",
+    keras.layers.GaussianNoise: "stddev",
+}
+_MIXING_LAYERS = ("MixUp", "CutMix")
+
+
+class Culprit(NamedTuple):
+    """A layer (or loss, or model) that can make the split differ from the full batch."""
+
+    name: str  # layer.name, the loss's name, or the model's name
+    class_name: str
+    reason: str
+
+
+class VariableDifference(NamedTuple):
+    """How far one variable's split gradient is from its full-batch gradient."""
+
+    path: str  # variable.path
+    relative_difference: float  # max|g_split - g_full| / max|g_full| (floored, see check)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckReport:
+    """What ``check`` found; immutable and JSON-serialisable (``to_dict``/``to_json``).
+
+    ``max_relative_difference`` and ``loss_split`` are None when the split step could
+    not run at all (a compiled loss with ``reduction=None``).
+    """
+
+    batch_size: int
+    micro_batch_size: int
+    accumulation_steps: int
+    tolerance: float
+    exact: bool  # max_relative_difference <= tolerance
+    max_relative_difference: float | None
+    loss_full: float | None
+    loss_split: float | None
+    decomposes: bool  # every compiled loss is a per-example sum, checked empirically too
+    loss_decomposition_difference: float | None  # same predictions, whole vs micro-batches
+    per_variable: tuple[VariableDifference, ...]
+    culprits: tuple[Culprit, ...]
+    hint: str | None  # set when not exact and no culprit explains it
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["per_variable"] = [v._asdict() for v in self.per_variable]
+        data["culprits"] = [c._asdict() for c in self.culprits]
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def format(self, *, worst: int = 5) -> str:
+        """A short report for people; ``worst`` variables are listed."""
+        def number(value):
+            return "n/a" if value is None else f"{value:.3g}"
+
+        verdict = "exact" if self.exact else "NOT exact"
+        lines = [
+            f"split       batch {self.batch_size} = {self.accumulation_steps} micro-batch(es) "
+            f"of {self.micro_batch_size}",
+            f"gradients   max relative difference {number(self.max_relative_difference)} "
+            f"(tolerance {self.tolerance:.0e}): {verdict}",
+            f"loss        full {number(self.loss_full)}, split {number(self.loss_split)}; "
+            f"sum over examples: {'yes' if self.decomposes else 'NO'}",
+        ]
+        if self.culprits:
+            lines.append("culprits")
+            groups: dict[tuple[str, str], list[str]] = {}
+            for c in self.culprits:
+                groups.setdefault((c.class_name, c.reason), []).append(c.name)
+            for (class_name, reason), names in groups.items():
+                shown = ", ".join(names[:3]) + (
+                    f" and {len(names) - 3} more" if len(names) > 3 else "")
+                lines.append(f"  {shown} ({class_name}): {reason}")
+        else:
+            lines.append("culprits    none known")
+        ranked = sorted(self.per_variable, key=lambda v: -v.relative_difference)[:worst]
+        if ranked and not self.exact:
+            lines.append("largest differences")
+            lines += [f"  {v.relative_difference:9.2e}  {v.path}" for v in ranked]
+        if self.hint:
+            lines.append(f"hint        {self.hint}")
+        return "\n".join(lines)
+
+
+def check(
+    model: keras.Model,
+    x: Any,
+    y: Any,
+    sample_weight: Any = None,
+    *,
+    micro_batch_size: int,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> CheckReport:
+    """Compare the split step with the full-batch step on one batch; change nothing.
+
+    Args:
+        model: a Keras model compiled with a loss (an unbuilt one is built, as ``fit``
+            would; no optimizer step runs).
+        x, y, sample_weight: one batch, as for ``model.fit``; leading dimension B.
+        micro_batch_size: rows per micro-batch, as you mean to train.
+        tolerance: largest relative gradient difference still called exact; float32
+            summation order alone gives ~1e-6.
+
+    Returns:
+        A ``CheckReport``: the largest relative gradient difference, both losses,
+        whether the loss is a per-example sum, and the culprits.
+
+    Example:
+        >>> report = autosplit.check(model, x[:256], y[:256], micro_batch_size=64)
+        >>> report.exact, report.max_relative_difference, report.culprits
+        (True, 3.1e-07, ())
+        >>> print(report.format())
+    """
+    _check_ready(model)
+    x, y, sample_weight = tree.map_structure(
+        lambda t: None if t is None else tf.convert_to_tensor(t), (x, y, sample_weight))
+    batch = int(tree.flatten(x)[0].shape[0])
+    split = split_batch(batch, micro_batch_size)
+    compile_loss = model._compile_loss
+    if not model.built or not compile_loss.built:
+        sample = tree.map_structure(lambda t: None if t is None else t[:1],
+                                    (x, y, sample_weight))
+        _keras.build_model(model, sample)
+
+    culprits = _layer_culprits(model)
+    # An activity regulariser only differs when a micro-batch holds padding rows.
+    explains = any(c.reason != ACTIVITY for c in culprits) or (
+        split.padded_rows > 0 and bool(culprits))
+    if type(model).compute_loss is not keras.Model.compute_loss:
+        culprits.append(Culprit(
+            model.name, type(model).__name__,
+            "overrides `compute_loss`: the full-batch step uses it, the split step the "
+            "compiled loss (fit_large_batch refuses this model)"))
+        explains = True
+    unreduced = [f for f in _keras.flat_losses(model)
+                 if getattr(f.loss, "reduction", None) in (None, "none")]
+    if unreduced:
+        culprits += [Culprit(f.loss.name, type(f.loss).__name__,
+                             f"reduction={f.loss.reduction!r}: the loss is not reduced to a "
+                             "sum over examples, so it cannot be split")
+                     for f in unreduced]
+        return CheckReport(
+            batch_size=split.batch_size, micro_batch_size=split.micro_batch_size,
+            accumulation_steps=split.accumulation_steps, tolerance=float(tolerance),
+            exact=False, max_relative_difference=None, loss_full=None, loss_split=None,
+            decomposes=False, loss_decomposition_difference=None, per_variable=(),
+            culprits=tuple(culprits), hint=None)
+
+    snapshot = _Snapshot(model)
+    try:
+        full = _full_batch(model, x, y, sample_weight, split)
+        snapshot.restore()  # the split starts from the same seed and moving statistics
+        split_loss, split_grads = tf.function(
+            lambda x, y, w: accumulate_gradients(
+                model, x, y, w, micro_batch_size=split.micro_batch_size))(x, y, sample_weight)
+    finally:
+        snapshot.restore()
+
+    per_variable, worst = _differences(model.trainable_variables, full.gradients, split_grads)
+    decomposition, loss_culprits = _loss_culprits(model, full, tolerance)
+    culprits += loss_culprits
+    decomposes = all(full.per_example) and decomposition <= tolerance
+    explains = explains or not decomposes
+    exact = worst <= tolerance
+    return CheckReport(
+        batch_size=split.batch_size,
+        micro_batch_size=split.micro_batch_size,
+        accumulation_steps=split.accumulation_steps,
+        tolerance=float(tolerance),
+        exact=exact,
+        max_relative_difference=worst,
+        loss_full=float(full.loss),
+        loss_split=float(split_loss),
+        decomposes=decomposes,
+        loss_decomposition_difference=decomposition,
+        per_variable=tuple(per_variable),
+        culprits=tuple(culprits),
+        hint=None if exact or explains else HINT,
+    )
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def _check_ready(model: Any) -> None:
+    if not isinstance(model, keras.Model):
+        raise ModelNotReadyError(
+            f"Expected `model` to be a compiled keras.Model. Received: model={describe(model)}.")
+    if not getattr(model, "compiled", False) or getattr(model, "_compile_loss", None) is None:
+        raise ModelNotReadyError(
+            "Expected a model compiled with a loss. Received: a model that is not compiled "
+            "or has loss=None. Call `model.compile(optimizer=..., loss=...)` first.")
+
+
+class _Snapshot:
+    """Bitwise copy of every model, metric and optimizer variable."""
+
+    def __init__(self, model: keras.Model) -> None:
+        optimizer = getattr(model, "optimizer", None)
+        seen: set[int] = set()
+        self.variables = []
+        for v in (list(model.variables) + list(model.metrics_variables)
+                  + (list(optimizer.variables) if optimizer is not None else [])):
+            if id(v) not in seen:
+                seen.add(id(v))
+                self.variables.append(v)
+        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
+
+    def restore(self) -> None:
+        for v, value in zip(self.variables, self.values, strict=True):
+            v.assign(value)
+
+
+def _layer_culprits(model: keras.Model) -> list[Culprit]:
+    """Layers that, active in training, make micro-batches differ from the batch."""
+    found = []
+    for layer in model._flatten_layers(include_self=False):
+        name, cls = layer.name, type(layer).__name__
+        mro = [c.__name__ for c in type(layer).__mro__]
+        if any("BatchNorm" in c for c in mro):
+            # Keras 3 normalises with the moving statistics when the layer is frozen.
+            if layer.trainable:
+                found.append(Culprit(name, cls, BATCH_NORM))
+        elif any(c in _MIXING_LAYERS for c in mro):
+            found.append(Culprit(name, cls, MIXES))
+        elif any(isinstance(layer, c) for c in _RATE_LAYERS):
+            attribute = next(a for c, a in _RATE_LAYERS.items() if isinstance(layer, c))
+            if float(getattr(layer, attribute, 1.0)) > 0:
+                found.append(Culprit(name, cls, RANDOM))
+        elif any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values()):
+            found.append(Culprit(name, cls, RANDOM))
+        if getattr(layer, "activity_regularizer", None) is not None:
+            found.append(Culprit(name, cls, ACTIVITY))
+    return found
+
+
+def _loss_culprits(model, full, tolerance) -> tuple[float, list[Culprit]]:
+    """The compiled losses that are not per-example sums, and the largest difference
+    between a loss over micro-batches and over the batch, on the same predictions."""
+    decomposition, found = 0.0, []
+    for flat, per_example, full_value, split_value in zip(
+            _keras.flat_losses(model), full.per_example, full.loss_values, full.split_values,
+            strict=True):
+        if not per_example:
+            found.append(Culprit(
+                flat.loss.name, type(flat.loss).__name__,
+                "returns one value per batch, not one per example: autosplit cannot weight "
+                "out padding rows, so the split is exact only for a per-example mean over "
+                "micro-batches of equal size"))
+            continue
+        difference = _relative(float(split_value) - float(full_value), float(full_value))
+        decomposition = max(decomposition, difference)
+        if difference > tolerance:
+            found.append(Culprit(
+                flat.loss.name, type(flat.loss).__name__,
+                "is not a sum over examples: on the same predictions, its value over "
+                f"micro-batches differs from its value over the batch by {difference:.2g}"))
+    return decomposition, found
+
+
+class _Full(NamedTuple):
+    loss: tf.Tensor
+    gradients: list
+    per_example: tuple[bool, ...]  # per compiled loss: one value per example
+    loss_values: list  # per compiled loss, Keras's value on the whole batch
+    split_values: list  # per compiled loss, recombined from micro-batches
+
+
+def _full_batch(model, x, y, sample_weight, split) -> _Full:
+    """The reference step, plus each compiled loss on the same predictions, split."""
+    facts: dict[str, Any] = {}
+
+    def run(x, y, sample_weight):
+        with tf.GradientTape() as tape:
+            if getattr(model, "_call_has_training_arg", True):
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                      training=True)
+        grads = tape.gradient(loss, model.trainable_variables)
+        grads = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
+                 for g in grads]
+        y = _align_targets(model, y, y_pred)
+        per_example, whole, parts = [], [], []
+        for flat in _keras.flat_losses(model):
+            y_t = _keras.resolve_path(flat.path, y)
+            y_p = _keras.resolve_path(flat.path, y_pred)
+            s_w = sample_weight
+            if sample_weight is not None and tree.is_nested(sample_weight):
+                s_w = _keras.resolve_path(flat.path, sample_weight)
+            dtype = flat.loss.dtype
+            values = flat.loss.call(*tree.map_structure(
+                lambda t, dtype=dtype: tf.cast(t, dtype), (y_t, y_p)))
+            per_example.append(values.shape.rank >= 1 and values.shape[0] == split.batch_size)
+            whole.append(tf.cast(flat.loss(y_t, y_p, s_w), tf.float32))
+            parts.append(_split_loss(flat.loss, y_t, y_p, s_w, split) if per_example[-1]
+                         else tf.constant(0.0))
+        facts["per_example"] = tuple(per_example)
+        return tf.cast(loss, tf.float32), grads, whole, parts
+
+    loss, grads, whole, parts = tf.function(run)(x, y, sample_weight)
+    return _Full(loss, grads, facts["per_example"], whole, parts)
+
+
+def _split_loss(loss, y_true, y_pred, sample_weight, split) -> tf.Tensor:
+    """``loss`` recombined from micro-batches of the given predictions, as autosplit does."""
+    mask = _keras.get_keras_mask(y_pred) if not tree.is_nested(y_pred) else None
+    ys, ps, ws, ms = tree.map_structure(
+        lambda t: None if t is None else _reshape_rows(tf.convert_to_tensor(t), split),
+        (y_true, y_pred, sample_weight, mask))
+    rows = tf.range(split.accumulation_steps * split.micro_batch_size)
+    row_valid = tf.reshape(tf.cast(rows < split.batch_size, tf.float32),
+                           [split.accumulation_steps, split.micro_batch_size])
+    kind: dict[str, str] = {}
+
+    def body(i, numerator, denominator):
+        y_i, p_i, w_i = tree.map_structure(
+            lambda t: None if t is None else tf.gather(t, i), (ys, ps, ws))
+        if ms is not None:
+            _set_keras_mask(p_i, tf.gather(ms, i))
+        terms = output_terms(loss, y_i, p_i, w_i, tf.gather(row_valid, i))
+        kind["kind"] = terms.kind
+        return i + 1, numerator + terms.numerator, denominator + terms.denominator
+
+    _, numerator, denominator = tf.while_loop(
+        lambda i, *_: i < split.accumulation_steps, body,
+        (tf.constant(0), tf.constant(0.0), tf.constant(0.0)))
+    return numerator if kind["kind"] == SUM else tf.math.divide_no_nan(numerator, denominator)
+
+
+def _set_keras_mask(tensor, mask) -> None:
+    # The mask of a slice of y_pred: Keras's own setter (keras.src.backend), which the
+    # public API does not export.
+    from keras.src.backend import set_keras_mask
+
+    set_keras_mask(tensor, mask)
+
+
+def _relative(difference: float, scale: float) -> float:
+    difference, scale = abs(difference), abs(scale)
+    if scale > 0:
+        return difference / scale
+    return 0.0 if difference == 0 else float("inf")
+
+
+def _differences(variables, full, split) -> tuple[list[VariableDifference], float]:
+    """Per-variable max|g_split - g_full| / max|g_full|, and the largest of them.
+
+    The scale of a variable is at least ``_SCALE_FLOOR`` times the largest full-batch
+    gradient entry of the model: a gradient that is zero in exact arithmetic (the key
+    bias of attention, to which the softmax is invariant; a dead unit) is float noise
+    of ~1e-9 in float32, and noise over noise would read as a large difference.
+    """
+    def dense(g, v):
+        return np.zeros(v.shape, np.float64) if g is None else np.asarray(g, np.float64)
+
+    pairs = [(v, dense(f, v), dense(s, v)) for v, f, s in zip(variables, full, split,
+                                                                 strict=True)]
+    overall = max((float(np.max(np.abs(f))) for _, f, _ in pairs if f.size), default=0.0)
+    result = []
+    for v, f, s in pairs:
+        if not f.size:
+            continue
+        scale = max(float(np.max(np.abs(f))), _SCALE_FLOOR * overall)
+        result.append(VariableDifference(
+            str(getattr(v, "path", v.name)), _relative(float(np.max(np.abs(s - f))), scale)))
+    return result, max((r.relative_difference for r in result), default=0.0)
