@@ -180,23 +180,79 @@ class LargeBatches:
                 index = index.shuffle(self.num_examples, reshuffle_each_iteration=True)
             index = index.batch(self.batch_size)
             ds = index.map(lambda i: self._pad(tree.map_structure(
-                lambda t: tf.gather(t, i), arrays)), num_parallel_calls=tf.data.AUTOTUNE)
+                lambda t: tf.gather(t, i), arrays)))
         else:
             if self.variable_shape:
                 ds = self._dataset.padded_batch(self.batch_size)
             else:
                 ds = self._dataset.batch(self.batch_size)
-            ds = ds.map(lambda *b: self._pad(b), num_parallel_calls=tf.data.AUTOTUNE)
+            ds = ds.map(lambda *b: self._pad(b))
         if not self.has_weights:
             ds = ds.map(lambda x, y, n: (x, y, (), n))
         if repeat:
             ds = ds.repeat()
+        # A sequential map and a prefetch of one: while a step runs, exactly one more
+        # large batch is in memory (the probe counts it), not an autotuned number.
         return ds.prefetch(1)
 
-    def iterate(self, *, repeat: bool = False) -> Iterator[tuple]:
-        """``(x, y, sample_weight_or_None, n_valid)`` tuples, one per large batch."""
+    def first(self) -> tuple:
+        """The first large batch ``(x, y, sample_weight_or_None, n_valid)``, with no
+        iterator left running (a live prefetch thread would allocate during trials)."""
+        x, y, w, n = self.dataset().take(1).get_single_element()
+        return x, y, (w if self.has_weights else None), n
+
+    def iterate(self, *, repeat: bool = False, streaming: bool = False) -> Iterator[tuple]:
+        """``(x, y, sample_weight_or_None, n_valid)`` tuples, one per large batch.
+
+        With ``streaming`` (arrays only) the tuples are ``(index, None, None, n_valid)``:
+        the row numbers of each large batch, for a step that gathers its micro-batches
+        from ``source`` itself.
+        """
+        if streaming:
+            for index, n in self.index_dataset(repeat=repeat):
+                yield index, None, None, n
+            return
         for x, y, w, n in self.dataset(repeat=repeat):
             yield x, y, (w if self.has_weights else None), n
+
+    @property
+    def streamable(self) -> bool:
+        """Whether the examples are arrays held in memory (what streaming gathers from)."""
+        return self._arrays is not None
+
+    @property
+    def source(self) -> tuple:
+        """The arrays ``(x, y, sample_weight_or_None)``, one row per example."""
+        if self._arrays is None:
+            raise DatasetError(
+                "Expected arrays (x, y[, sample_weight]) for streaming=True. Received: a "
+                "tf.data.Dataset. Streaming gathers each micro-batch from arrays held in "
+                "memory; pass arrays, or streaming=False.")
+        return (*self._arrays, None)[:3]
+
+    def batch_bytes(self) -> int:
+        """Bytes of one large batch of inputs, targets and weights."""
+        if self._arrays is not None:
+            return sum(int(t.dtype.size) * int(np.prod(t.shape[1:])) * self.batch_size
+                       for t in tree.flatten(self._arrays))
+        spec = self._dataset.element_spec
+        return sum(int(s.dtype.size) * int(np.prod([d or 1 for d in s.shape.as_list()]))
+                   * self.batch_size for s in tree.flatten(spec))
+
+    def index_dataset(self, *, repeat: bool = False) -> tf.data.Dataset:
+        """``(index, n_valid)`` per large batch: row numbers, padded to B with copies."""
+        index = tf.data.Dataset.range(self.num_examples)
+        if self.shuffle:
+            index = index.shuffle(self.num_examples, reshuffle_each_iteration=True)
+        index = index.batch(self.batch_size).map(lambda i: self._pad((i,)))
+        if repeat:
+            index = index.repeat()
+        return index.prefetch(1)
+
+    def first_index(self) -> tuple:
+        """The first large batch's ``(index, n_valid)``."""
+        index, n = self.index_dataset().take(1).get_single_element()
+        return index, n
 
     def __iter__(self) -> Iterator[tuple]:
         return self.iterate()

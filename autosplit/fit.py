@@ -101,6 +101,7 @@ def fit_large_batch(
     memory_limit: int | str | None = None,
     headroom: float = 0.1,
     cache: bool = True,
+    streaming: bool | Literal["auto"] = "auto",
 ) -> keras.callbacks.History:
     """Train ``model`` like ``model.fit``, with an effective batch of exactly ``batch_size``.
 
@@ -122,6 +123,10 @@ def fit_large_batch(
         on_oom: ``"recover"`` (default) shrinks the micro-batch after an out-of-memory
             error and redoes the same large batch; ``"raise"`` re-raises it.
         memory_limit, headroom, cache: passed to the probe when ``micro_batch_size="auto"``.
+        streaming: gather each micro-batch from the arrays inside the compiled loop
+            instead of materialising the whole large batch (arrays only). ``"auto"``
+            streams when one large batch of inputs would take a quarter of the memory
+            budget or more (decided by the probe, or from the device reading).
 
     Returns:
         The ``keras.callbacks.History``; ``history.autosplit`` holds the batch size,
@@ -157,19 +162,32 @@ def fit_large_batch(
         )
     if validation_data is not None:
         _validation_data(validation_data, 1)
+    if streaming not in (True, False, "auto"):
+        raise ValueError(
+            f"Expected `streaming` to be True, False or 'auto'. Received: "
+            f"streaming={describe(streaming)}.")
+    if streaming is True:
+        batches.source  # noqa: B018 -- raises DatasetError unless the data are arrays
 
     probe_result = None
     if auto:
         from autosplit.probe import probe
 
         probe_result = probe(model, dataset, batch_size, memory_limit=memory_limit,
-                             headroom=headroom, cache=cache, _batches=batches)
+                             headroom=headroom, cache=cache, streaming=streaming,
+                             _batches=batches)
         micro_batch_size = probe_result.micro_batch_size
+        streaming = probe_result.streaming
+    elif streaming == "auto":
+        from autosplit.probe import should_stream
+
+        streaming = should_stream(batches, memory_limit=memory_limit, headroom=headroom)
     split = split_batch(batch_size, micro_batch_size)
     with model.distribute_strategy.scope():
         _keras.build_model(model, batches.sample(split.micro_batch_size))
     check_model(model)
-    step = TrainStep(model, split, jit_compile=jit_compile)
+    source = batches.source if streaming else None
+    step = TrainStep(model, split, jit_compile=jit_compile, source=source)
     known_fits = list(probe_result.fitting_sizes()) if probe_result is not None else []
 
     steps = steps_per_epoch or batches.steps_per_epoch
@@ -184,6 +202,7 @@ def fit_large_batch(
         "micro_batch_sizes": [],
         "oom_recoveries": [],
         "probe": probe_result.to_dict() if probe_result is not None else None,
+        "streaming": bool(streaming),
     }
 
     def publish() -> None:
@@ -208,9 +227,9 @@ def fit_large_batch(
             # Known epoch length: one endless, reshuffling iterator for the whole run.
             # An explicit steps_per_epoch keeps one iterator too, as model.fit does.
             endless = steps_per_epoch is None and steps is not None
-            iterator = batches.iterate(repeat=endless)
+            iterator = batches.iterate(repeat=endless, streaming=bool(streaming))
         elif steps is None:
-            iterator = batches.iterate()
+            iterator = batches.iterate(streaming=bool(streaming))
         for index in range(steps) if steps is not None else _count():
             try:
                 x, y, w, n_valid = next(iterator)
@@ -268,7 +287,7 @@ def fit_large_batch(
                     info["oom_recoveries"].append(
                         {"step": global_step, "failed": failed, "retry": smaller})
                     step = TrainStep(model, split_batch(batch_size, smaller),
-                                     jit_compile=jit_compile)
+                                     jit_compile=jit_compile, source=source)
                     publish()
             logs = {name: float(value) for name, value in logs.items()}
             callback_list.on_train_batch_end(index, logs)

@@ -44,10 +44,13 @@ from autosplit.memory import (
 )
 from autosplit.step import TrainStep, check_model, check_size, split_batch
 
-__all__ = ["ProbeResult", "Trial", "cache_dir", "invalidate_cache", "probe"]
+__all__ = ["ProbeResult", "Trial", "cache_dir", "invalidate_cache", "probe", "should_stream"]
 
 _TRIAL_STEPS = 2  # measured steps per trial, after one warm-up step
 _TOLERANCE = 0.05  # stop bisecting when the gap is within 5% of the best fit
+# Stream micro-batches from the arrays when one large batch of inputs alone would take
+# this share of the budget: materialising it would leave too little for activations.
+_STREAM_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,7 @@ class ProbeResult:
     ooms: int
     seconds: float
     cache_key: str
+    streaming: bool = False  # micro-batches gathered inside the loop (fit_large_batch)
     from_cache: bool = False
 
     def fitting_sizes(self) -> list[int]:
@@ -118,7 +122,8 @@ def cache_dir() -> Path:
 
 
 def _fingerprint(model: keras.Model, sample: tuple, batch_size: int, limit: int | None,
-                 device: DeviceInfo, headroom: float, jit_compile: bool) -> str:
+                 device: DeviceInfo, headroom: float, jit_compile: bool,
+                 streaming: bool) -> str:
     spec = tf.nest.map_structure(
         lambda t: None if t is None else (tuple(t.shape[1:]), str(t.dtype)), list(sample))
     try:
@@ -135,6 +140,7 @@ def _fingerprint(model: keras.Model, sample: tuple, batch_size: int, limit: int 
         "optimizer": [type(optimizer).__name__,
                       json.dumps(optimizer.get_config(), sort_keys=True, default=str)],
         "jit_compile": jit_compile,
+        "streaming": streaming,
         "memory_limit": limit,
         "batch_size": batch_size,
         "headroom": headroom,
@@ -151,6 +157,21 @@ def invalidate_cache(result: ProbeResult) -> None:
     """Forget a cached result (an OOM during training proved it wrong)."""
     with contextlib.suppress(FileNotFoundError):
         _cache_path(result.cache_key).unlink()
+
+
+def should_stream(batches: LargeBatches, *, memory_limit: int | str | None = None,
+                  headroom: float = 0.1) -> bool:
+    """Streaming pays when one large batch of inputs takes a quarter of the budget.
+
+    Used when the micro-batch is fixed by the caller (no probe); the probe makes the
+    same decision from its own measured budget.
+    """
+    if not batches.streamable:
+        return False
+    gpu = bool(tf.config.list_logical_devices("GPU"))
+    device = read_device("GPU:0" if gpu else "CPU:0")
+    budget = budget_bytes(device, parse_memory(memory_limit), headroom)
+    return batches.batch_bytes() >= _STREAM_SHARE * budget
 
 
 # ---------------------------------------------------------------- state
@@ -202,6 +223,7 @@ def probe(
     headroom: float = 0.1,
     cache: bool = True,
     jit_compile: bool | None = None,
+    streaming: bool | str = "auto",
     _batches: LargeBatches | None = None,
 ) -> ProbeResult:
     """Find the largest micro-batch of ``model`` that fits, by real trial steps.
@@ -215,6 +237,9 @@ def probe(
         headroom: the fraction of the budget left free (default 10%).
         cache: reuse/store the result under ``cache_dir()``.
         jit_compile: as for ``fit_large_batch``.
+        streaming: trial the streaming step (micro-batches gathered from the arrays
+            inside the loop); ``"auto"``: when one large batch of inputs would take a
+            quarter of the budget or more. The result says which was chosen.
 
     Returns:
         A ``ProbeResult`` with the chosen ``micro_batch_size`` and every trial.
@@ -254,14 +279,26 @@ def probe(
         ceiling = min(ceiling, limit)
     budget = math.floor(ceiling * (1 - headroom))
     jit = bool(model.jit_compile if jit_compile is None else jit_compile)
-    x, y, w, n_valid = next(iter(batches))
-    # While a step runs, the input pipeline holds the next large batch (prefetch) and
-    # is already gathering the one after: two more copies of the inputs.
-    in_flight = 2 * sum(int(t.numpy().nbytes) for t in tf.nest.flatten((x, y, w))
-                        if t is not None)
+    if streaming == "auto":
+        streaming = batches.streamable and batches.batch_bytes() >= _STREAM_SHARE * budget
+    streaming = bool(streaming)
+    source = batches.source if streaming else None
+    if streaming:
+        # Only the row numbers travel; each micro-batch is gathered inside the loop.
+        x, n_valid = batches.first_index()
+        y = w = None
+        in_flight = 0
+    else:
+        x, y, w, n_valid = batches.first()
+        # While a step runs, the input pipeline holds the next large batch
+        # (prefetch(1)). On the CPU it shares the allocator with the step; a GPU's
+        # inputs wait in host memory, outside the device budget.
+        in_flight = 0 if device.kind == "GPU" else sum(
+            int(t.numpy().nbytes) for t in tf.nest.flatten((x, y, w)) if t is not None)
     # The live budget moves with whatever else holds memory right now; the key uses
     # what defines it: the device's total, the user's limit and the headroom.
-    key = _fingerprint(model, (x, y, w), batch_size, limit, device, headroom, jit)
+    signature = source if streaming else (x, y, w)
+    key = _fingerprint(model, signature, batch_size, limit, device, headroom, jit, streaming)
     if cache:
         try:
             cached = ProbeResult.from_dict(json.loads(_cache_path(key).read_text()))
@@ -279,7 +316,7 @@ def probe(
         t0 = time.perf_counter()
         step = None
         try:
-            step = TrainStep(model, split_batch(batch_size, m), jit_compile=jit)
+            step = TrainStep(model, split_batch(batch_size, m), jit_compile=jit, source=source)
             # The first step traces and makes one-time allocations (kernel caches,
             # scratch buffers) that stay; the steady-state peak is what training sees.
             step(x, y, w, n_valid)
@@ -304,7 +341,10 @@ def probe(
         # Trials leave lasting allocations behind (kernel caches, scratch buffers for
         # each new shape), so what fit early may not fit now. Verify the choice last,
         # in a fresh step, as training will run it; step down through the fits if not.
-        while chosen is not None:
+        # (Not needed when the choice was the last trial: nothing ran after it.)
+        last = trials[-1] if trials else None
+        verified = last is not None and last.fits and last.micro_batch_size == chosen
+        while chosen is not None and not verified:
             final = trial(chosen, again=True)
             if final.fits:
                 break
@@ -348,6 +388,7 @@ def probe(
         ooms=sum(t.oom for t in trials),
         seconds=time.perf_counter() - started,
         cache_key=key,
+        streaming=streaming,
     )
     if cache:
         try:
@@ -360,65 +401,54 @@ def probe(
 
 
 def _search(batch_size: int, trial, trials: list[Trial], budget: int) -> int | None:
-    """Measure small, predict, verify, bisect. Returns the chosen size or None."""
-    small = sorted({min(batch_size, 8), min(batch_size, 32)})
-    for m in small:
+    """Measure two sizes, predict, verify, bisect. Returns the chosen size or None.
+
+    The two measured sizes are far apart (B/64 and B/4, at least 8 and 32): the peaks
+    of nearby small sizes differ by less than the allocator's noise, and a slope fitted
+    to them predicts nonsense. Each later guess comes from the line through the two
+    largest sizes that fit (the most linear stretch, and the nearest to the answer); a
+    guess outside the open interval (largest fit, smallest failure) is replaced by the
+    midpoint, so a bad line costs one failed trial, not a walk down one size at a time.
+    """
+    first = min(batch_size, max(8, batch_size // 64))
+    second = min(batch_size, max(32, batch_size // 4))
+    for m in sorted({first, second}):
         if not trial(m).fits:
             break
-    lo = max((t.micro_batch_size for t in trials if t.fits), default=0)
-    hi = min((t.micro_batch_size for t in trials if not t.fits), default=batch_size + 1)
-    if lo == batch_size:
-        return lo
-    # Predict from the memory model, verify, re-fit with every measured point.
-    for _ in range(3):
-        if lo == 0 or hi - lo <= 1:
+
+    def bounds():
+        lo = max((t.micro_batch_size for t in trials if t.fits), default=0)
+        hi = min((t.micro_batch_size for t in trials if not t.fits), default=batch_size + 1)
+        return lo, hi
+
+    lo, hi = bounds()
+    for _ in range(12):
+        if lo == 0 or lo == batch_size or hi - lo <= max(1, _TOLERANCE * lo):
             break
-        line = _fit_line([(t.micro_batch_size, t.peak_bytes) for t in trials
-                          if t.peak_bytes is not None])
-        if line is None:
-            break
-        a, b = line
-        guess = _round(int((budget - a) / b))
-        guess = min(max(guess, lo + 1), hi - 1, batch_size)
-        if guess <= lo:
-            break
-        if trial(guess).fits:
-            lo = guess
-            if guess == batch_size or (hi <= batch_size and (hi - lo) <= _TOLERANCE * lo):
+        fitted = sorted((t.micro_batch_size, t.peak_bytes) for t in trials if t.fits)[-2:]
+        line = _fit_line(fitted)
+        guess = None
+        if line is not None:
+            a, b = line
+            guess = min(_round(int((budget - a) / b)), batch_size)
+        if guess is None or not lo < guess < hi:
+            top = min(hi, batch_size + 1)
+            guess = _round((lo + top) // 2)
+            if not lo < guess < top:
+                guess = (lo + top) // 2
+            if not lo < guess < top:
                 break
-            # The model said this is the largest: one step up confirms it.
-            step_up = min(_round(int(lo * (1 + _TOLERANCE))) or lo + 1, batch_size)
-            if step_up <= lo:
-                step_up = lo + 1
-            if step_up < hi:
-                if trial(step_up).fits:
-                    lo = step_up
-                else:
-                    hi = step_up
-                    break
-        else:
-            hi = guess
-    # Bisect what the model could not settle.
-    while lo > 0 and hi <= batch_size and hi - lo > max(1, _TOLERANCE * lo):
-        mid = _round((lo + hi) // 2)
-        if mid <= lo or mid >= hi:
-            mid = (lo + hi) // 2
-        if mid <= lo:
-            break
-        if trial(mid).fits:
-            lo = mid
-        else:
-            hi = mid
+        result = trial(guess)
+        lo, hi = bounds()
+        if result.fits and (result.peak_bytes >= (1 - _TOLERANCE / 2) * budget
+                            or guess == batch_size):
+            break  # the prediction landed within a few percent of the budget
     if lo == 0:
         # Even the smallest measured size failed: one example decides, then bisect.
-        hi = min(t.micro_batch_size for t in trials)
         if hi == 1 or not trial(1).fits:
             return None
         lo = 1
         while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if trial(mid).fits:
-                lo = mid
-            else:
-                hi = mid
+            trial((lo + hi) // 2)
+            lo, hi = bounds()
     return lo

@@ -39,6 +39,7 @@ __all__ = [
     "Split",
     "TrainStep",
     "accumulate_gradients",
+    "accumulate_streamed",
     "check_model",
     "check_size",
     "split_batch",
@@ -336,12 +337,65 @@ def accumulate_gradients(
             "pass `n_valid=`, or use `autosplit.fit_large_batch`, which does both."
         )
     split = split_batch(batch, micro_batch_size)
-    k, m = split.accumulation_steps, split.micro_batch_size
-    n_valid = tf.constant(batch, tf.int32) if n_valid is None else tf.cast(n_valid, tf.int32)
-    scale = tf.constant(1.0, tf.float32) if loss_scale is None else tf.cast(loss_scale, tf.float32)
-
     xs, ys, sws = _map(lambda t: _reshape_rows(tf.convert_to_tensor(t), split),
                        (x, y, sample_weight))
+
+    def take(i):
+        return _map(lambda t: tf.gather(t, i), (xs, ys, sws))
+
+    sample = _map(lambda t: t[0], (xs, ys, sws))
+    return _accumulate(model, take, sample, split, n_valid, update_metrics=update_metrics,
+                       loss_scale=loss_scale)
+
+
+def accumulate_streamed(
+    model: keras.Model,
+    source: tuple,
+    index: tf.Tensor,
+    *,
+    micro_batch_size: int,
+    n_valid: tf.Tensor | int | None = None,
+    update_metrics: bool = False,
+    loss_scale: tf.Tensor | float | None = None,
+) -> Accumulated:
+    """``accumulate_gradients`` for a large batch given by its row numbers.
+
+    The large batch is never materialised: each micro-batch's rows are gathered from
+    ``source`` (the whole data set, ``(x, y, sample_weight_or_None)`` with one row per
+    example) inside the loop. Use it when a large batch's inputs alone would crowd the
+    accelerator: only ``index`` (B integers) and one micro-batch are in flight.
+
+    Args:
+        source: the examples, as tensors (keep them in host memory on a GPU machine).
+        index: int tensor (B,): the rows of ``source`` in this large batch.
+        micro_batch_size, n_valid, update_metrics, loss_scale: as for
+            ``accumulate_gradients``.
+    """
+    batch = index.shape[0]
+    if batch is None:
+        raise BatchSizeError(
+            f"Expected `index` to have a static length. Received: shape {index.shape}.")
+    source = (*tuple(source), None, None)[:3]
+    split = split_batch(batch, micro_batch_size)
+    rows = _reshape_rows(tf.convert_to_tensor(index), split)
+
+    def take(i):
+        picked = tf.gather(rows, i)
+        return _map(lambda t: tf.gather(t, picked), tuple(source))
+
+    sample = _map(lambda t: tf.TensorSpec([split.micro_batch_size, *t.shape[1:]], t.dtype),
+                  tuple(source))
+    return _accumulate(model, take, sample, split, n_valid, update_metrics=update_metrics,
+                       loss_scale=loss_scale)
+
+
+def _accumulate(model, take, sample, split: Split, n_valid, *, update_metrics: bool,
+                loss_scale) -> Accumulated:
+    """The micro-batch loop: ``take(i)`` gives micro-batch i as ``(x, y, sample_weight)``."""
+    k, m = split.accumulation_steps, split.micro_batch_size
+    batch = split.batch_size
+    n_valid = tf.constant(batch, tf.int32) if n_valid is None else tf.cast(n_valid, tf.int32)
+    scale = tf.constant(1.0, tf.float32) if loss_scale is None else tf.cast(loss_scale, tf.float32)
     rows = tf.range(k * m, dtype=tf.int32)
     row_valid_all = tf.reshape(tf.cast(rows < n_valid, tf.float32), [k, m])
     # Under a tf.distribute strategy each replica splits its own share; denominators
@@ -354,10 +408,7 @@ def accumulate_gradients(
         n_real = context.all_reduce(tf.distribute.ReduceOp.SUM, n_real)
     steps = (n_valid + m - 1) // m  # micro-batches holding at least one real row
 
-    def take(i):
-        return _map(lambda t: tf.gather(t, i), (xs, ys, sws))
-
-    sample_x, sample_y, sample_w = _map(lambda t: t[0], (xs, ys, sws))
+    sample_x, sample_y, sample_w = sample
     compile_loss = getattr(model, "_compile_loss", None)
     if compile_loss is not None and not compile_loss.built:
         _keras.build_model(model, (sample_x, sample_y, sample_w))
@@ -516,14 +567,22 @@ class TrainStep:
 
     Calling it with the global ``(x, y, sample_weight, n_valid)`` applies the optimizer
     once and returns the logs (``loss`` and the compiled metrics), like
-    ``model.train_step``.
+    ``model.train_step``. With ``source`` (the whole data set as ``(x, y[, w])``
+    tensors) the step streams: call it with ``(index, None, None, n_valid)``, the row
+    numbers of the large batch, and each micro-batch is gathered inside the loop.
     """
 
     def __init__(self, model: keras.Model, split: Split, *, jit_compile: bool | None = None,
-                 run_eagerly: bool | None = None) -> None:
+                 run_eagerly: bool | None = None, source: tuple | None = None) -> None:
         self.model = model
+        self.source = source
         self.strategy = model.distribute_strategy
         self.replicas = self.strategy.num_replicas_in_sync
+        if source is not None and self.replicas > 1:
+            raise UnsupportedModelError(
+                "Expected streaming=False under a tf.distribute strategy. Received: "
+                f"streaming with {type(self.strategy).__name__}. Each replica already holds "
+                "only its share of the batch; pass streaming=False.")
         if split.batch_size % self.replicas:
             raise BatchSizeError(
                 f"Expected `batch_size` to divide evenly across the {self.replicas} replicas "
@@ -562,10 +621,16 @@ class TrainStep:
         # unscales, checks the accumulated gradients once, and skips the whole large
         # step and lowers the scale once if any micro-batch overflowed.
         scale = tf.cast(model.optimizer.scale_loss(tf.constant(1.0, tf.float32)), tf.float32)
-        result = accumulate_gradients(
-            model, x, y, sample_weight, micro_batch_size=self.local_split.micro_batch_size,
-            n_valid=n_valid, update_metrics=True, loss_scale=scale,
-        )
+        if self.source is None:
+            result = accumulate_gradients(
+                model, x, y, sample_weight, micro_batch_size=self.local_split.micro_batch_size,
+                n_valid=n_valid, update_metrics=True, loss_scale=scale,
+            )
+        else:  # streaming: x holds the row numbers of the large batch
+            result = accumulate_streamed(
+                model, self.source, x, micro_batch_size=self.local_split.micro_batch_size,
+                n_valid=n_valid, update_metrics=True, loss_scale=scale,
+            )
         pairs = [(g, v) for g, v in zip(result.gradients, model.trainable_variables,
                                         strict=True) if g is not None]
         # The optimizer (and its `iterations`) must not move before every

@@ -101,9 +101,42 @@ def nothing_fits(out):
     out.write(json.dumps(report))
 
 
+def stream(out):
+    """A batch whose inputs alone crowd the budget: only streaming fits."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4096, 2048)).astype("float32")  # 32 MiB of inputs per batch
+    y = rng.integers(0, 10, size=(4096,)).astype("int32")
+    model = keras.Sequential([keras.Input((2048,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    autosplit._keras.build_model(model, (x[:8], y[:8], None))
+    x, y = tf.constant(x), tf.constant(y)  # one copy of the data, shared by every call
+    held = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    # The arrays and the model are held already; the budget leaves room for
+    # activations, not for two more copies of a 32 MiB large batch.
+    limit = held + 40 * 2**20
+    report = {}
+    try:
+        autosplit.probe(model, (x, y), 4096, memory_limit=limit, headroom=0.0, cache=False,
+                        streaming=False)
+        report["materialised"] = "fits"
+    except autosplit.NothingFitsError as exc:
+        report["materialised"] = type(exc).__name__
+    result = autosplit.probe(model, (x, y), 4096, memory_limit=limit, headroom=0.0,
+                             cache=False)
+    report.update(auto_streaming=result.streaming, micro=result.micro_batch_size,
+                  peak_bytes=result.measured_peak_bytes, budget_bytes=result.budget_bytes)
+    autosplit.fit_large_batch(model, (x, y), batch_size=4096, memory_limit=limit,
+                              headroom=0.0, cache=False, epochs=2, verbose=0)
+    report["trained_iterations"] = int(model.optimizer.iterations)
+    out.write(json.dumps(report))
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     with open(path, "w") as handle:
         scenarios = {"probe": probe_then_check, "recover": recover_from_real_oom,
-                     "nothing": nothing_fits}
+                     "nothing": nothing_fits, "stream": stream}
         scenarios[scenario](handle)
