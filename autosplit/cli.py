@@ -273,7 +273,7 @@ def _demo(args: argparse.Namespace) -> int:
         "\nsummary\n"
         f"  target batch        {info['batch_size']}\n"
         f"  micro-batch         {info['micro_batch_size']} (found by "
-        f"{len(info['probe']['trials'])} trial steps)\n"
+        f"{len(info['probe']['trials'])} trials of the real step)\n"
         f"  accumulation steps  {info['accumulation_steps']}\n"
         f"  optimizer steps     {int(model.optimizer.iterations)}\n"
         f"  loss before/after   {loss_before:.4f} -> {loss_after:.4f}"
