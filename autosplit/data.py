@@ -160,9 +160,15 @@ class LargeBatches:
     def _pad(self, batch):
         batch_size = self.batch_size
         n = tf.shape(tree.flatten(batch)[0])[0]
-        # Copies of real rows, not zeros: padding rows must give finite losses.
+        # Copies of real rows, not zeros: padding rows must give finite losses. A full
+        # batch passes through untouched: a gather would be one more copy of it.
         index = tf.range(batch_size) % n
-        padded = tree.map_structure(lambda t: tf.gather(t, index), batch)
+
+        def pad(t):
+            return tf.cond(n < batch_size, lambda: tf.gather(t, index),
+                           lambda: tf.ensure_shape(t, [batch_size, *t.shape[1:]]))
+
+        padded = tree.map_structure(pad, batch)
         return (*padded, n)
 
     def dataset(self, *, repeat: bool = False) -> tf.data.Dataset:

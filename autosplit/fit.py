@@ -20,7 +20,13 @@ import tensorflow as tf
 
 from autosplit import _keras
 from autosplit.data import LargeBatches, batched_ancestor
-from autosplit.errors import BatchSizeError, NothingFitsError, WorkerLostError, describe
+from autosplit.errors import (
+    BatchSizeError,
+    NothingFitsError,
+    UnsupportedModelError,
+    WorkerLostError,
+    describe,
+)
 from autosplit.step import TrainStep, check_model, check_size, split_batch
 
 __all__ = ["fit_large_batch"]
@@ -62,6 +68,23 @@ def shrink_micro_batch(failed: int, fits: Sequence[int] = ()) -> int:
     if half >= 8:
         half -= half % 8
     return max(half, 1) if failed > 1 else 0
+
+
+def agree_on_micro_batch(strategy: tf.distribute.Strategy, micro_batch_size: int) -> int:
+    """The smallest micro-batch any replica (on any worker) found: all use the same.
+
+    Each worker probes its own device; a worker whose device is fuller (or smaller)
+    decides for all, so no replica runs a size another one could not.
+    """
+    if strategy.num_replicas_in_sync == 1:
+        return micro_batch_size
+
+    def gather():
+        context = tf.distribute.get_replica_context()
+        return context.all_gather(tf.constant([micro_batch_size], tf.int32), axis=0)
+
+    gathered = strategy.experimental_local_results(strategy.run(tf.function(gather)))
+    return int(tf.reduce_min(gathered[0]))
 
 
 def _validation_data(validation_data: Any, batch_size: int) -> tuple[Any, dict]:
@@ -125,8 +148,8 @@ def fit_large_batch(
         memory_limit, headroom, cache: passed to the probe when ``micro_batch_size="auto"``.
         streaming: gather each micro-batch from the arrays inside the compiled loop
             instead of materialising the whole large batch (arrays only). ``"auto"``
-            streams when one large batch of inputs would take a quarter of the memory
-            budget or more (decided by the probe, or from the device reading).
+            streams whenever the data are arrays and no multi-replica strategy is in
+            use: it keeps the peak flat in B and costs no memory.
 
     Returns:
         The ``keras.callbacks.History``; ``history.autosplit`` holds the batch size,
@@ -169,6 +192,15 @@ def fit_large_batch(
     if streaming is True:
         batches.source  # noqa: B018 -- raises DatasetError unless the data are arrays
 
+    strategy = model.distribute_strategy
+    if auto and isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
+            strategy.num_replicas_in_sync > 1):
+        # Each worker's trials would issue collectives in its own order: a deadlock.
+        raise UnsupportedModelError(
+            "Expected an explicit `micro_batch_size` under MultiWorkerMirroredStrategy. "
+            "Received: micro_batch_size='auto'. Find it once on one worker's hardware "
+            "(`autosplit probe ...` or autosplit.probe without the strategy) and pass it "
+            "to every worker.")
     probe_result = None
     if auto:
         from autosplit.probe import probe
@@ -176,12 +208,13 @@ def fit_large_batch(
         probe_result = probe(model, dataset, batch_size, memory_limit=memory_limit,
                              headroom=headroom, cache=cache, streaming=streaming,
                              _batches=batches)
-        micro_batch_size = probe_result.micro_batch_size
+        micro_batch_size = agree_on_micro_batch(model.distribute_strategy,
+                                                probe_result.micro_batch_size)
         streaming = probe_result.streaming
     elif streaming == "auto":
-        from autosplit.probe import should_stream
+        from autosplit.probe import stream_by_default
 
-        streaming = should_stream(batches, memory_limit=memory_limit, headroom=headroom)
+        streaming = stream_by_default(batches, model)
     split = split_batch(batch_size, micro_batch_size)
     with model.distribute_strategy.scope():
         _keras.build_model(model, batches.sample(split.micro_batch_size))

@@ -90,6 +90,12 @@ def mirrored(out):
         report[f"{optimizer}_iterations"] = int(model.optimizer.iterations.numpy())
         report[f"{optimizer}_info"] = {k: history.autosplit[k] for k in
                                        ("micro_batch_size", "accumulation_steps")}
+    # The automatic search on two local replicas: trials run in lockstep, one size.
+    with strategy.scope():
+        model = make(OPTIMIZERS["sgd"])
+    history = autosplit.fit_large_batch(model, (x, y, w), batch_size=40, cache=False,
+                                        verbose=0)
+    report["auto_micro_batch_size"] = history.autosplit["micro_batch_size"]
     # All-reduces in the traced graph: the same for k = 2 and k = 10, none in the loop.
     for micro in (10, 2):
         with strategy.scope():
@@ -126,6 +132,10 @@ def worker(out):
                 os._exit(17)  # a worker that dies mid-run
 
     report = {}
+    try:
+        autosplit.fit_large_batch(model, (x, y, w), batch_size=40, verbose=0)
+    except autosplit.UnsupportedModelError as exc:
+        report["auto_refused"] = str(exc)
     try:
         autosplit.fit_large_batch(model, (x, y, w), batch_size=40, micro_batch_size=6,
                                   epochs=2, shuffle=False, verbose=0, callbacks=[Die()])

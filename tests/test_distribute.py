@@ -39,6 +39,7 @@ def test_mirrored_strategy_two_logical_cpus(tmp_path):
     assert report["all_reduces_k2"] == report["all_reduces_k10"]
     assert report["all_reduces_k2"]["main"] >= report["trainable_variables"]
     assert "divide evenly across the 2 replicas" in report["errors"]["indivisible"]
+    assert 1 <= report["auto_micro_batch_size"] <= 20  # per replica: 40 / 2
 
 
 def free_ports(n):
@@ -82,6 +83,7 @@ def test_multi_worker_mirrored_two_processes(tmp_path):
         report = json.loads(out.read_text())
         assert "error" not in report, report
         assert report["adam"] <= 1e-4 and report["iterations"] == 6
+        assert "explicit `micro_batch_size`" in report["auto_refused"]
 
 
 def test_a_dead_worker_makes_the_other_fail_clearly_and_soon(tmp_path):
