@@ -51,8 +51,8 @@ second over a measured epoch, input pipeline included.
 
 Reproduce (on an otherwise idle machine)::
 
-    PYTHONPATH=. .venv/bin/python benchmarks/memory_scaling.py          # ~15 min on 2 cores
-    PYTHONPATH=. .venv/bin/python benchmarks/memory_scaling.py --quick  # ~1.5 min smoke run
+    PYTHONPATH=. .venv/bin/python benchmarks/memory_scaling.py          # ~16 min on 2 cores
+    PYTHONPATH=. .venv/bin/python benchmarks/memory_scaling.py --quick  # ~2.5 min smoke run
 
 The full run writes ``benchmarks/results/memory_scaling.{json,md,png}``; ``--quick``
 writes files only when ``--out DIR`` is given.
@@ -923,7 +923,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "gradient_accumulation_steps, under one real memory cap and without.")
     parser.add_argument("--quick", action="store_true",
                         help="the Transformer only, B = 512 and 1024, a 64 MiB cap "
-                             "(~1.5 min); writes files only with --out")
+                             "(~2.5 min); writes files only with --out")
     parser.add_argument("--out", type=Path,
                         help="write memory_scaling.{json,md,png} here (default "
                              "benchmarks/results; none with --quick)")
