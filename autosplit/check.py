@@ -30,7 +30,13 @@ from keras.src import tree
 from autosplit import _keras
 from autosplit.errors import ModelNotReadyError, describe
 from autosplit.reduction import SUM, output_terms
-from autosplit.step import _align_targets, _reshape_rows, accumulate_gradients, split_batch
+from autosplit.step import (
+    Snapshot,
+    _align_targets,
+    _reshape_rows,
+    accumulate_gradients,
+    split_batch,
+)
 
 __all__ = ["CheckReport", "Culprit", "VariableDifference", "check"]
 
@@ -202,7 +208,7 @@ def check(
             decomposes=False, loss_decomposition_difference=None, per_variable=(),
             culprits=tuple(culprits), hint=None)
 
-    snapshot = _Snapshot(model)
+    snapshot = Snapshot(model)
     try:
         full = _full_batch(model, x, y, sample_weight, split)
         snapshot.restore()  # the split starts from the same seed and moving statistics
@@ -246,25 +252,6 @@ def _check_ready(model: Any) -> None:
         raise ModelNotReadyError(
             "Expected a model compiled with a loss. Received: a model that is not compiled "
             "or has loss=None. Call `model.compile(optimizer=..., loss=...)` first.")
-
-
-class _Snapshot:
-    """Bitwise copy of every model, metric and optimizer variable."""
-
-    def __init__(self, model: keras.Model) -> None:
-        optimizer = getattr(model, "optimizer", None)
-        seen: set[int] = set()
-        self.variables = []
-        for v in (list(model.variables) + list(model.metrics_variables)
-                  + (list(optimizer.variables) if optimizer is not None else [])):
-            if id(v) not in seen:
-                seen.add(id(v))
-                self.variables.append(v)
-        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
-
-    def restore(self) -> None:
-        for v, value in zip(self.variables, self.values, strict=True):
-            v.assign(value)
 
 
 def _layer_culprits(model: keras.Model) -> list[Culprit]:

@@ -25,6 +25,15 @@ _CHILD_ENV = "AUTOSPLIT_CHILD"
 _GPU_LIMIT_ENV = "AUTOSPLIT_GPU_MEMORY_LIMIT_BYTES"
 
 
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and synthetic-data arguments shared by ``probe`` and ``check``."""
+    parser.add_argument("--model", required=True,
+                        help="mlp, cnn, transformer, mobilenet_v2, resnet50 or module:function")
+    parser.add_argument("--input-shape", required=True, help="e.g. 224,224,3")
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--classes", type=int, default=10)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autosplit", description="Exact large-batch training for Keras on one device.")
@@ -38,11 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="real cap for the demo's child process ('none' for no cap)")
 
     probe = sub.add_parser("probe", help="find the largest micro-batch that fits")
-    probe.add_argument("--model", required=True,
-                       help="mlp, cnn, transformer, mobilenet_v2, resnet50 or module:function")
-    probe.add_argument("--input-shape", required=True, help="e.g. 224,224,3")
-    probe.add_argument("--batch-size", type=int, required=True)
-    probe.add_argument("--classes", type=int, default=10)
+    _add_model_arguments(probe)
     probe.add_argument("--memory-limit", default=None, help="e.g. 2GiB, 512MB, or bytes")
     probe.add_argument("--headroom", type=float, default=0.1)
     probe.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -51,12 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="also print the memory model's prediction for a range of sizes")
 
     check = sub.add_parser("check", help="is the split step exact for this model? (exit 1 if not)")
-    check.add_argument("--model", required=True,
-                       help="mlp, cnn, transformer, mobilenet_v2, resnet50 or module:function")
-    check.add_argument("--input-shape", required=True, help="e.g. 224,224,3")
-    check.add_argument("--batch-size", type=int, required=True)
+    _add_model_arguments(check)
     check.add_argument("--micro-batch-size", type=int, required=True)
-    check.add_argument("--classes", type=int, default=10)
     check.add_argument("--tolerance", type=float, default=1e-4)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser

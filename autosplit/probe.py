@@ -42,7 +42,7 @@ from autosplit.memory import (
     parse_memory,
     read_device,
 )
-from autosplit.step import TrainStep, check_model, check_size, split_batch
+from autosplit.step import Snapshot, TrainStep, check_model, check_size, split_batch
 
 __all__ = [
     "ProbeResult",
@@ -193,27 +193,6 @@ def should_stream(batches: LargeBatches, *, memory_limit: int | str | None = Non
     return batches.batch_bytes() >= _STREAM_SHARE * budget
 
 
-# ---------------------------------------------------------------- state
-
-
-class _Snapshot:
-    """Bitwise copy of every variable a trial step could touch."""
-
-    def __init__(self, model: keras.Model) -> None:
-        seen: set[int] = set()
-        self.variables = []
-        for v in (list(model.variables) + list(model.optimizer.variables)
-                  + list(model.metrics_variables)):
-            if id(v) not in seen:
-                seen.add(id(v))
-                self.variables.append(v)
-        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
-
-    def restore(self) -> None:
-        for v, value in zip(self.variables, self.values, strict=True):
-            v.assign(value)
-
-
 # ---------------------------------------------------------------- search
 
 
@@ -326,7 +305,7 @@ def probe(
         except (FileNotFoundError, ValueError, TypeError, KeyError):
             pass
 
-    snapshot = _Snapshot(model)
+    snapshot = Snapshot(model)
     trials: list[Trial] = []
 
     def trial(m: int, again: bool = False) -> Trial:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src import tree
 
@@ -36,6 +37,7 @@ from autosplit.reduction import COUNT, SUM, check_reduction, output_terms, row_w
 
 __all__ = [
     "Accumulated",
+    "Snapshot",
     "Split",
     "TrainStep",
     "accumulate_gradients",
@@ -505,6 +507,29 @@ def _accumulate(model, take, sample, split: Split, n_valid, *, update_metrics: b
 
 
 # ---------------------------------------------------------------- the train step
+
+
+class Snapshot:
+    """Bitwise copy of every model, metric and optimizer variable, to put back later.
+
+    The probe and ``check`` run real training steps on the user's model and must leave
+    it exactly as they found it (BatchNorm statistics, seed states, slots, metrics).
+    """
+
+    def __init__(self, model: keras.Model) -> None:
+        optimizer = getattr(model, "optimizer", None)
+        seen: set[int] = set()
+        self.variables = []
+        for v in (list(model.variables) + list(model.metrics_variables)
+                  + (list(optimizer.variables) if optimizer is not None else [])):
+            if id(v) not in seen:
+                seen.add(id(v))
+                self.variables.append(v)
+        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
+
+    def restore(self) -> None:
+        for v, value in zip(self.variables, self.values, strict=True):
+            v.assign(value)
 
 
 class _StateGuard:
