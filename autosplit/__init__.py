@@ -1,5 +1,6 @@
 """autosplit: train with any batch size on one accelerator, exactly."""
 
+from autosplit.accumulate import Accumulated, accumulate_gradients, accumulate_iterator
 from autosplit.check import CheckReport, check
 from autosplit.errors import (
     AutosplitError,
@@ -12,10 +13,12 @@ from autosplit.errors import (
     WorkerLostError,
 )
 from autosplit.fit import fit_large_batch
-from autosplit.probe import ProbeResult, Trial, probe
-from autosplit.step import Accumulated, Split, TrainStep, accumulate_gradients, split_batch
+from autosplit.probe import ProbeResult, probe
+from autosplit.search import Trial
+from autosplit.split import Split, split_batch
+from autosplit.step import TrainStep
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Accumulated",
@@ -34,6 +37,7 @@ __all__ = [
     "WorkerLostError",
     "__version__",
     "accumulate_gradients",
+    "accumulate_iterator",
     "check",
     "fit_large_batch",
     "probe",

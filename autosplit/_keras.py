@@ -1,10 +1,12 @@
-"""The few Keras 3 internals autosplit relies on, in one place.
+"""Every Keras 3 and TensorFlow internal autosplit relies on, in one place.
 
 autosplit must reproduce exactly what ``model.fit`` does on a full batch, and Keras
 keeps some of that behind private attributes (the compiled loss's flat list of
-per-output losses, the compiled metrics, the loss tracker, the symbolic build).
-Every such access lives here so that a Keras upgrade touches one file; each
-function says what it reads. Checked against Keras 3.x up to 3.15 (TensorFlow 2.21).
+per-output losses and their trackers, the compiled metrics, the loss tracker, the
+symbolic build, the data adapters). Every such access lives here so that a Keras
+upgrade touches one file; each function says what it reads. Elsewhere autosplit uses
+public names only (``keras.tree``, ``tf.distribute``). Checked against Keras 3.x up to
+3.15 (TensorFlow 2.21).
 """
 
 from __future__ import annotations
@@ -12,18 +14,26 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import keras
-from keras.src import tree
 from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 
 __all__ = [
     "FlatLoss",
     "build_model",
+    "call_has_training_arg",
+    "compile_loss_built",
+    "data_adapter",
     "flat_losses",
+    "flatten_layers",
     "get_keras_mask",
     "loss_tracker",
     "metric_lists",
+    "output_loss_trackers",
+    "peeked_batches",
+    "per_replica",
     "resolve_path",
+    "set_keras_mask",
     "squeeze_or_expand_to_same_rank",
+    "train_validation_split",
 ]
 
 
@@ -41,15 +51,38 @@ def get_keras_mask(x: Any) -> Any:
         getattr(x, "_keras_mask", None))
 
 
+def set_keras_mask(x: Any, mask: Any) -> None:
+    """Attach a Keras mask to a tensor (``keras.src.backend.set_keras_mask``)."""
+    from keras.src.backend import set_keras_mask as setter
+
+    setter(x, mask)
+
+
 def build_model(model: keras.Model, data_batch: tuple) -> None:
     """Build the model, its compiled loss and metrics and the optimizer, symbolically.
 
+    ``data_batch`` is ``(x, y, sample_weight)`` of tensors, arrays or ``TensorSpec``s.
     ``model.fit`` does the same before it traces its train function
     (``Trainer._symbolic_build``); nothing is computed and no state changes.
     """
     model._symbolic_build(data_batch=data_batch)
     if model.optimizer is not None and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
+
+
+def compile_loss_built(model: keras.Model) -> bool:
+    compile_loss = getattr(model, "_compile_loss", None)
+    return compile_loss is None or compile_loss.built
+
+
+def call_has_training_arg(model: keras.Model) -> bool:
+    """Whether ``model.call`` takes ``training`` (``Layer._call_has_training_arg``)."""
+    return getattr(model, "_call_has_training_arg", True)
+
+
+def flatten_layers(model: keras.Model) -> list:
+    """Every layer of the model, nested ones included (``Layer._flatten_layers``)."""
+    return list(model._flatten_layers())
 
 
 def flat_losses(model: keras.Model) -> list[FlatLoss]:
@@ -66,6 +99,17 @@ def flat_losses(model: keras.Model) -> list[FlatLoss]:
     return [FlatLoss(tuple(entry[0]), entry[1], entry[2]) for entry in flat]
 
 
+def output_loss_trackers(model: keras.Model) -> list:
+    """The ``Mean`` metrics behind ``<output>_loss`` in the logs, one per compiled loss.
+
+    Keras creates them only when there is more than one loss (``CompileLoss.build``)
+    and updates each with the *unweighted* loss of its output; empty otherwise.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    trackers = list(getattr(compile_loss, "metrics", []) or []) if compile_loss else []
+    return trackers if len(trackers) == len(flat_losses(model)) else []
+
+
 def metric_lists(model: keras.Model) -> tuple[list, list, Any]:
     """(unweighted, weighted, flatten_fn) of the compiled metrics, one entry per output.
 
@@ -73,7 +117,7 @@ def metric_lists(model: keras.Model) -> tuple[list, list, Any]:
     """
     compile_metrics = getattr(model, "_compile_metrics", None)
     if compile_metrics is None or not compile_metrics.built:
-        return [], [], tree.flatten
+        return [], [], keras.tree.flatten
     return (
         list(compile_metrics._flat_metrics),
         list(compile_metrics._flat_weighted_metrics),
@@ -91,3 +135,33 @@ def resolve_path(path: tuple, obj: Any) -> Any:
     for key in path:
         obj = obj[key]
     return obj
+
+
+def data_adapter(data: Any, *, shuffle: bool, class_weight: dict | None) -> Any:
+    """Keras's own adapter for a ``PyDataset`` or a generator (``get_data_adapter``).
+
+    It runs PyDataset workers and multiprocessing, applies ``class_weight`` and peeks
+    a generator's first batches for their spec exactly as ``model.fit`` does.
+    """
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    return get_data_adapter(data, shuffle=shuffle, class_weight=class_weight)
+
+
+def peeked_batches(adapter: Any) -> list:
+    """The first batches Keras's generator adapter read for the spec (and put back)."""
+    return list(adapter._first_batches)
+
+
+def train_validation_split(arrays: tuple, validation_split: float) -> tuple:
+    """``model.fit``'s split of arrays: the last ``validation_split`` of rows, unshuffled."""
+    from keras.src.trainers.data_adapters.array_slicing import train_validation_split as split
+
+    return split(arrays, validation_split=validation_split)
+
+
+def per_replica(values: list) -> Any:
+    """A ``PerReplica`` value from one tensor per local replica (tf.distribute internal)."""
+    from tensorflow.python.distribute import values as distribute_values
+
+    return distribute_values.PerReplica(tuple(values))

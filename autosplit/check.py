@@ -25,18 +25,14 @@ from typing import Any, NamedTuple
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src import tree
+from keras import tree
 
 from autosplit import _keras
-from autosplit.errors import ModelNotReadyError, describe
+from autosplit.accumulate import accumulate_gradients, align_targets, piece_rows
 from autosplit.reduction import SUM, output_terms
-from autosplit.step import (
-    Snapshot,
-    _align_targets,
-    _reshape_rows,
-    accumulate_gradients,
-    split_batch,
-)
+from autosplit.split import split_batch
+from autosplit.state import Snapshot
+from autosplit.validation import check_compiled_loss
 
 __all__ = ["CheckReport", "Culprit", "VariableDifference", "check"]
 
@@ -173,13 +169,12 @@ def check(
         (True, 3.1e-07, ())
         >>> print(report.format())
     """
-    _check_ready(model)
+    check_compiled_loss(model)
     x, y, sample_weight = tree.map_structure(
         lambda t: None if t is None else tf.convert_to_tensor(t), (x, y, sample_weight))
     batch = int(tree.flatten(x)[0].shape[0])
     split = split_batch(batch, micro_batch_size)
-    compile_loss = model._compile_loss
-    if not model.built or not compile_loss.built:
+    if not model.built or not _keras.compile_loss_built(model):
         sample = tree.map_structure(lambda t: None if t is None else t[:1],
                                     (x, y, sample_weight))
         _keras.build_model(model, sample)
@@ -244,20 +239,10 @@ def check(
 # ---------------------------------------------------------------- pieces
 
 
-def _check_ready(model: Any) -> None:
-    if not isinstance(model, keras.Model):
-        raise ModelNotReadyError(
-            f"Expected `model` to be a compiled keras.Model. Received: model={describe(model)}.")
-    if not getattr(model, "compiled", False) or getattr(model, "_compile_loss", None) is None:
-        raise ModelNotReadyError(
-            "Expected a model compiled with a loss. Received: a model that is not compiled "
-            "or has loss=None. Call `model.compile(optimizer=..., loss=...)` first.")
-
-
 def _layer_culprits(model: keras.Model) -> list[Culprit]:
     """Layers that, active in training, make micro-batches differ from the batch."""
     found = []
-    for layer in model._flatten_layers(include_self=False):
+    for layer in _keras.flatten_layers(model)[1:]:
         name, cls = layer.name, type(layer).__name__
         mro = [c.__name__ for c in type(layer).__mro__]
         if any("BatchNorm" in c for c in mro):
@@ -324,7 +309,7 @@ def _full_batch(model, x, y, sample_weight, split) -> _Full:
         grads = tape.gradient(loss, model.trainable_variables)
         grads = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
                  for g in grads]
-        y = _align_targets(model, y, y_pred)
+        y = align_targets(model, y, y_pred)
         per_example, whole, parts = [], [], []
         for flat in _keras.flat_losses(model):
             y_t = _keras.resolve_path(flat.path, y)
@@ -349,19 +334,18 @@ def _full_batch(model, x, y, sample_weight, split) -> _Full:
 def _split_loss(loss, y_true, y_pred, sample_weight, split) -> tf.Tensor:
     """``loss`` recombined from micro-batches of the given predictions, as autosplit does."""
     mask = _keras.get_keras_mask(y_pred) if not tree.is_nested(y_pred) else None
+    index, valid = piece_rows(split)
     ys, ps, ws, ms = tree.map_structure(
-        lambda t: None if t is None else _reshape_rows(tf.convert_to_tensor(t), split),
+        lambda t: None if t is None else tf.gather(tf.convert_to_tensor(t), index),
         (y_true, y_pred, sample_weight, mask))
-    rows = tf.range(split.accumulation_steps * split.micro_batch_size)
-    row_valid = tf.reshape(tf.cast(rows < split.batch_size, tf.float32),
-                           [split.accumulation_steps, split.micro_batch_size])
+    row_valid = tf.constant(valid)
     kind: dict[str, str] = {}
 
     def body(i, numerator, denominator):
         y_i, p_i, w_i = tree.map_structure(
             lambda t: None if t is None else tf.gather(t, i), (ys, ps, ws))
         if ms is not None:
-            _set_keras_mask(p_i, tf.gather(ms, i))
+            _keras.set_keras_mask(p_i, tf.gather(ms, i))
         terms = output_terms(loss, y_i, p_i, w_i, tf.gather(row_valid, i))
         kind["kind"] = terms.kind
         return i + 1, numerator + terms.numerator, denominator + terms.denominator
@@ -370,14 +354,6 @@ def _split_loss(loss, y_true, y_pred, sample_weight, split) -> tf.Tensor:
         lambda i, *_: i < split.accumulation_steps, body,
         (tf.constant(0), tf.constant(0.0), tf.constant(0.0)))
     return numerator if kind["kind"] == SUM else tf.math.divide_no_nan(numerator, denominator)
-
-
-def _set_keras_mask(tensor, mask) -> None:
-    # The mask of a slice of y_pred: Keras's own setter (keras.src.backend), which the
-    # public API does not export.
-    from keras.src.backend import set_keras_mask
-
-    set_keras_mask(tensor, mask)
 
 
 def _relative(difference: float, scale: float) -> float:

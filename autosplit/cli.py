@@ -145,7 +145,7 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
         return EXIT_USAGE
     x, y = _synthetic_batch(shape, args.batch_size, args.classes)
     try:
-        result = probe(model, (x, y), args.batch_size, memory_limit=limit,
+        result = probe(model, x, y, batch_size=args.batch_size, memory_limit=limit,
                        headroom=args.headroom, cache=not args.no_cache)
     except NothingFitsError as exc:
         if args.json:
@@ -266,7 +266,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"autosplit demo: {args.examples} synthetic examples, MLP {features}-1024-1024-"
           f"{classes}, target batch {args.batch_size}"
           + (f", real memory cap {int(cap) // 2**20} MiB" if cap else ", no memory cap"))
-    history = autosplit.fit_large_batch(model, (x, y), batch_size=args.batch_size,
+    history = autosplit.fit_large_batch(model, x, y, batch_size=args.batch_size,
                                         epochs=args.epochs, cache=False)
     loss_after = model.evaluate(x, y, batch_size=1024, verbose=0, return_dict=True)["loss"]
     info = history.autosplit

@@ -1,16 +1,17 @@
 """``fit_large_batch``: ``model.fit`` with an exact large batch, in micro-batches.
 
-The loop is Keras's own shape: a ``CallbackList`` with History and the progress bar,
-``on_train_batch_begin``, one call of the compiled step, ``on_train_batch_end``, and
-``model.stop_training``. Callbacks see one step per large batch. What is autosplit's:
-the data arrive as single examples and are batched here (``autosplit.data``), the
-step splits each large batch (``autosplit.step``), and a ``ResourceExhaustedError``
-inside a step restores what the attempt touched, shrinks the micro-batch and redoes
-the same large batch, so nothing is lost or counted twice.
+Four phases, each its own function: validate the arguments (nothing changes before
+they pass), plan the run (the input adapter, the micro-batch size, from the probe when
+``"auto"``, the pipeline and the compiled step, reused across calls), the epoch loop
+(Keras's own shape: a ``CallbackList`` with History and the progress bar,
+``on_train_batch_begin``, one large batch, ``on_train_batch_end``,
+``model.stop_training``), and out-of-memory recovery (``autosplit.recovery``).
+Callbacks see one step per large batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -19,333 +20,398 @@ import keras
 import tensorflow as tf
 
 from autosplit import _keras
-from autosplit.data import LargeBatches, batched_ancestor
-from autosplit.errors import (
-    BatchSizeError,
-    NothingFitsError,
-    UnsupportedModelError,
-    WorkerLostError,
-    describe,
+from autosplit.distribute import Layout, layout
+from autosplit.errors import BatchSizeError, DatasetError, describe
+from autosplit.inputs import DatasetInput, InputAdapter, get_input
+from autosplit.pipeline import MicroBatches
+from autosplit.recovery import Recovery
+from autosplit.split import Split, split_batch
+from autosplit.step import TrainStep, build_for, train_step
+from autosplit.validation import (
+    check_choice,
+    check_fraction,
+    check_initial_epoch,
+    check_model,
+    check_optional_size,
+    check_size,
+    check_verbose,
 )
-from autosplit.step import TrainStep, check_model, check_size, split_batch
 
 __all__ = ["fit_large_batch"]
 
-# Testing hook: called as hook(step_number, micro_batch_size) before each attempt of a
-# step; it may raise tf.errors.ResourceExhaustedError to exercise OOM recovery
+# Testing hook: called as hook(step_number, micro_batch_rows) before the first attempt
+# of each step; it may raise tf.errors.ResourceExhaustedError to exercise OOM recovery
 # deterministically (see autosplit.testing.inject_oom). None in normal use.
 _FAULT_HOOK: Callable[[int, int], None] | None = None
 
 
-def _check_verbose(verbose: Any) -> int:
-    if verbose == "auto":
-        return 1
-    if verbose in (0, 1, 2) and not isinstance(verbose, bool):
-        return int(verbose)
-    raise ValueError(
-        f"Expected `verbose` to be 'auto', 0, 1 or 2. Received: verbose={describe(verbose)}."
-    )
-
-
-def _check_on_oom(on_oom: Any) -> str:
-    if on_oom not in ("recover", "raise"):
-        raise ValueError(
-            f"Expected `on_oom` to be 'recover' or 'raise'. Received: on_oom={describe(on_oom)}."
-        )
-    return on_oom
-
-
-def shrink_micro_batch(failed: int, fits: Sequence[int] = ()) -> int:
-    """The next micro-batch to try after ``failed`` ran out of memory.
-
-    The largest size below ``failed`` already known to fit, if any; else half of it,
-    rounded down to a multiple of 8 once it is at least 8.
-    """
-    below = [m for m in fits if m < failed]
-    if below:
-        return max(below)
-    half = failed // 2
-    if half >= 8:
-        half -= half % 8
-    return max(half, 1) if failed > 1 else 0
-
-
-def agree_on_micro_batch(strategy: tf.distribute.Strategy, micro_batch_size: int) -> int:
-    """The smallest micro-batch any replica (on any worker) found: all use the same.
-
-    Each worker probes its own device; a worker whose device is fuller (or smaller)
-    decides for all, so no replica runs a size another one could not.
-    """
-    if strategy.num_replicas_in_sync == 1:
-        return micro_batch_size
-
-    def gather():
-        context = tf.distribute.get_replica_context()
-        return context.all_gather(tf.constant([micro_batch_size], tf.int32), axis=0)
-
-    gathered = strategy.experimental_local_results(strategy.run(tf.function(gather)))
-    return int(tf.reduce_min(gathered[0]))
-
-
-def _validation_data(validation_data: Any, batch_size: int) -> tuple[Any, dict]:
-    """``(x, kwargs)`` for ``model.evaluate`` at a batch size that fits."""
-    if isinstance(validation_data, tf.data.Dataset):
-        if batched_ancestor(validation_data) is not None:
-            return validation_data, {}
-        return validation_data.batch(batch_size), {}
-    if isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
-        x, y, *rest = validation_data
-        kwargs = {"y": y, "batch_size": batch_size}
-        if rest and rest[0] is not None:
-            kwargs["sample_weight"] = rest[0]
-        return x, kwargs
-    raise ValueError(
-        "Expected `validation_data` to be a tf.data.Dataset or a tuple (x, y) or "
-        f"(x, y, sample_weight). Received: validation_data={describe(validation_data)}."
-    )
+@dataclasses.dataclass(frozen=True)
+class _Args:
+    batch_size: int
+    micro_batch_size: int | None  # None: "auto"
+    epochs: int
+    verbose: int
+    initial_epoch: int
+    steps_per_epoch: int | None
+    validation_steps: int | None
+    validation_batch_size: int | None
+    validation_freq: int
+    validation_split: float
+    on_oom: str
 
 
 def fit_large_batch(
     model: keras.Model,
-    dataset: Any,
-    batch_size: int,
+    x: Any = None,
+    y: Any = None,
     *,
+    batch_size: int,
     micro_batch_size: int | Literal["auto"] = "auto",
     epochs: int = 1,
-    steps_per_epoch: int | None = None,
-    validation_data: Any = None,
-    validation_freq: int = 1,
-    callbacks: Sequence[keras.callbacks.Callback] | None = None,
     verbose: Literal["auto", 0, 1, 2] = "auto",
+    callbacks: Sequence[keras.callbacks.Callback] | None = None,
+    validation_split: float = 0.0,
+    validation_data: Any = None,
     shuffle: bool = True,
+    class_weight: dict[int, float] | None = None,
+    sample_weight: Any = None,
     initial_epoch: int = 0,
+    steps_per_epoch: int | None = None,
+    validation_steps: int | None = None,
+    validation_batch_size: int | None = None,
+    validation_freq: int = 1,
     jit_compile: bool | None = None,
     on_oom: Literal["recover", "raise"] = "recover",
     memory_limit: int | str | None = None,
     headroom: float = 0.1,
     cache: bool = True,
-    streaming: bool | Literal["auto"] = "auto",
 ) -> keras.callbacks.History:
     """Train ``model`` like ``model.fit``, with an effective batch of exactly ``batch_size``.
 
-    Each large batch is split into micro-batches that fit in memory; their float32
-    gradients are accumulated inside one compiled step and the optimizer is applied
+    Each large batch is pulled from the input as micro-batches that fit in memory; their
+    float32 gradients are summed inside one compiled step and the optimizer is applied
     once, so the weights, ``optimizer.iterations``, schedules, weight decay, EMA and
     clipping are those of one full-batch step (see the README for the exact rules).
 
     Args:
         model: a compiled Keras 3 model (TensorFlow backend).
-        dataset: a ``tf.data.Dataset`` of single examples ``(x, y[, sample_weight])``
-            (nested structures allowed), or a tuple of arrays ``(x, y[, sample_weight])``.
-        batch_size: the effective batch B.
-        micro_batch_size: rows per micro-batch, or ``"auto"`` to find the largest that
-            fits by real trial steps (``autosplit.probe``). ``>= batch_size``: no split.
-        epochs, steps_per_epoch, validation_data, validation_freq, callbacks, verbose,
-        shuffle, initial_epoch: as in ``model.fit``. Validation runs at the micro-batch.
-        jit_compile: XLA for the step; default what ``model.compile`` resolved.
-        on_oom: ``"recover"`` (default) shrinks the micro-batch after an out-of-memory
-            error and redoes the same large batch; ``"raise"`` re-raises it.
+        x, y: as in ``model.fit``: arrays ``x`` (tensor, list or dict) with targets ``y``;
+            or, with ``y=None``, a ``tf.data.Dataset`` (of examples or of batches of any
+            size), a ``keras.utils.PyDataset``, a Python generator, or a tuple
+            ``(x, y[, sample_weight])`` of arrays.
+        batch_size: the effective batch B (keyword only: it is the point of the call).
+        micro_batch_size: the most rows per micro-batch, or ``"auto"`` to find the
+            largest that fits by real trial steps (``autosplit.probe``). The rows used
+            are balanced: ``ceil(B / ceil(B / m))``. ``>= batch_size``: no split.
+        epochs, verbose, callbacks, validation_split, validation_data, shuffle,
+        class_weight, sample_weight, initial_epoch, steps_per_epoch (in large batches),
+        validation_steps, validation_batch_size, validation_freq: as in ``model.fit``.
+            Validation runs at the micro-batch size unless ``validation_batch_size``.
+        jit_compile: XLA for the per-micro-batch computation; default ``model.compile``'s.
+        on_oom: ``"recover"`` (default) finishes a batch that ran out of memory with
+            smaller micro-batches; ``"raise"`` re-raises the error.
         memory_limit, headroom, cache: passed to the probe when ``micro_batch_size="auto"``.
-        streaming: gather each micro-batch from the arrays inside the compiled loop
-            instead of materialising the whole large batch (arrays only). ``"auto"``
-            streams whenever the data are arrays and no multi-replica strategy is in
-            use: it keeps the peak flat in B and costs no memory.
 
     Returns:
-        The ``keras.callbacks.History``; ``history.autosplit`` holds the batch size,
-        micro-batch size, accumulation steps and any OOM recoveries.
+        The ``keras.callbacks.History``; ``history.autosplit`` says how the batch was
+        split, why, and any out-of-memory recoveries.
 
     Example:
-        >>> history = autosplit.fit_large_batch(model, (x, y), batch_size=4096, epochs=3)
+        >>> history = autosplit.fit_large_batch(model, x, y, batch_size=4096, epochs=3)
         >>> history.autosplit["micro_batch_size"]
         512
     """
-    batch_size = check_size("batch_size", batch_size)
-    auto = micro_batch_size == "auto"
-    if not auto:
-        micro_batch_size = check_size("micro_batch_size", micro_batch_size)
-    epochs = check_size("epochs", epochs)
-    if steps_per_epoch is not None:
-        steps_per_epoch = check_size("steps_per_epoch", steps_per_epoch)
-    validation_freq = check_size("validation_freq", validation_freq)
-    verbose = _check_verbose(verbose)
-    on_oom = _check_on_oom(on_oom)
-    if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int) or not (
-            0 <= initial_epoch < epochs):
+    args = _validate(model, locals())
+    if args.validation_split:
+        x, y, sample_weight, validation_data = _split_off_validation(
+            x, y, sample_weight, args.validation_split)
+    adapter = get_input(x, y, sample_weight, shuffle=shuffle, class_weight=class_weight)
+    _check_input(adapter, args)
+    validation = _Validation.make(validation_data, args)
+    plan = _plan(model, adapter, args, jit_compile=jit_compile, memory_limit=memory_limit,
+                 headroom=headroom, cache=cache, verbose=args.verbose)
+    return _train(model, adapter, plan, validation, args, callbacks)
+
+
+# ---------------------------------------------------------------- validate
+
+
+def _validate(model: Any, given: dict) -> _Args:
+    """Every argument check, before anything changes."""
+    batch_size = check_size("batch_size", given["batch_size"])
+    micro = given["micro_batch_size"]
+    micro = None if (isinstance(micro, str) and micro == "auto") else check_size(
+        "micro_batch_size", micro)
+    epochs = check_size("epochs", given["epochs"])
+    check_choice("on_oom", given["on_oom"], ("recover", "raise"))
+    if given["shuffle"] not in (True, False, "batch"):
+        raise ValueError(f"Expected `shuffle` to be True or False. Received: "
+                         f"shuffle={describe(given['shuffle'])}.")
+    if isinstance(given["y"], int) and not isinstance(given["y"], bool):
         raise BatchSizeError(
-            f"Expected `initial_epoch` to be an int in [0, epochs={epochs}). "
-            f"Received: initial_epoch={describe(initial_epoch)}."
-        )
+            f"Expected targets as the third argument. Received: y={given['y']}. Pass the "
+            "batch size by name: fit_large_batch(model, x, y, batch_size=...).")
+    args = _Args(
+        batch_size=batch_size,
+        micro_batch_size=micro,
+        epochs=epochs,
+        verbose=check_verbose(given["verbose"]),
+        initial_epoch=check_initial_epoch(given["initial_epoch"], epochs),
+        steps_per_epoch=check_optional_size("steps_per_epoch", given["steps_per_epoch"]),
+        validation_steps=check_optional_size("validation_steps", given["validation_steps"]),
+        validation_batch_size=check_optional_size("validation_batch_size",
+                                                  given["validation_batch_size"]),
+        validation_freq=check_size("validation_freq", given["validation_freq"]),
+        validation_split=check_fraction("validation_split", given["validation_split"]),
+        on_oom=given["on_oom"],
+    )
+    check_fraction("headroom", given["headroom"])
+    if given["jit_compile"] not in (None, True, False):
+        raise ValueError(f"Expected `jit_compile` to be None, True or False. Received: "
+                         f"jit_compile={describe(given['jit_compile'])}.")
+    if args.validation_split and given["validation_data"] is not None:
+        warnings.warn("Both `validation_split` and `validation_data` were given; "
+                      "`validation_data` is used, as in model.fit.", stacklevel=3)
     check_model(model)
-    batches = LargeBatches(dataset, batch_size, shuffle=shuffle)
-    if batches.infinite and steps_per_epoch is None:
+    return args
+
+
+def _split_off_validation(x, y, sample_weight, fraction):
+    if isinstance(x, tuple) and y is None:
+        x, y, *rest = x
+        sample_weight = rest[0] if rest else sample_weight
+    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or y is None:
+        raise DatasetError(
+            "Expected arrays with `validation_split` (model.fit only splits arrays). "
+            f"Received: x={describe(x)}. Pass `validation_data=` instead.")
+    (x, y, sample_weight), (vx, vy, vw) = _keras.train_validation_split(
+        (x, y, sample_weight), fraction)
+    return x, y, sample_weight, (vx, vy) if vw is None else (vx, vy, vw)
+
+
+def _check_input(adapter: InputAdapter, args: _Args) -> None:
+    if getattr(adapter, "infinite", False) and args.steps_per_epoch is None:
         raise ValueError(
             "Expected `steps_per_epoch` with an infinite (repeated) dataset. Received: "
-            "steps_per_epoch=None. Pass steps_per_epoch= or drop the `.repeat()`."
-        )
-    if validation_data is not None:
-        _validation_data(validation_data, 1)
-    if streaming not in (True, False, "auto"):
-        raise ValueError(
-            f"Expected `streaming` to be True, False or 'auto'. Received: "
-            f"streaming={describe(streaming)}.")
-    if streaming is True:
-        batches.source  # noqa: B018 -- raises DatasetError unless the data are arrays
+            "steps_per_epoch=None. Pass steps_per_epoch= or drop the `.repeat()`.")
 
-    strategy = model.distribute_strategy
-    if auto and isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
-            strategy.num_replicas_in_sync > 1):
-        # Each worker's trials would issue collectives in its own order: a deadlock.
-        raise UnsupportedModelError(
-            "Expected an explicit `micro_batch_size` under MultiWorkerMirroredStrategy. "
-            "Received: micro_batch_size='auto'. Find it once on one worker's hardware "
-            "(`autosplit probe ...` or autosplit.probe without the strategy) and pass it "
-            "to every worker.")
+
+class _Validation:
+    """``model.evaluate`` on the validation data, at the micro-batch size."""
+
+    def __init__(self, data: Any, args: _Args) -> None:
+        self.data = data
+        self.args = args
+
+    @classmethod
+    def make(cls, data: Any, args: _Args) -> _Validation | None:
+        if data is None:
+            return None
+        ok = isinstance(data, (tf.data.Dataset, keras.utils.PyDataset)) or (
+            isinstance(data, (tuple, list)) and len(data) in (2, 3))
+        if not ok:
+            raise ValueError(
+                "Expected `validation_data` to be a tf.data.Dataset, a keras.utils.PyDataset "
+                "or a tuple (x, y) or (x, y, sample_weight). Received: "
+                f"validation_data={describe(data)}.")
+        return cls(data, args)
+
+    def __call__(self, model: keras.Model, rows: int) -> dict:
+        batch = self.args.validation_batch_size or rows
+        kwargs: dict[str, Any] = {"steps": self.args.validation_steps}
+        data = self.data
+        if isinstance(data, tf.data.Dataset):
+            # The device sees validation micro-batches too: rebatch whatever the user's
+            # batches are (DatasetInput knows a batched dataset from one of examples).
+            if DatasetInput(data, name="validation_data").batched:
+                data = data.rebatch(batch)
+            else:
+                data = data.batch(batch)
+        elif isinstance(data, (tuple, list)):
+            data, y, *rest = data
+            kwargs.update(y=y, batch_size=batch)
+            if rest and rest[0] is not None:
+                kwargs["sample_weight"] = rest[0]
+        logs = model.evaluate(data, verbose=0, return_dict=True, **kwargs)
+        return {f"val_{name}": float(value) for name, value in logs.items()}
+
+
+# ---------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass
+class _Plan:
+    split: Split  # of this replica's share B / R
+    layout: Layout
+    pipeline: MicroBatches
+    step: TrainStep
+    probe: Any  # ProbeResult or None
+    reason: str
+
+
+def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom, cache,
+          verbose) -> _Plan:
+    where = layout(model.distribute_strategy)
+    if args.batch_size % where.replicas:
+        raise BatchSizeError(
+            f"Expected `batch_size` to divide evenly across the {where.replicas} replicas "
+            f"of {type(model.distribute_strategy).__name__}. Received: "
+            f"batch_size={args.batch_size}. Use a multiple of {where.replicas}, e.g. "
+            f"{args.batch_size - args.batch_size % where.replicas or where.replicas}.")
     probe_result = None
-    if auto:
-        from autosplit.probe import probe
+    if args.micro_batch_size is None:
+        from autosplit.probe import search_micro_batch
 
-        probe_result = probe(model, dataset, batch_size, memory_limit=memory_limit,
-                             headroom=headroom, cache=cache, streaming=streaming,
-                             _batches=batches)
-        micro_batch_size = agree_on_micro_batch(model.distribute_strategy,
-                                                probe_result.micro_batch_size)
-        streaming = probe_result.streaming
-    elif streaming == "auto":
-        from autosplit.probe import stream_by_default
+        probe_result = search_micro_batch(
+            model, adapter, args.batch_size, memory_limit=memory_limit, headroom=headroom,
+            cache=cache, jit_compile=jit_compile, verbose=verbose)
+        micro = probe_result.micro_batch_size
+        reason = probe_result.reason()
+    else:
+        micro = args.micro_batch_size
+        reason = "given"
+    split = split_batch(args.batch_size // where.replicas, micro)
+    pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size,
+                            workers=where.workers, worker=where.worker,
+                            local_replicas=where.local_replicas)
+    spec = pipeline.element_spec()
+    build_for(model, spec, where.local_replicas)
+    step = train_step(model, args.batch_size, spec, jit_compile=jit_compile)
+    step.warn_if_inexact(split.accumulation_steps)
+    return _Plan(split, where, pipeline, step, probe_result, reason)
 
-        streaming = stream_by_default(batches, model)
-    split = split_batch(batch_size, micro_batch_size)
-    with model.distribute_strategy.scope():
-        _keras.build_model(model, batches.sample(split.micro_batch_size))
-    check_model(model)
-    source = batches.source if streaming else None
-    step = TrainStep(model, split, jit_compile=jit_compile, source=source)
-    known_fits = list(probe_result.fitting_sizes()) if probe_result is not None else []
 
-    steps = steps_per_epoch or batches.steps_per_epoch
+# ---------------------------------------------------------------- the epoch loop
+
+
+def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | None,
+           args: _Args, callbacks) -> keras.callbacks.History:
+    pipeline, step = plan.pipeline, plan.step
+    epoch_steps = args.steps_per_epoch or pipeline.steps()
     callback_list = keras.callbacks.CallbackList(
-        callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
-        epochs=epochs, steps=steps, model=model,
-    )
+        callbacks, add_history=True, add_progbar=args.verbose != 0, verbose=args.verbose,
+        epochs=args.epochs, steps=epoch_steps, model=model)
     info: dict[str, Any] = {
-        "batch_size": batch_size,
-        "micro_batch_size": split.micro_batch_size,
-        "accumulation_steps": split.accumulation_steps,
+        "batch_size": args.batch_size,
+        "micro_batch_size": plan.split.micro_batch_size,
+        "accumulation_steps": plan.split.accumulation_steps,
+        "padded_rows": plan.split.padded_rows,
+        "micro_batch_reason": plan.reason,
+        "input": adapter.kind,
+        "replicas": plan.layout.replicas,
+        "workers": plan.layout.workers,
         "micro_batch_sizes": [],
         "oom_recoveries": [],
-        "probe": probe_result.to_dict() if probe_result is not None else None,
-        "streaming": bool(streaming),
+        "probe": plan.probe.to_dict() if plan.probe is not None else None,
     }
 
-    def publish() -> None:
-        params = dict(callback_list.params or {})
-        params.update(micro_batch_size=step.split.micro_batch_size,
-                      accumulation_steps=step.split.accumulation_steps,
-                      batch_size=batch_size)
-        callback_list.set_params(params)
-        info["micro_batch_size"] = step.split.micro_batch_size
-        info["accumulation_steps"] = step.split.accumulation_steps
+    def on_shrink(*_):
+        if plan.probe is not None:  # an OOM proved the cached answer wrong
+            from autosplit.probe import invalidate_cache
 
-    publish()
+            invalidate_cache(plan.probe)
+        _publish(callback_list, info, recovery, args, plan)
+
+    recovery = Recovery(
+        step, on_oom=args.on_oom, multi_worker=plan.layout.multi_worker,
+        known_fits=plan.probe.fitting_sizes() if plan.probe is not None else (),
+        fused=adapter.rows is not None and args.steps_per_epoch is None,
+        on_shrink=on_shrink, fault_hook=_FAULT_HOOK)
+    _publish(callback_list, info, recovery, args, plan)
+    traces_before = step.tracing_count()
     model.stop_training = False
     callback_list.on_train_begin()
-    global_step = 0
-    iterator = None
-    logs: dict = {}
-    for epoch in range(initial_epoch, epochs):
+    iterator, logs, epoch_logs, global_step = None, {}, {}, 0
+    # model.fit keeps one iterator across epochs when steps_per_epoch is given.
+    keep_iterator = args.steps_per_epoch is not None or not adapter.reiterable
+    for epoch in range(args.initial_epoch, args.epochs):
         model.reset_metrics()
+        adapter.on_epoch_begin()
         callback_list.on_epoch_begin(epoch)
-        if iterator is None:
-            # Known epoch length: one endless, reshuffling iterator for the whole run.
-            # An explicit steps_per_epoch keeps one iterator too, as model.fit does.
-            endless = steps_per_epoch is None and steps is not None
-            iterator = batches.iterate(repeat=endless, streaming=bool(streaming))
-        elif steps is None:
-            iterator = batches.iterate(streaming=bool(streaming))
-        for index in range(steps) if steps is not None else _count():
-            try:
-                x, y, w, n_valid = next(iterator)
-            except StopIteration:
-                if steps_per_epoch is not None:
-                    warnings.warn(
-                        "Your input ran out of data; interrupting training. Make sure the "
-                        f"dataset can give steps_per_epoch * epochs = {steps_per_epoch * epochs}"
-                        " large batches (you may need `.repeat()`).",
-                        stacklevel=2,
-                    )
-                    model.stop_training = True
-                break
+        if iterator is None or not keep_iterator:
+            if recovery.pieces > 1 and adapter.reiterable:
+                pipeline = _rebuild(plan, recovery)
+            iterator = None  # let the last epoch's prefetch buffers go first
+            iterator = iter(pipeline.dataset())
+        ran = 0
+        for index in _steps(epoch_steps):
+            count = pipeline.elements(index) if args.steps_per_epoch is None else (
+                pipeline.per_batch)
             callback_list.on_train_batch_begin(index)
-            while True:
-                try:
-                    if _FAULT_HOOK is not None:
-                        _FAULT_HOOK(global_step, step.split.micro_batch_size)
-                    logs = step(x, y, w, n_valid)
-                    break
-                except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as error:
-                    if step.replicas == 1:
-                        raise
-                    raise WorkerLostError(
-                        f"A worker of the {type(step.strategy).__name__} run stopped "
-                        f"answering during step {global_step} ({type(error).__name__}); this "
-                        "worker stops too instead of waiting forever. Restart the job; "
-                        "keras.callbacks.BackupAndRestore resumes it from the last epoch. "
-                        "Collective timeouts are set with tf.distribute.experimental."
-                        "CommunicationOptions(timeout_seconds=...)."
-                    ) from error
-                except tf.errors.ResourceExhaustedError as error:
-                    step.restore()  # undoes only what this attempt changed
-                    failed = step.split.micro_batch_size
-                    if on_oom == "raise":
-                        raise
-                    smaller = shrink_micro_batch(failed, known_fits)
-                    if smaller < 1:
-                        raise NothingFitsError(
-                            "Out of memory during training with a micro-batch of 1 example: "
-                            "nothing smaller can be tried. Free memory or use a smaller model."
-                        ) from error
-                    warnings.warn(
-                        f"Out of memory in step {global_step} with micro_batch_size={failed}; "
-                        f"redoing the same batch with micro_batch_size={smaller}.",
-                        stacklevel=2,
-                    )
-                    if probe_result is not None:
-                        from autosplit.probe import invalidate_cache
-
-                        invalidate_cache(probe_result)
-                    # A size the probe saw fit has just failed: memory is tighter than
-                    # at probe time, so its other measurements are not trusted either.
-                    known_fits = []
-                    info["oom_recoveries"].append(
-                        {"step": global_step, "failed": failed, "retry": smaller})
-                    step = TrainStep(model, split_batch(batch_size, smaller),
-                                     jit_compile=jit_compile, source=source)
-                    publish()
-            logs = {name: float(value) for name, value in logs.items()}
+            result = recovery.run(iterator, count, global_step)
+            if result is None:
+                break
+            logs = {name: float(value) for name, value in result.items()}
             callback_list.on_train_batch_end(index, logs)
             global_step += 1
+            ran += 1
             if model.stop_training:
                 break
-        epoch_logs = {name: float(value) for name, value in model.get_metrics_result().items()}
-        if validation_data is not None and (epoch + 1) % validation_freq == 0:
-            val_x, val_kwargs = _validation_data(validation_data, step.split.micro_batch_size)
-            val_logs = model.evaluate(val_x, verbose=0, return_dict=True, **val_kwargs)
-            epoch_logs.update({f"val_{name}": float(v) for name, v in val_logs.items()})
-        info["micro_batch_sizes"].append(step.split.micro_batch_size)
+        if ran == 0 or (args.steps_per_epoch is not None and ran < args.steps_per_epoch
+                        and not model.stop_training):
+            warnings.warn(
+                "Your input ran out of data; interrupting training. Make sure that your "
+                "dataset or generator can generate at least `steps_per_epoch * epochs` "
+                f"large batches ({(args.steps_per_epoch or ran) * args.epochs} here); you "
+                "may need `.repeat()`.", stacklevel=2)
+            model.stop_training = True
+        if ran == 0:
+            adapter.on_epoch_end()
+            break  # no epoch to report: a 0.0 loss would mislead EarlyStopping and co.
+        if epoch_steps is None and ran:
+            epoch_steps = ran  # learnt from the first epoch, as model.fit does
+            _publish(callback_list, info, recovery, args, plan, steps=epoch_steps)
+        epoch_logs = {name: float(v) for name, v in model.get_metrics_result().items()}
+        if validation is not None and (epoch + 1) % args.validation_freq == 0 and ran:
+            epoch_logs.update(validation(model, recovery.rows))
+        adapter.on_epoch_end()
+        info["micro_batch_sizes"].append(recovery.rows)
         callback_list.on_epoch_end(epoch, epoch_logs)
         if model.stop_training:
             break
-    callback_list.on_train_end(logs=epoch_logs if epochs > initial_epoch else logs)
-    info["traces"] = step.tracing_count()
+    # As model.fit does: swap the averaged weights in (a no-op without use_ema).
+    model.optimizer.finalize_variable_values(model.trainable_variables)
+    callback_list.on_train_end(logs=epoch_logs or logs)
+    info["oom_recoveries"] = recovery.records
+    info["traces"] = step.tracing_count() - traces_before
     history = model.history
     history.autosplit = info
     return history
 
 
-def _count():
+def _rebuild(plan: _Plan, recovery: Recovery) -> MicroBatches:
+    """After a recovery, a new epoch's pipeline cuts at the size that worked."""
+    rows = recovery.rows
+    split = split_batch(plan.split.batch_size, rows)
+    pipeline = MicroBatches(plan.pipeline.adapter, plan.pipeline.batch_size,
+                            split.micro_batch_size, workers=plan.layout.workers,
+                            worker=plan.layout.worker,
+                            local_replicas=plan.layout.local_replicas)
+    recovery.rebind(pipeline.element_spec())
+    plan.pipeline, plan.split = pipeline, split
+    return pipeline
+
+
+def _publish(callback_list, info, recovery: Recovery, args: _Args, plan: _Plan,
+             steps: int | None = None) -> None:
+    """Tell callbacks and ``history.autosplit`` how batches are split right now."""
+    rows = recovery.rows
+    k = -(-plan.split.batch_size // rows)
+    params = dict(callback_list.params or {})
+    params.update(micro_batch_size=rows, accumulation_steps=k, batch_size=args.batch_size)
+    if steps is not None:
+        params["steps"] = steps
+        for callback in callback_list.callbacks:
+            if isinstance(callback, keras.callbacks.ProgbarLogger):
+                callback.target = steps
+    callback_list.set_params(params)
+    info["micro_batch_size"] = rows
+    info["accumulation_steps"] = k
+
+
+def _steps(count: int | None):
     index = 0
-    while True:
+    while count is None or index < count:
         yield index
         index += 1
 

@@ -1,75 +1,49 @@
-"""The micro-batch search: real trial steps, a memory model, and an on-disk cache.
+"""The probe: real trial steps of the real compiled step, driven by ``autosplit.search``.
 
-Not a blind halving (accelerate's ``find_executable_batch_size`` lesson, PR #3684:
-"stop halving my batch"): measure the real peak of the real compiled step at two
-small sizes, fit ``peak = fixed + per_example * m`` (the fixed part holds the
-weights, the optimizer slots, the accumulator and the large batch's own inputs, which
-stay in memory while it is split), predict the largest ``m`` under the budget, verify
-it with a trial, and bisect between the largest size that fit and the smallest that
-did not. Out-of-memory is detected by type (``tf.errors.ResourceExhaustedError``).
-Each OOM is slow (the allocator retries before giving up), so the search is built to
-provoke few of them, and counts them.
+A trial at micro-batch size m builds the input pipeline training will use at m
+(``autosplit.pipeline``) and runs the training step (``autosplit.step``) on it: one
+warm-up step, then two measured ones, each of two micro-batches and the apply. The
+loop runs its micro-batches one after another, so two reach the step's peak and a
+trial's time does not grow with B/m. Nothing of B rows is ever held, so the memory
+model's fixed part is the weights, the optimizer slots, the float32 sums and the
+pipeline's few buffered micro-batches, whatever the input kind.
 
-The model, the optimizer and the metrics are restored bitwise after the trials.
+Phases: validate and read the device and the budget (``autosplit.memory``), look up
+the cache (``autosplit.cache``), search (``autosplit.search``), build the immutable
+:class:`ProbeResult` from the trials. The model, the optimizer and the metrics are
+restored bitwise after the trials. Out-of-memory is detected by type
+(``tf.errors.ResourceExhaustedError``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import hashlib
 import json
 import math
-import os
 import time
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from autosplit import _keras
-from autosplit.data import LargeBatches
-from autosplit.errors import MemoryLimitError, NothingFitsError
-from autosplit.memory import (
-    DeviceInfo,
-    PeakMeter,
-    budget_bytes,
-    format_bytes,
-    parse_memory,
-    read_device,
-)
-from autosplit.step import Snapshot, TrainStep, check_model, check_size, split_batch
+from autosplit import cache as _cache
+from autosplit.distribute import layout
+from autosplit.errors import MemoryLimitError, NothingFitsError, UnsupportedModelError
+from autosplit.inputs import ArrayInput, InputAdapter, get_input
+from autosplit.memory import PeakMeter, budget_bytes, format_bytes, parse_memory, read_device
+from autosplit.pipeline import MicroBatches
+from autosplit.search import Trial, fit_line, run_search
+from autosplit.split import split_batch
+from autosplit.state import Snapshot
+from autosplit.step import build_for, train_step
+from autosplit.validation import check_fraction, check_model, check_size
 
-__all__ = [
-    "ProbeResult",
-    "Trial",
-    "cache_dir",
-    "invalidate_cache",
-    "probe",
-    "should_stream",
-    "stream_by_default",
-]
+__all__ = ["ProbeResult", "Trial", "invalidate_cache", "probe", "search_micro_batch"]
 
 _TRIAL_STEPS = 2  # measured steps per trial, after one warm-up step
-_TOLERANCE = 0.05  # stop bisecting when the gap is within 5% of the best fit
-# Stream micro-batches from the arrays when one large batch of inputs alone would take
-# this share of the budget: materialising it would leave too little for activations.
-_STREAM_SHARE = 0.25
-
-
-@dataclasses.dataclass(frozen=True)
-class Trial:
-    """One trial step at one micro-batch size."""
-
-    micro_batch_size: int
-    fits: bool  # ran without OOM and peaked under the budget
-    oom: bool  # raised ResourceExhaustedError
-    peak_bytes: int | None  # measured peak (None after an OOM)
-    seconds: float
+_TRIAL_MICRO_BATCHES = 2  # per step: enough to reach the loop's steady peak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +51,7 @@ class ProbeResult:
     """What the search found; immutable and JSON-serialisable (``to_dict``/``from_dict``)."""
 
     batch_size: int
-    micro_batch_size: int
+    micro_batch_size: int  # rows per micro-batch (balanced), per replica
     accumulation_steps: int
     trials: tuple[Trial, ...]
     device: dict
@@ -92,7 +66,6 @@ class ProbeResult:
     ooms: int
     seconds: float
     cache_key: str
-    streaming: bool = False  # micro-batches gathered inside the loop (fit_large_batch)
     from_cache: bool = False
 
     def fitting_sizes(self) -> list[int]:
@@ -104,6 +77,19 @@ class ProbeResult:
         if self.fixed_bytes is None or self.per_example_bytes is None:
             return None
         return int(self.fixed_bytes + self.per_example_bytes * micro_batch_size)
+
+    def reason(self) -> str:
+        """Why this size, in one line (for ``history.autosplit`` and the CLI)."""
+        if self.from_cache:
+            return f"cached probe result ({self.cache_key[:8]})"
+        smallest_failure = min((t.micro_batch_size for t in self.trials if not t.fits),
+                               default=None)
+        if self.micro_batch_size >= self.batch_size or smallest_failure is None:
+            return (f"the whole batch fits: peak {format_bytes(self.measured_peak_bytes or 0)} "
+                    f"within the budget of {format_bytes(self.budget_bytes)}")
+        return (f"largest size that fit the budget of {format_bytes(self.budget_bytes)} "
+                f"(peak {format_bytes(self.measured_peak_bytes or 0)}); {smallest_failure} "
+                f"did not; {len(self.trials)} trials, {self.ooms} out of memory")
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -120,124 +106,46 @@ class ProbeResult:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-# ---------------------------------------------------------------- cache
-
-
-def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/autosplit``, else ``~/.cache/autosplit``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "autosplit"
-
-
-def _fingerprint(model: keras.Model, sample: tuple, batch_size: int, limit: int | None,
-                 device: DeviceInfo, headroom: float, jit_compile: bool,
-                 streaming: bool) -> str:
-    spec = tf.nest.map_structure(
-        lambda t: None if t is None else (tuple(t.shape[1:]), str(t.dtype)), list(sample))
-    try:
-        architecture = model.to_json()
-    except Exception:  # subclassed models without get_config
-        architecture = repr([(v.path, tuple(v.shape), str(v.dtype)) for v in model.variables])
-    optimizer = model.optimizer
-    parts = {
-        "device": [device.kind, device.identity, device.total_bytes],
-        "versions": [tf.__version__, keras.__version__],
-        "architecture": architecture,
-        "dtype_policy": str(keras.mixed_precision.global_policy().name),
-        "inputs": repr(spec),
-        "optimizer": [type(optimizer).__name__,
-                      json.dumps(optimizer.get_config(), sort_keys=True, default=str)],
-        "jit_compile": jit_compile,
-        "streaming": streaming,
-        "memory_limit": limit,
-        "batch_size": batch_size,
-        "headroom": headroom,
-    }
-    blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:32]
-
-
-def _cache_path(key: str) -> Path:
-    return cache_dir() / f"probe-{key}.json"
-
-
 def invalidate_cache(result: ProbeResult) -> None:
     """Forget a cached result (an OOM during training proved it wrong)."""
-    with contextlib.suppress(FileNotFoundError):
-        _cache_path(result.cache_key).unlink()
+    _cache.invalidate(result.cache_key)
 
 
-def stream_by_default(batches: LargeBatches, model: keras.Model) -> bool:
-    """``streaming="auto"``: stream whenever the examples are arrays in memory.
-
-    Streaming never costs memory (the arrays are held anyway, and only row numbers
-    travel) and keeps the step's peak flat in the target batch: measured +1% from
-    B=512 to B=16384, against +50% (2.6 copies of a large batch in the input pipeline)
-    when the batch is materialised (benchmarks/memory_scaling.py). Datasets, and
-    models under a multi-replica strategy, are batched as usual.
-    """
-    return batches.streamable and model.distribute_strategy.num_replicas_in_sync == 1
-
-
-def should_stream(batches: LargeBatches, *, memory_limit: int | str | None = None,
-                  headroom: float = 0.1) -> bool:
-    """Whether one large batch of inputs would take a quarter of the budget or more.
-
-    A diagnostic for the README's advice; ``streaming="auto"`` streams all arrays.
-    """
-    if not batches.streamable:
-        return False
-    gpu = bool(tf.config.list_logical_devices("GPU"))
-    device = read_device("GPU:0" if gpu else "CPU:0")
-    budget = budget_bytes(device, parse_memory(memory_limit), headroom)
-    return batches.batch_bytes() >= _STREAM_SHARE * budget
-
-
-# ---------------------------------------------------------------- search
-
-
-def _fit_line(points: Sequence[tuple[int, int]]) -> tuple[float, float] | None:
-    """Least-squares ``peak = a + b * m`` over (m, peak) points."""
-    sizes = sorted({m for m, _ in points})
-    if len(sizes) < 2:
-        return None
-    m = np.array([p[0] for p in points], np.float64)
-    y = np.array([p[1] for p in points], np.float64)
-    b, a = np.polyfit(m, y, 1)
-    return float(a), max(float(b), 1.0)
-
-
-def _round(m: int) -> int:
-    """Prefer multiples of 8 once m >= 8 (tensor-core and vector friendly)."""
-    return m - m % 8 if m >= 8 else max(m, 1)
+def format_trial(trial: Trial, budget: int) -> str:
+    """One line per finished trial, for progress output."""
+    outcome = "OOM" if trial.oom else ("fits" if trial.fits else "over budget")
+    peak = "-" if trial.peak_bytes is None else format_bytes(trial.peak_bytes)
+    return (f"  trial micro_batch_size={trial.micro_batch_size:<6} {outcome:<11} peak {peak:>11}"
+            f" of {format_bytes(budget)}  {trial.seconds:5.1f} s")
 
 
 def probe(
     model: keras.Model,
-    dataset: Any,
-    batch_size: int,
+    x: Any = None,
+    y: Any = None,
     *,
+    batch_size: int,
+    sample_weight: Any = None,
     memory_limit: int | str | None = None,
     headroom: float = 0.1,
     cache: bool = True,
     jit_compile: bool | None = None,
-    streaming: bool | str = "auto",
-    _batches: LargeBatches | None = None,
+    verbose: int = 0,
+    on_trial: Callable[[Trial, int], None] | None = None,
 ) -> ProbeResult:
     """Find the largest micro-batch of ``model`` that fits, by real trial steps.
 
     Args:
         model: a compiled Keras model.
-        dataset: the training data (single examples, as for ``fit_large_batch``); one
-            real large batch of it is used for the trials.
+        x, y, sample_weight: the training data, in any form ``fit_large_batch`` takes;
+            a few micro-batches of it feed the trials.
         batch_size: the effective batch B; the micro-batch is capped at B (k = 1).
         memory_limit: a budget smaller than the device ("6GiB", "512MB" or bytes).
         headroom: the fraction of the budget left free (default 10%).
-        cache: reuse/store the result under ``cache_dir()``.
+        cache: reuse/store the result under ``autosplit.cache.cache_dir()``.
         jit_compile: as for ``fit_large_batch``.
-        streaming: trial the streaming step (micro-batches gathered from the arrays
-            inside the loop); ``"auto"``: whenever the examples are arrays (see
-            ``stream_by_default``). The result says which was chosen.
+        verbose: 1 prints one line per trial as it finishes, then the choice.
+        on_trial: called with ``(trial, budget_bytes)`` after every trial.
 
     Returns:
         A ``ProbeResult`` with the chosen ``micro_batch_size`` and every trial.
@@ -246,24 +154,47 @@ def probe(
         NothingFitsError: not even one example fits; says what one example needs.
 
     Example:
-        >>> result = autosplit.probe(model, (x, y), batch_size=4096, memory_limit="2GiB")
+        >>> result = autosplit.probe(model, x, y, batch_size=4096, memory_limit="2GiB")
         >>> result.micro_batch_size, result.accumulation_steps
         (512, 8)
     """
-    started = time.perf_counter()
     batch_size = check_size("batch_size", batch_size)
+    check_model(model)
+    adapter = get_input(x, y, sample_weight, shuffle=False)
+    return search_micro_batch(model, adapter, batch_size, memory_limit=memory_limit,
+                              headroom=headroom, cache=cache, jit_compile=jit_compile,
+                              verbose=verbose, on_trial=on_trial)
+
+
+def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: int, *,
+                       memory_limit=None, headroom: float = 0.1, cache: bool = True,
+                       jit_compile: bool | None = None, verbose: int = 0,
+                       on_trial: Callable[[Trial, int], None] | None = None) -> ProbeResult:
+    """``probe`` for an input adapter (what ``fit_large_batch(micro_batch_size="auto")`` calls)."""
+    started = time.perf_counter()
     limit = parse_memory(memory_limit)
-    check_model(model)
-    batches = _batches or LargeBatches(dataset, batch_size)
-    with model.distribute_strategy.scope():
-        _keras.build_model(model, batches.sample(min(batch_size, 8)))
-    check_model(model)
+    check_fraction("headroom", headroom)
+    where = layout(model.distribute_strategy)
+    if where.multi_worker:
+        # Each worker's trials would issue collectives in its own order: a deadlock.
+        raise UnsupportedModelError(
+            "Expected an explicit `micro_batch_size` under MultiWorkerMirroredStrategy. "
+            "Received: micro_batch_size='auto'. Find it once on one worker's hardware "
+            "(`autosplit probe ...` or autosplit.probe without the strategy) and pass it "
+            "to every worker.")
+    local_batch = batch_size // where.replicas
+    trial_input = adapter if adapter.reiterable else ArrayInput(
+        *adapter.sample(local_batch), shuffle=False)
+    pipeline = MicroBatches(trial_input, batch_size, min(local_batch, 8),
+                            workers=where.workers, worker=where.worker,
+                            local_replicas=where.local_replicas)
+    spec = pipeline.element_spec()
+    build_for(model, spec, where.local_replicas)
     meter_device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
     meter = PeakMeter(meter_device)
     meter.reset()
     baseline = meter.current_bytes()
     device = read_device(meter_device)
-    budget_bytes(device, None, headroom)  # validates `headroom`
     # What this process may hold in all, in the meter's units: NVML's figure already
     # counts our own allocations; the CPU readings are what is still free.
     ceiling = device.available_bytes if device.kind == "GPU" else baseline + device.available_bytes
@@ -272,89 +203,86 @@ def probe(
             f"Expected `memory_limit` above what the process already holds "
             f"({format_bytes(baseline)}: weights, optimizer state"
             f"{', runtime' if meter.source == 'rss-hwm' else ''}). Received: "
-            f"memory_limit={format_bytes(limit)}. Raise the limit or use a smaller model."
-        )
+            f"memory_limit={format_bytes(limit)}. Raise the limit or use a smaller model.")
+    budget_bytes(device, None, headroom)  # validates the reading
     if limit is not None:
         ceiling = min(ceiling, limit)
     budget = math.floor(ceiling * (1 - headroom))
     jit = bool(model.jit_compile if jit_compile is None else jit_compile)
-    if streaming == "auto":
-        streaming = stream_by_default(batches, model)
-    streaming = bool(streaming)
-    source = batches.source if streaming else None
-    if streaming:
-        # Only the row numbers travel; each micro-batch is gathered inside the loop.
-        x, n_valid = batches.first_index()
-        y = w = None
-        in_flight = 0
-    else:
-        x, y, w, n_valid = batches.first()
-        # While a step runs, the input pipeline holds the next large batch
-        # (prefetch(1)). On the CPU it shares the allocator with the step; a GPU's
-        # inputs wait in host memory, outside the device budget.
-        in_flight = 0 if device.kind == "GPU" else sum(
-            int(t.numpy().nbytes) for t in tf.nest.flatten((x, y, w)) if t is not None)
     # The live budget moves with whatever else holds memory right now; the key uses
     # what defines it: the device's total, the user's limit and the headroom.
-    signature = source if streaming else (x, y, w)
-    key = _fingerprint(model, signature, batch_size, limit, device, headroom, jit, streaming)
+    key = _cache.fingerprint(
+        model, spec[:3], device=[device.kind, device.identity, device.total_bytes],
+        jit_compile=jit, memory_limit=limit, batch_size=batch_size, headroom=headroom,
+        replicas=where.replicas)
     if cache:
-        try:
-            cached = ProbeResult.from_dict(json.loads(_cache_path(key).read_text()))
-            return dataclasses.replace(cached, from_cache=True)
-        except (FileNotFoundError, ValueError, TypeError, KeyError):
-            pass
+        stored = _cache.load(key)
+        if stored is not None:
+            try:
+                return dataclasses.replace(ProbeResult.from_dict(stored), from_cache=True)
+            except (TypeError, KeyError):
+                pass
 
+    step = train_step(model, batch_size, spec, jit_compile=jit)
     snapshot = Snapshot(model)
-    trials: list[Trial] = []
+    say = _reporter(verbose, on_trial, budget)
 
-    def trial(m: int, again: bool = False) -> Trial:
-        for done in trials:
-            if done.micro_batch_size == m and not again:
-                return done
+    def trial(m: int) -> Trial:
         t0 = time.perf_counter()
-        step = None
+        iterator = None
         try:
-            step = TrainStep(model, split_batch(batch_size, m), jit_compile=jit, source=source)
+            rows = split_batch(local_batch, m).micro_batch_size
+            cut = MicroBatches(trial_input, batch_size, rows, workers=where.workers,
+                               worker=where.worker, local_replicas=where.local_replicas)
+            step.rebind(cut.element_spec())
+            iterator = iter(cut.dataset(repeat=True))
+            count = min(_TRIAL_MICRO_BATCHES, cut.per_batch)
             # The first step traces and makes one-time allocations (kernel caches,
             # scratch buffers) that stay; the steady-state peak is what training sees.
-            step(x, y, w, n_valid)
+            step.run(iterator, count)
             meter.reset()
             for _ in range(_TRIAL_STEPS):
-                step(x, y, w, n_valid)
-            peak = meter.peak_bytes() + in_flight
+                step.run(iterator, count)
+            peak = meter.peak_bytes()
             result = Trial(m, peak <= budget, False, int(peak), time.perf_counter() - t0)
         except tf.errors.ResourceExhaustedError:
             result = Trial(m, False, True, None, time.perf_counter() - t0)
         finally:
+            step.discard()
             snapshot.restore()
-            # A TrainStep and its tf.function reference each other: collect the cycle
-            # now, or the dead trial's buffers count against the next one.
-            del step
-            gc.collect()
-        trials.append(result)
+            del iterator
+            gc.collect()  # a dead trial's buffers must not count against the next one
+        say(result)
         return result
 
     try:
-        chosen = _search(batch_size, trial, trials, budget)
-        # Trials leave lasting allocations behind (kernel caches, scratch buffers for
-        # each new shape), so what fit early may not fit now. Verify the choice last,
-        # in a fresh step, as training will run it; step down through the fits if not.
-        # (Not needed when the choice was the last trial: nothing ran after it.)
-        last = trials[-1] if trials else None
-        verified = last is not None and last.fits and last.micro_batch_size == chosen
-        while chosen is not None and not verified:
-            final = trial(chosen, again=True)
-            if final.fits:
-                break
-            # Step down by 10% (a measured step), not to a far smaller earlier fit.
-            smaller = _round(int(chosen * 0.9))
-            chosen = smaller if 1 <= smaller < chosen else (chosen - 1 or None)
+        chosen, trials = run_search(local_batch, budget, trial)
     finally:
+        step.discard()
         snapshot.restore()
-    fitting = [t for t in trials if t.fits]
-    line = _fit_line([(t.micro_batch_size, t.peak_bytes) for t in trials
-                      if t.peak_bytes is not None])
+    result = _result(trials, chosen, local_batch, device, budget, limit, headroom, meter,
+                     key, time.perf_counter() - started)
+    if verbose:
+        print(f"  chose micro_batch_size={result.micro_batch_size} "
+              f"(k={result.accumulation_steps}): {result.reason()}", flush=True)
+    if cache:
+        _cache.store(key, result.to_dict())
+    return result
+
+
+def _reporter(verbose: int, on_trial, budget: int) -> Callable[[Trial], None]:
+    def say(trial: Trial) -> None:
+        if on_trial is not None:
+            on_trial(trial, budget)
+        if verbose:
+            print(format_trial(trial, budget), flush=True)
+    return say
+
+
+def _result(trials, chosen, batch_size, device, budget, limit, headroom, meter, key,
+            seconds) -> ProbeResult:
+    line = fit_line([(t.micro_batch_size, t.peak_bytes) for t in trials
+                     if t.peak_bytes is not None])
     if chosen is None:
         per_example = line[1] if line else None
         smallest = min((t.peak_bytes for t in trials if t.peak_bytes), default=None)
@@ -367,13 +295,13 @@ def probe(
             f"budget is {format_bytes(budget)} ({int(headroom * 100)}% headroom kept). "
             "Raise `memory_limit`, lower `headroom`, or use a smaller model or inputs.",
             bytes_per_example=int(per_example) if per_example else None,
-            budget_bytes=budget,
-        )
-    chosen_trial = [t for t in fitting if t.micro_batch_size == chosen][-1]
-    result = ProbeResult(
+            budget_bytes=budget)
+    chosen_trial = [t for t in trials if t.fits and t.micro_batch_size == chosen][-1]
+    split = split_batch(batch_size, chosen)
+    return ProbeResult(
         batch_size=batch_size,
-        micro_batch_size=chosen,
-        accumulation_steps=math.ceil(batch_size / chosen),
+        micro_batch_size=split.micro_batch_size,
+        accumulation_steps=split.accumulation_steps,
         trials=tuple(trials),
         device=device.to_dict(),
         budget_bytes=int(budget),
@@ -385,69 +313,6 @@ def probe(
         measured_peak_bytes=chosen_trial.peak_bytes,
         peak_source=meter.source,
         ooms=sum(t.oom for t in trials),
-        seconds=time.perf_counter() - started,
+        seconds=seconds,
         cache_key=key,
-        streaming=streaming,
     )
-    if cache:
-        try:
-            path = _cache_path(key)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(result.to_json())
-        except OSError:
-            pass
-    return result
-
-
-def _search(batch_size: int, trial, trials: list[Trial], budget: int) -> int | None:
-    """Measure two sizes, predict, verify, bisect. Returns the chosen size or None.
-
-    The two measured sizes are far apart (B/64 and B/4, at least 8 and 32): the peaks
-    of nearby small sizes differ by less than the allocator's noise, and a slope fitted
-    to them predicts nonsense. Each later guess comes from the line through the two
-    largest sizes that fit (the most linear stretch, and the nearest to the answer); a
-    guess outside the open interval (largest fit, smallest failure) is replaced by the
-    midpoint, so a bad line costs one failed trial, not a walk down one size at a time.
-    """
-    first = min(batch_size, max(8, batch_size // 64))
-    second = min(batch_size, max(32, batch_size // 4))
-    for m in sorted({first, second}):
-        if not trial(m).fits:
-            break
-
-    def bounds():
-        lo = max((t.micro_batch_size for t in trials if t.fits), default=0)
-        hi = min((t.micro_batch_size for t in trials if not t.fits), default=batch_size + 1)
-        return lo, hi
-
-    lo, hi = bounds()
-    for _ in range(12):
-        if lo == 0 or lo == batch_size or hi - lo <= max(1, _TOLERANCE * lo):
-            break
-        fitted = sorted((t.micro_batch_size, t.peak_bytes) for t in trials if t.fits)[-2:]
-        line = _fit_line(fitted)
-        guess = None
-        if line is not None:
-            a, b = line
-            guess = min(_round(int((budget - a) / b)), batch_size)
-        if guess is None or not lo < guess < hi:
-            top = min(hi, batch_size + 1)
-            guess = _round((lo + top) // 2)
-            if not lo < guess < top:
-                guess = (lo + top) // 2
-            if not lo < guess < top:
-                break
-        result = trial(guess)
-        lo, hi = bounds()
-        if result.fits and (result.peak_bytes >= (1 - _TOLERANCE / 2) * budget
-                            or guess == batch_size):
-            break  # the prediction landed within a few percent of the budget
-    if lo == 0:
-        # Even the smallest measured size failed: one example decides, then bisect.
-        if hi == 1 or not trial(1).fits:
-            return None
-        lo = 1
-        while hi - lo > 1:
-            trial((lo + hi) // 2)
-            lo, hi = bounds()
-    return lo

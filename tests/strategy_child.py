@@ -25,7 +25,10 @@ if SCENARIO == "mirrored":
 import keras  # noqa: E402
 
 import autosplit  # noqa: E402
-from autosplit import TrainStep, _keras, split_batch  # noqa: E402
+from autosplit.inputs import get_input  # noqa: E402
+from autosplit.pipeline import MicroBatches  # noqa: E402
+from autosplit.split import split_batch  # noqa: E402
+from autosplit.step import build_for, train_step  # noqa: E402
 
 
 def make(optimizer):
@@ -100,12 +103,14 @@ def mirrored(out):
     for micro in (10, 2):
         with strategy.scope():
             model = make(OPTIMIZERS["sgd"])
-            _keras.build_model(model, (x[:micro], y[:micro], w[:micro]))
-        step = TrainStep(model, split_batch(40, micro))
-        args = step._unpack(step.distribute(tf.constant(x[:40]), tf.constant(y[:40]),
-                                            tf.constant(w[:40]), tf.constant(40)))
-        graph = step.function.get_concrete_function(*args).graph.as_graph_def()
-        report[f"all_reduces_k{step.split.accumulation_steps}"] = count_all_reduces(graph)
+        split = split_batch(40 // 2, micro)
+        pipeline = MicroBatches(get_input(x, y, w, shuffle=False), 40, split.micro_batch_size,
+                                local_replicas=2)
+        spec = pipeline.element_spec()
+        build_for(model, spec, 2)
+        step = train_step(model, 40, spec)
+        graph = step.graph(iter(pipeline.dataset())).as_graph_def()
+        report[f"all_reduces_k{split.accumulation_steps}"] = count_all_reduces(graph)
         report["trainable_variables"] = len(model.trainable_variables)
     with strategy.scope():
         model = make(OPTIMIZERS["sgd"])

@@ -12,13 +12,15 @@ import tensorflow as tf
 from conftest import assert_weights_close, twin
 
 import autosplit
-from autosplit import TrainStep, split_batch
 from autosplit.errors import (
     BatchSizeError,
     DatasetError,
     ModelNotReadyError,
     UnsupportedModelError,
 )
+from autosplit.inputs import ArrayInput
+from autosplit.pipeline import MicroBatches
+from autosplit.testing import train_on_large_batch
 
 
 def make_mlp(optimizer=None, metrics=("accuracy",)):
@@ -90,15 +92,14 @@ def test_one_trace_serves_an_epoch_and_graph_size_does_not_grow_with_k():
     sizes = {}
     for micro in (32, 4):
         model = make_mlp()
-        autosplit._keras.build_model(model, (x[:micro], y[:micro], None))
-        step = TrainStep(model, split_batch(64, micro))
-        for n in (64, 64, 17):  # two full batches, then a padded one
-            step(tf.constant(x), tf.constant(y), None, tf.constant(n))
-        assert step.tracing_count() == 1
-        graph = step.function.get_concrete_function(
-            tf.constant(x), tf.constant(y), None, tf.constant(64)).graph
-        sizes[micro] = len(graph.as_graph_def().node) + sum(
-            len(f.node_def) for f in graph.as_graph_def().library.function)
+        _, step = train_on_large_batch(model, x, y, micro_batch_size=micro)
+        train_on_large_batch(model, x, y, micro_batch_size=micro)
+        train_on_large_batch(model, x[:17], y[:17], micro_batch_size=micro, batch_size=64)
+        assert step.tracing_count() == 1  # two full batches and a short one: one trace
+        graph = step.graph(iter(MicroBatches(ArrayInput(x, y), 64, micro).dataset()))
+        definition = graph.as_graph_def()
+        sizes[micro] = len(definition.node) + sum(
+            len(f.node_def) for f in definition.library.function)
     assert sizes[32] == sizes[4], sizes  # k = 2 and k = 16 give the same graph
 
 
@@ -245,14 +246,24 @@ def test_unreduced_loss_is_refused():
                                   verbose=0)
 
 
-def test_batched_dataset_is_refused_with_unbatch_hint():
-    x, y = data(40)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).map(lambda a, b: (a, b))
-    with pytest.raises(DatasetError, match=r"\.unbatch\(\)"):
-        autosplit.fit_large_batch(make_mlp(), ds, batch_size=16, micro_batch_size=4)
-    # ...and unbatching fixes it.
-    autosplit.fit_large_batch(make_mlp(), ds.unbatch(), batch_size=16, micro_batch_size=4,
-                              verbose=0)
+def test_batched_dataset_is_rebatched_not_refused():
+    """A pipeline ending in .batch(n), whatever n, trains exactly like its examples."""
+    x, y = data(230)
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    reference = make_mlp()
+    reference.build((None, 6))
+    initial = reference.get_weights()
+    autosplit.fit_large_batch(reference, examples, batch_size=64, micro_batch_size=16,
+                              epochs=2, verbose=0)
+    for batched in (examples.batch(32), examples.batch(7).map(lambda a, b: (a, b))):
+        model = make_mlp()
+        model.build((None, 6))
+        model.set_weights(initial)
+        history = autosplit.fit_large_batch(model, batched, batch_size=64, micro_batch_size=16,
+                                            epochs=2, verbose=0)
+        assert history.autosplit["input"] == "batched tf.data.Dataset"
+        assert int(model.optimizer.iterations) == 8
+        assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
 
 
 @pytest.mark.parametrize("bad", [
@@ -282,7 +293,7 @@ def test_mismatched_array_lengths():
 
 
 def test_not_data_at_all():
-    with pytest.raises(DatasetError, match=r"tf\.data\.Dataset or a tuple"):
+    with pytest.raises(DatasetError, match=r"Expected `x` to be arrays or a dataset"):
         autosplit.fit_large_batch(make_mlp(), "data.csv", batch_size=16, micro_batch_size=4)
 
 

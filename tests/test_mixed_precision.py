@@ -5,10 +5,9 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from conftest import assert_weights_close, twin
 
-from autosplit import TrainStep, split_batch
+from autosplit.testing import train_on_large_batch
 
 # After 3 Adam steps; bfloat16 keeps 8 bits of mantissa (2**-8 = 3.9e-3 per rounding).
 TOLERANCE = {"mixed_float16": 2e-3, "mixed_bfloat16": 6e-2}
@@ -43,11 +42,10 @@ def test_split_equals_full_batch_within_dtype_tolerance(policy):
     reference, candidate = twin(make, (x0[:16], y0[:16], None))
     if policy == "mixed_float16":
         assert isinstance(candidate.optimizer, keras.optimizers.LossScaleOptimizer)
-    step = TrainStep(candidate, split_batch(50, 16))
     for seed in range(3):
         x, y = data(seed)
         reference.train_on_batch(x, y)
-        step(tf.constant(x), tf.constant(y), None, tf.constant(50))
+        train_on_large_batch(candidate, x, y, micro_batch_size=16)
     assert_weights_close(reference.get_weights(), candidate.get_weights(), TOLERANCE[policy])
     assert int(candidate.optimizer.iterations) == 3
 
@@ -57,15 +55,14 @@ def test_overflow_in_one_micro_batch_skips_the_whole_step_once():
     try:
         x, y = data(0)
         reference, candidate = twin(make, (x[:16], y[:16], None))
-        step = TrainStep(candidate, split_batch(50, 16))
-        step(tf.constant(x), tf.constant(y), None, tf.constant(50))
+        train_on_large_batch(candidate, x, y, micro_batch_size=16)
         reference.train_on_batch(x, y)
         before = [w.copy() for w in candidate.get_weights()]
         scale = float(candidate.optimizer.dynamic_scale)
         iterations = int(candidate.optimizer.iterations)
         bad = x.copy()
-        bad[40, 0] = 1e6  # inf in float16, only in micro-batch 3 of 4
-        step(tf.constant(bad), tf.constant(y), None, tf.constant(50))
+        bad[40, 0] = 1e6  # inf in float16, only in micro-batch 4 of 4 (rows 39-50)
+        train_on_large_batch(candidate, bad, y, micro_batch_size=16)
         assert all(np.array_equal(a, b) for a, b in
                    zip(before, candidate.get_weights(), strict=True))
         assert float(candidate.optimizer.dynamic_scale) == scale / 2  # lowered once
@@ -73,7 +70,7 @@ def test_overflow_in_one_micro_batch_skips_the_whole_step_once():
         reference.train_on_batch(bad, y)  # plain Keras does the same on the full batch
         assert float(reference.optimizer.dynamic_scale) == scale / 2
         # The next good batch trains normally, in line with the reference.
-        step(tf.constant(x), tf.constant(y), None, tf.constant(50))
+        train_on_large_batch(candidate, x, y, micro_batch_size=16)
         reference.train_on_batch(x, y)
         assert_weights_close(reference.get_weights(), candidate.get_weights(), 2e-3)
     finally:

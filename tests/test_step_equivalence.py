@@ -12,7 +12,8 @@ import pytest
 import tensorflow as tf
 from conftest import assert_weights_close, dense_reference_step, twin
 
-from autosplit import TrainStep, accumulate_gradients, split_batch
+from autosplit import accumulate_gradients
+from autosplit.testing import train_on_large_batch
 
 SGD_TOL, ADAM_TOL = 1e-5, 1e-4
 rng = np.random.default_rng
@@ -103,8 +104,7 @@ def run_case(make_model, data, batch, micro, *, tol, weights=False, dense_refere
     x0, y0, w0 = batches[0]
     sample = (x0[:micro], y0[:micro], None if w0 is None else w0[:micro])
     reference, candidate = twin(make_model, sample)
-    step = TrainStep(candidate, split_batch(batch, micro), jit_compile=jit_compile,
-                     run_eagerly=run_eagerly)
+    step = None
     for x, y, w in batches:
         if dense_reference:
             ref_loss = dense_reference_step(reference, x, y, w)
@@ -112,8 +112,8 @@ def run_case(make_model, data, batch, micro, *, tol, weights=False, dense_refere
             ref_loss = reference.train_on_batch(x, y, sample_weight=w, return_dict=True)["loss"]
         reference.reset_metrics()
         candidate.reset_metrics()
-        logs = step(tf.constant(x), tf.constant(y), None if w is None else tf.constant(w),
-                    tf.constant(batch))
+        logs, step = train_on_large_batch(candidate, x, y, w, micro_batch_size=micro,
+                                          jit_compile=jit_compile, run_eagerly=run_eagerly)
         np.testing.assert_allclose(float(logs["loss"]), ref_loss, rtol=tol * 10)
     assert_weights_close(reference.get_weights(), candidate.get_weights(), tol)
     assert int(candidate.optimizer.iterations) == 3
@@ -223,10 +223,13 @@ def test_multi_output_with_loss_weights():
     batches = [data(22, s) for s in range(3)]
     reference, candidate = twin(make, (batches[0][0][:5],
                                        {k: v[:5] for k, v in batches[0][1].items()}, None))
-    step = TrainStep(candidate, split_batch(22, 5))
     for x, y, _ in batches:
-        reference.train_on_batch(x, y)
-        step(tf.constant(x), {k: tf.constant(v) for k, v in y.items()}, None, tf.constant(22))
+        ref_logs = reference.train_on_batch(x, y, return_dict=True)
+        candidate.reset_metrics()  # train_on_batch logs one batch, not a running mean
+        logs, _ = train_on_large_batch(candidate, x, y, micro_batch_size=5)
+        # Per-output losses are logged as model.fit logs them (unweighted, per output).
+        for name in ("reg_loss", "cls_loss", "loss"):
+            np.testing.assert_allclose(logs[name], ref_logs[name], rtol=1e-5)
     assert_weights_close(reference.get_weights(), candidate.get_weights(), SGD_TOL)
 
 
@@ -248,13 +251,12 @@ def test_metrics_exclude_padding_rows():
     batch, micro = 50, 16
     x, y, w = mlp_data(batch, 0, weights=True)
     reference, candidate = twin(mlp(sgd, metrics=("accuracy",)), (x[:micro], y[:micro], None))
-    step = TrainStep(candidate, split_batch(batch, micro))
-    # The last large batch of an epoch: 23 real rows padded to 50 by the pipeline.
+    # The last large batch of an epoch: 23 real rows of a batch of 50.
     real = 23
-    padded = [np.concatenate([a, a[: batch - real]]) for a in (x[:real], y[:real], w[:real])]
     ref_logs = reference.train_on_batch(x[:real], y[:real], sample_weight=w[:real],
                                         return_dict=True)
-    logs = step(*(tf.constant(a) for a in padded), tf.constant(real))
+    logs, _ = train_on_large_batch(candidate, x[:real], y[:real], w[:real],
+                                   micro_batch_size=micro, batch_size=batch)
     np.testing.assert_allclose(float(logs["accuracy"]), ref_logs["accuracy"], rtol=1e-6)
     np.testing.assert_allclose(float(logs["loss"]), ref_logs["loss"], rtol=1e-5)
     assert_weights_close(reference.get_weights(), candidate.get_weights(), SGD_TOL)
@@ -272,8 +274,7 @@ def test_hand_computed_mean_of_four_gradients():
         lambda x, y: accumulate_gradients(model, x, y, micro_batch_size=1))(x, y)
     np.testing.assert_allclose(grads[0].numpy(), [[-2.5]], rtol=1e-7)
     np.testing.assert_allclose(float(loss), 0.0, atol=1e-7)  # w = 0
-    step = TrainStep(model, split_batch(4, 1))
-    step(tf.constant(x), tf.constant(y), None, tf.constant(4))
+    train_on_large_batch(model, x, y, micro_batch_size=1)
     np.testing.assert_allclose(model.get_weights()[0], [[2.5]], rtol=1e-7)
 
 

@@ -1,0 +1,357 @@
+"""Input adapters: every kind of input ``model.fit`` takes, as one small interface.
+
+Separation of concerns (after Keras's ``trainers/data_adapters/``): an adapter knows
+one input kind and turns it into a host-side ``tf.data`` stream of *rows*, batched any
+way the input likes; ``autosplit.pipeline`` cuts that stream into micro-batches; the
+compiled step (``autosplit.step``) pulls them. No adapter ever builds a large batch.
+
+========================  ============================================================
+input                     rows stream
+========================  ============================================================
+arrays ``(x, y[, w])``    batches of row *numbers* (shuffled each epoch); the pipeline
+                          gathers each micro-batch's rows from the arrays on the host
+``tf.data`` of examples   the examples, batched by 256 on the host
+``tf.data``, batched      the user's batches as they come, any size (rebatched later)
+``keras.utils.PyDataset`` Keras's own PyDataset adapter (workers, multiprocessing)
+Python generator          Keras's own generator adapter; read once, not rewound
+========================  ============================================================
+
+Every element is ``(x, y)`` or ``(x, y, sample_weight)``; each part may be a tensor,
+tuple or dict. ``class_weight`` becomes a sample weight, as in ``model.fit``. All
+checks run before any state changes and raise ``DatasetError``.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from autosplit import _keras
+from autosplit.errors import DatasetError, describe
+
+__all__ = [
+    "ArrayInput",
+    "DatasetInput",
+    "InputAdapter",
+    "KerasInput",
+    "batched_ancestor",
+    "get_input",
+]
+
+_HINT = ("Pass arrays (x, y[, sample_weight]), a tf.data.Dataset of (x, y[, sample_weight]) "
+         "(single examples or batches), a keras.utils.PyDataset or a Python generator.")
+_EXAMPLE_CHUNK = 256  # examples per host batch before the cut; any size gives the same rows
+
+HOST = "/device:CPU:0"
+
+
+class InputAdapter:
+    """One input kind as a host-side stream of rows.
+
+    Attributes:
+        kind: what the user passed, for messages and ``history.autosplit``.
+        rows: examples in one epoch, or None when only the end of the data tells.
+        has_weights: elements carry a sample weight (the user's or from ``class_weight``).
+        reiterable: a second pass reads the data again (generators: no).
+    """
+
+    kind = "input"
+    rows: int | None = None
+    has_weights = False
+    reiterable = True
+
+    def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
+        """One epoch as ``tf.data`` batches of rows (leading dimension = rows)."""
+        raise NotImplementedError
+
+    def materialize(self, rows: Any) -> tuple:
+        """A cut piece of ``rows_dataset`` elements -> ``(x, y, sample_weight_or_None)``."""
+        x, y, *w = rows
+        return x, y, (w[0] if w else None)
+
+    def sample(self, n: int) -> tuple:
+        """Up to ``n`` leading examples as ``(x, y, sample_weight_or_None)`` tensors."""
+        ds = self.rows_dataset().unbatch().take(n).batch(n)
+        for batch in ds:
+            return self.materialize(batch)
+        raise DatasetError(f"Expected a non-empty {self.kind}. Received: one with no example.")
+
+    def bytes_per_row(self) -> int:
+        """Bytes of one example's inputs, targets and weights (unknown dims counted as 1)."""
+        spec = self.materialize_spec()
+        return sum(int(s.dtype.size) * int(np.prod([d or 1 for d in s.shape.as_list()[1:]]))
+                   for s in tf.nest.flatten(spec) if s is not None)
+
+    def materialize_spec(self) -> Any:
+        x, y, w = self.sample(1)
+        return tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype),
+                                     (x, y, w))
+
+    def on_epoch_begin(self) -> None:
+        pass
+
+    def on_epoch_end(self) -> None:
+        pass
+
+
+def class_weight_fn(class_weight: dict) -> Any:
+    """``(y, sample_weight) -> sample_weight`` applying ``class_weight`` as ``model.fit`` does.
+
+    Integer class ids, ``(n, 1)`` ids or one-hot rows (argmax); classes missing from the
+    dict weigh 1.
+    """
+    if not isinstance(class_weight, dict) or not class_weight:
+        raise DatasetError(
+            f"Expected `class_weight` to be a non-empty dict of class id -> weight. Received: "
+            f"class_weight={describe(class_weight)}.")
+    table = tf.constant([float(class_weight.get(c, 1.0))
+                         for c in range(int(max(class_weight)) + 1)], tf.float32)
+
+    def apply(y, sample_weight):
+        if tf.nest.is_nested(y):
+            raise DatasetError("Expected one target for `class_weight`. Received: a nested y; "
+                               "use sample weights for multi-output models.")
+        ids = y
+        if ids.shape.rank > 1:
+            ids = tf.argmax(ids, axis=-1) if ids.shape[-1] != 1 else tf.squeeze(ids, -1)
+        ids = tf.cast(tf.round(tf.cast(ids, tf.float32)), tf.int32)
+        n = table.shape[0]
+        picked = tf.gather(table, tf.clip_by_value(ids, 0, n - 1))
+        weights = tf.where((ids >= 0) & (ids < n), picked, 1.0)
+        return weights if sample_weight is None else sample_weight * weights
+
+    return apply
+
+
+def _check_class_weight_alone(class_weight, has_weights):
+    if class_weight is not None and has_weights:
+        raise DatasetError(
+            "Expected either `class_weight` or sample weights. Received: both. Fold the class "
+            "weights into your sample weights, as model.fit also requires.")
+
+
+class ArrayInput(InputAdapter):
+    """NumPy arrays or tensors, one row per example; gathered on the host per micro-batch."""
+
+    kind = "arrays"
+
+    def __init__(self, x: Any, y: Any, sample_weight: Any = None, *, shuffle: bool = True,
+                 class_weight: dict | None = None, name: str = "x") -> None:
+        if y is None:
+            raise DatasetError(f"Expected targets `y` next to `{name}`. Received: y=None.")
+        with tf.device(HOST):
+            arrays = tf.nest.map_structure(_to_tensor, (x, y, sample_weight))
+        lengths = {}
+        for part, value in zip(("x", "y", "sample_weight"), arrays, strict=True):
+            for leaf in tf.nest.flatten(value):
+                if leaf is None:
+                    continue
+                if leaf.shape.rank == 0:
+                    raise DatasetError(
+                        f"Expected every array to have one row per example. Received: a "
+                        f"scalar in {part}.")
+                lengths.setdefault(part, set()).add(int(leaf.shape[0]))
+        distinct = {n for values in lengths.values() for n in values}
+        if len(distinct) != 1:
+            raise DatasetError(
+                "Expected x, y (and sample_weight) to have the same number of rows. Received: "
+                f"{ {k: sorted(v) for k, v in lengths.items()} }. Make every array hold one "
+                "row per example.")
+        self.rows = distinct.pop()
+        if self.rows == 0:
+            raise DatasetError("Expected non-empty arrays. Received: arrays of 0 rows.")
+        _check_class_weight_alone(class_weight, sample_weight is not None)
+        self.arrays = arrays
+        self.shuffle = bool(shuffle)
+        self._class_weight = class_weight_fn(class_weight) if class_weight else None
+        self.has_weights = sample_weight is not None or class_weight is not None
+
+    def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
+        index = tf.data.Dataset.range(self.rows)
+        if self.shuffle:
+            index = index.shuffle(self.rows, seed=shuffle_seed, reshuffle_each_iteration=True)
+        return index.batch(_EXAMPLE_CHUNK)
+
+    def materialize(self, rows: Any) -> tuple:
+        # The gather runs in the host pipeline: only the micro-batch's rows are copied.
+        x, y, w = _map(lambda t: tf.gather(t, rows), self.arrays)
+        if self._class_weight is not None:
+            w = self._class_weight(y, w)
+        return x, y, w
+
+    def sample(self, n: int) -> tuple:
+        x, y, w = _map(lambda t: t[:n], self.arrays)
+        if self._class_weight is not None:
+            w = self._class_weight(y, w)
+        return x, y, w
+
+
+def _map(fn, structure):
+    """``tf.nest.map_structure`` that leaves ``None`` (no sample weight) alone."""
+    return tf.nest.map_structure(lambda t: None if t is None else fn(t), structure)
+
+
+def _to_tensor(leaf: Any) -> Any:
+    if leaf is None:
+        return None
+    if isinstance(leaf, (np.ndarray, tf.Tensor)) or hasattr(leaf, "__array__"):
+        return tf.convert_to_tensor(leaf)
+    if isinstance(leaf, (list, tuple)):
+        return tf.convert_to_tensor(np.asarray(leaf))
+    raise DatasetError(f"Expected arrays (NumPy arrays or tensors). Received: {describe(leaf)}. "
+                       f"{_HINT}")
+
+
+def batched_ancestor(dataset: tf.data.Dataset) -> str | None:
+    """Name of a batching transformation upstream of ``dataset`` (not undone), or None."""
+    node = dataset
+    for _ in range(1000):
+        name = type(node).__name__
+        if "Unbatch" in name or "FromTensorSlices" in name:
+            return None
+        if "Batch" in name:
+            return name.strip("_")
+        node = getattr(node, "_input_dataset", None)
+        if node is None:
+            return None
+    return None
+
+
+class DatasetInput(InputAdapter):
+    """A ``tf.data.Dataset`` of examples or of batches (of any, even varying, size)."""
+
+    def __init__(self, dataset: tf.data.Dataset, *, class_weight: dict | None = None,
+                 name: str = "x") -> None:
+        spec = dataset.element_spec
+        if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+            raise DatasetError(
+                f"Expected `{name}` elements to be (x, y) or (x, y, sample_weight). Received: "
+                f"element_spec={spec}. Map your dataset to such tuples, e.g. "
+                "dataset.map(lambda e: (e['features'], e['label'])).")
+        cardinality = int(dataset.cardinality())
+        if cardinality == 0:
+            raise DatasetError(f"Expected a non-empty `{name}`. Received: an empty dataset.")
+        self.batched = batched_ancestor(dataset) is not None
+        self.kind = "batched tf.data.Dataset" if self.batched else "tf.data.Dataset of examples"
+        self.infinite = cardinality == tf.data.INFINITE_CARDINALITY
+        self.rows = cardinality if (cardinality > 0 and not self.batched) else None
+        _check_class_weight_alone(class_weight, len(spec) == 3)
+        self.has_weights = len(spec) == 3 or class_weight is not None
+        self._class_weight = class_weight_fn(class_weight) if class_weight else None
+        self.dataset = dataset
+        if not self.batched and any(
+                None in s.shape.as_list() for s in tf.nest.flatten(spec) if s.shape.rank):
+            raise DatasetError(
+                f"Expected `{name}` examples of a fixed shape. Received: element_spec={spec}. "
+                "Pad the examples first (e.g. `.padded_batch(32)`: autosplit rebatches "
+                "batched datasets) so every micro-batch has one shape.")
+
+    def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
+        if self.batched:
+            return self.dataset
+        return self.dataset.batch(_EXAMPLE_CHUNK)
+
+    def materialize(self, rows: Any) -> tuple:
+        x, y, w = super().materialize(rows)
+        if self._class_weight is not None:
+            w = self._class_weight(y, w)
+        return x, y, w
+
+
+class KerasInput(InputAdapter):
+    """A ``keras.utils.PyDataset`` or a Python generator, read through Keras's own adapter."""
+
+    def __init__(self, data: Any, *, shuffle: bool, class_weight: dict | None) -> None:
+        self.generator = isinstance(data, types.GeneratorType)
+        self.kind = "generator" if self.generator else "keras.utils.PyDataset"
+        self.reiterable = not self.generator
+        if self.generator:
+            if class_weight is not None:
+                raise DatasetError("Expected no `class_weight` with a generator (model.fit "
+                                   "refuses it too). Yield (x, y, sample_weight) instead.")
+            data = _with_y_check(data)
+            shuffle = False  # a generator's order is its own (Keras would warn)
+        try:
+            self.adapter = _keras.data_adapter(data, shuffle=shuffle, class_weight=class_weight)
+        except ValueError as exc:
+            raise DatasetError(f"Expected (x, y[, sample_weight]) batches. {exc}") from exc
+        self._dataset = None
+        spec = self.adapter.get_tf_dataset().element_spec
+        if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+            raise DatasetError(
+                f"Expected the {self.kind} to yield (x, y) or (x, y, sample_weight). "
+                f"Received: batches of {spec}.")
+        self.has_weights = len(spec) == 3
+
+    def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
+        if self.generator:
+            # One pass only: the same dataset object, so a second epoch ends at once.
+            if self._dataset is None:
+                self._dataset = self.adapter.get_tf_dataset()
+            return self._dataset
+        return self.adapter.get_tf_dataset()
+
+    def sample(self, n: int) -> tuple:
+        if self.generator:  # peeked batches, put back by Keras's adapter
+            first = _keras.peeked_batches(self.adapter)
+            batches = [tuple(tf.nest.map_structure(tf.convert_to_tensor, b)) for b in first]
+            rows = tf.nest.map_structure(lambda *t: tf.concat(t, 0)[:n], *batches)
+            return self.materialize(rows)
+        return super().sample(n)
+
+    def on_epoch_begin(self) -> None:
+        self.adapter.on_epoch_begin()
+
+    def on_epoch_end(self) -> None:
+        self.adapter.on_epoch_end()
+
+
+def _with_y_check(generator):
+    first = next(generator, None)
+    if first is None:
+        raise DatasetError("Expected a generator that yields batches. Received: an empty one.")
+    if not isinstance(first, tuple) or len(first) not in (2, 3):
+        raise DatasetError(
+            "Expected the generator to yield (x, y) or (x, y, sample_weight) tuples. "
+            f"Received: {describe(first)}.")
+    def restored():
+        yield first
+        yield from generator
+
+    return restored()
+
+
+def get_input(x: Any, y: Any = None, sample_weight: Any = None, *, shuffle: bool = True,
+              class_weight: dict | None = None, name: str = "x") -> InputAdapter:
+    """The adapter for ``x`` (and ``y``, ``sample_weight`` when ``x`` is an array)."""
+    if isinstance(x, tf.data.Dataset):
+        _only_x(name, y, sample_weight, "a tf.data.Dataset")
+        return DatasetInput(x, class_weight=class_weight, name=name)
+    if isinstance(x, (keras.utils.PyDataset, types.GeneratorType)):
+        _only_x(name, y, sample_weight, type(x).__name__)
+        return KerasInput(x, shuffle=shuffle, class_weight=class_weight)
+    if isinstance(x, tuple) and y is None and sample_weight is None:
+        # The tuple form fit_large_batch(model, (x, y[, w]), ...) of earlier releases.
+        if len(x) not in (2, 3):
+            raise DatasetError(
+                f"Expected `{name}` to be (x, y) or (x, y, sample_weight). Received: a tuple "
+                f"of {len(x)} items. {_HINT}")
+        x, y, *rest = x
+        sample_weight = rest[0] if rest else None
+    if isinstance(x, (np.ndarray, tf.Tensor, dict, list, tuple)) or hasattr(x, "__array__"):
+        return ArrayInput(x, y, sample_weight, shuffle=shuffle, class_weight=class_weight,
+                          name=name)
+    raise DatasetError(f"Expected `{name}` to be arrays or a dataset. Received: {describe(x)}. "
+                       f"{_HINT}")
+
+
+def _only_x(name, y, sample_weight, what):
+    for arg, value in (("y", y), ("sample_weight", sample_weight)):
+        if value is not None:
+            raise DatasetError(
+                f"Expected no `{arg}` when `{name}` is {what}. Received: {arg}=... Put the "
+                f"{'targets' if arg == 'y' else 'weights'} in the elements of `{name}`.")

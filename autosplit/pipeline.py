@@ -1,0 +1,142 @@
+"""The host pipeline: any input's rows -> micro-batches, never a large batch.
+
+Every input adapter (``autosplit.inputs``) gives a host ``tf.data`` stream of rows in
+batches of whatever size. This module cuts that stream with ``Dataset.rebatch`` into
+the runs of :func:`autosplit.split.piece_pattern` (the balanced micro-batches of this
+worker's share of each large batch, and the other workers' rows to drop), pads each
+micro-batch to its static row count with copies of its own rows, and marks real rows
+in ``valid``. Array rows are gathered here, after the cut, so no more than one
+micro-batch of each input is ever copied. All of it is pinned to the host CPU; the
+compiled step pulls one element per micro-step and only that element reaches the
+accelerator.
+
+An element is ``(x, y, sample_weight_or_(), valid)``: ``valid`` is float32 ``(rows,)``,
+1.0 for real rows and 0.0 for padding. With several local replicas every part gains
+a leading axis, one micro-batch per replica (missing ones are all padding).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import tensorflow as tf
+
+from autosplit.inputs import HOST, InputAdapter
+from autosplit.split import Piece, piece_pattern
+
+__all__ = ["MicroBatches", "elements_per_batch"]
+
+_PREFETCH = 2  # micro-batches the host keeps ready: enough to hide the cut, constant in B
+
+
+def _pad_rows(piece: Any, rows: int) -> tuple[Any, tf.Tensor]:
+    """Pad every leaf of ``piece`` to ``rows`` rows with copies of its last row."""
+    n = tf.shape(tf.nest.flatten(piece)[0])[0]
+    index = tf.minimum(tf.range(rows), n - 1)
+
+    def pad(t):
+        padded = tf.cond(n < rows, lambda: tf.gather(t, index), lambda: t)
+        return tf.ensure_shape(padded, [rows, *t.shape[1:]])
+
+    return tf.nest.map_structure(pad, piece), tf.cast(tf.range(rows) < n, tf.float32)
+
+
+def _pad_replicas(element: Any, replicas: int) -> Any:
+    """(p, rows, ...) with p <= replicas pieces -> (replicas, rows, ...); extras weigh 0."""
+    *parts, valid = element
+    p = tf.shape(valid)[0]
+    index = tf.minimum(tf.range(replicas), p - 1)
+
+    def pad(t):
+        return tf.ensure_shape(tf.gather(t, index), [replicas, *t.shape[1:]])
+
+    parts = tf.nest.map_structure(pad, tuple(parts))
+    present = tf.cast(tf.range(replicas) < p, tf.float32)[:, None]
+    return (*parts, pad(valid) * present)
+
+
+def elements_per_batch(pattern: list[Piece], batch_rows: int, local_replicas: int) -> int:
+    """Elements this worker's pipeline yields for a large batch of ``batch_rows`` rows.
+
+    A short last batch (``batch_rows`` < B) ends inside the pattern: only the kept
+    pieces it reaches count, the last one cut short.
+    """
+    kept, seen = 0, 0
+    for piece in pattern:
+        if seen >= batch_rows:
+            break
+        kept += piece.keep
+        seen += piece.rows
+    return math.ceil(kept / local_replicas)
+
+
+class MicroBatches:
+    """One worker's micro-batches of one input, for one split.
+
+    Args:
+        adapter: the input.
+        batch_size: B, the global large batch.
+        rows: rows per micro-batch on this worker.
+        workers, worker, local_replicas: the ``tf.distribute`` layout (1, 0, 1 alone).
+    """
+
+    def __init__(self, adapter: InputAdapter, batch_size: int, rows: int, *, workers: int = 1,
+                 worker: int = 0, local_replicas: int = 1) -> None:
+        self.adapter = adapter
+        self.batch_size = batch_size
+        self.rows = rows
+        self.local_replicas = local_replicas
+        self.pattern = piece_pattern(batch_size, rows, workers=workers, worker=worker,
+                                     local_replicas=local_replicas)
+        self.per_batch = elements_per_batch(self.pattern, batch_size, local_replicas)
+
+    def steps(self) -> int | None:
+        """Large batches in one epoch (None when the input does not say)."""
+        rows = self.adapter.rows
+        return None if rows is None else math.ceil(rows / self.batch_size)
+
+    def elements(self, step: int) -> int:
+        """Elements of large batch ``step`` (0-based) of an epoch; the last may be short."""
+        rows = self.adapter.rows
+        if rows is None:
+            return self.per_batch
+        return elements_per_batch(self.pattern, min(self.batch_size,
+                                                    rows - step * self.batch_size),
+                                  self.local_replicas)
+
+    def dataset(self, *, repeat: bool = False, shuffle_seed: int | None = None
+                ) -> tf.data.Dataset:
+        """The micro-batch elements of one epoch (or, with ``repeat``, of endless epochs).
+
+        Repeating after the cut restarts the pattern with every epoch, so a short last
+        batch never borrows rows from the next epoch.
+        """
+        with tf.device(HOST):
+            ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed)
+            sizes = [p.rows for p in self.pattern]
+            ds = ds.rebatch(sizes if len(sizes) > 1 else sizes[0])
+            keep = [p.keep for p in self.pattern]
+            if not all(keep):
+                table = tf.constant(keep)
+                period = len(keep)
+                ds = ds.enumerate().filter(
+                    lambda i, piece: tf.gather(table, i % period)).map(lambda i, piece: piece)
+            ds = ds.map(self._element)
+            if self.local_replicas > 1:
+                ds = ds.batch(self.local_replicas).map(
+                    lambda *e: _pad_replicas(e, self.local_replicas))
+            if repeat:
+                ds = ds.repeat()
+            options = tf.data.Options()
+            options.deterministic = True
+            return ds.with_options(options).prefetch(_PREFETCH)
+
+    def _element(self, *piece: Any) -> tuple:
+        piece = piece[0] if len(piece) == 1 else piece
+        padded, valid = _pad_rows(piece, self.rows)
+        x, y, w = self.adapter.materialize(padded)
+        return x, y, (() if w is None else w), valid
+
+    def element_spec(self) -> Any:
+        return self.dataset().element_spec

@@ -1,0 +1,178 @@
+"""The micro-batch search as pure logic: which size to try next, given what was seen.
+
+Not a blind halving (accelerate's ``find_executable_batch_size`` lesson, PR #3684:
+"stop halving my batch"): measure the real peak at two sizes far apart, fit
+``peak = fixed + per_example * m``, predict the largest ``m`` under the budget, verify
+it, and bisect between the largest size that fit and the smallest that did not
+whenever the line points outside that interval. Each out-of-memory trial is slow (the
+allocator retries before it gives up), so the search is built to provoke few.
+
+:func:`search` is a generator: it yields ``(size, again)`` requests and receives the
+:class:`Trial` for each, so the same logic runs one trial at a time in one process or
+in lockstep across the workers of a multi-worker job, and is tested with a fake trial
+in milliseconds (``tests/test_search.py``). No TensorFlow here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Generator, Sequence
+
+import numpy as np
+
+__all__ = ["Trial", "achievable", "between", "fit_line", "run_search", "search"]
+
+TOLERANCE = 0.05  # stop bisecting when the gap is within 5% of the best fit
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One trial step at one micro-batch size."""
+
+    micro_batch_size: int
+    fits: bool  # ran without OOM and peaked under the budget
+    oom: bool  # raised ResourceExhaustedError
+    peak_bytes: int | None  # measured peak (None after an OOM)
+    seconds: float
+
+
+def fit_line(points: Sequence[tuple[int, int]]) -> tuple[float, float] | None:
+    """Least-squares ``peak = a + b * m`` over (m, peak) points; None with one size.
+
+    The slope is at least one byte per example, so a prediction never divides by 0.
+
+    >>> fit_line([(8, 100), (32, 196)])
+    (68.0, 4.0)
+    >>> fit_line([(8, 100), (8, 104)]) is None
+    True
+    """
+    if len({m for m, _ in points}) < 2:
+        return None
+    m = np.array([p[0] for p in points], np.float64)
+    y = np.array([p[1] for p in points], np.float64)
+    b, a = np.polyfit(m, y, 1)
+    return round(float(a), 6), max(round(float(b), 6), 1.0)
+
+
+def achievable(batch_size: int, m: int) -> int:
+    """The rows a balanced split actually runs for a bound of ``m``: ceil(B / ceil(B / m)).
+
+    >>> [achievable(4096, m) for m in (4096, 3000, 2048, 1500, 1366)]
+    [4096, 2048, 2048, 1366, 1366]
+    """
+    m = max(1, min(m, batch_size))
+    return math.ceil(batch_size / math.ceil(batch_size / m))
+
+
+def _steps(batch_size: int, rows: int) -> int:
+    return math.ceil(batch_size / rows)
+
+
+def between(batch_size: int, lo: int, hi: int) -> int | None:
+    """The achievable size halfway (in micro-batch count) strictly between ``lo`` and ``hi``.
+
+    >>> between(4096, 1366, 4096), between(4096, 2048, 4096)
+    (2048, None)
+    """
+    if hi <= lo + 1:
+        return None
+    k_small = _steps(batch_size, min(hi - 1, batch_size))
+    k_large = _steps(batch_size, max(lo, 1))
+    candidates = [k for k in range(k_small, k_large + 1) if lo < math.ceil(batch_size / k) < hi]
+    if not candidates:
+        return None
+    return math.ceil(batch_size / candidates[len(candidates) // 2])
+
+
+Request = tuple[int, bool]  # (micro-batch size, measure again even if tried before)
+
+
+def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None]:
+    """Yield sizes to try; receive their trials; return the chosen size or None.
+
+    Every size asked is achievable: a balanced split of B runs ceil(B / k) rows, so the
+    search moves over those values only. The two measured sizes are about B/64 and B/4
+    (at least 8 and 32): nearby small sizes differ by less than the allocator's noise.
+    Each later guess comes from the line through the two largest sizes that fit; a
+    guess outside the open interval (largest fit, smallest failure) is replaced by the
+    size halfway between them in micro-batch count, so a bad line costs one failed
+    trial. Trials leave lasting allocations behind (kernel caches, scratch buffers),
+    so the choice is measured once more at the end unless it was the last trial, and
+    stepped down until it fits.
+    """
+    trials: list[Trial] = []
+
+    def ask(m: int, again: bool = False) -> Generator[Request, Trial, Trial]:
+        if not again:
+            for done in trials:
+                if done.micro_batch_size == m:
+                    return done
+        result = yield (m, again)
+        trials.append(result)
+        return result
+
+    def bounds() -> tuple[int, int]:
+        lo = max((t.micro_batch_size for t in trials if t.fits), default=0)
+        hi = min((t.micro_batch_size for t in trials if not t.fits), default=batch_size + 1)
+        return lo, hi
+
+    first = achievable(batch_size, max(8, batch_size // 64))
+    second = achievable(batch_size, max(32, batch_size // 4))
+    for m in sorted({first, second}):
+        if not (yield from ask(m)).fits:
+            break
+    lo, hi = bounds()
+    for _ in range(12):
+        if lo == 0 or lo == batch_size or hi - lo <= max(1, TOLERANCE * lo):
+            break
+        fitted = sorted((t.micro_batch_size, t.peak_bytes) for t in trials if t.fits)[-2:]
+        line = fit_line(fitted)
+        guess = None
+        if line is not None:
+            a, b = line
+            guess = achievable(batch_size, int((budget - a) / b))
+        if guess is None or not lo < guess < hi:
+            guess = between(batch_size, lo, hi)
+            if guess is None:
+                break
+        result = yield from ask(guess)
+        lo, hi = bounds()
+        if result.fits and (result.peak_bytes >= (1 - TOLERANCE / 2) * budget
+                            or guess == batch_size):
+            break  # the prediction landed within a few percent of the budget
+    if lo == 0:
+        # Even the smallest measured size failed: one example decides, then bisect.
+        if hi == 1 or not (yield from ask(1)).fits:
+            return None
+        lo = 1
+        while (guess := between(batch_size, lo, hi)) is not None:
+            yield from ask(guess)
+            lo, hi = bounds()
+    chosen: int | None = lo
+    last = trials[-1]
+    verified = last.fits and last.micro_batch_size == chosen
+    while chosen is not None and not verified:
+        if (yield from ask(chosen, again=True)).fits:
+            break
+        # Step down by about 10% (one measured step), not to a far smaller earlier fit.
+        smaller = achievable(batch_size, int(chosen * 0.9))
+        if smaller >= chosen:
+            smaller = achievable(batch_size, chosen - 1) if chosen > 1 else 0
+        chosen = smaller or None
+    return chosen
+
+
+def run_search(batch_size: int, budget: int, trial: Callable[[int], Trial]
+               ) -> tuple[int | None, list[Trial]]:
+    """Drive :func:`search` with ``trial(m)``; returns (chosen, every trial in order)."""
+    trials: list[Trial] = []
+    generator = search(batch_size, budget)
+    try:
+        request = next(generator)
+        while True:
+            result = trial(request[0])
+            trials.append(result)
+            request = generator.send(result)
+    except StopIteration as stop:
+        return stop.value, trials

@@ -1,0 +1,113 @@
+"""Argument checks for every public entry point, in one place.
+
+Each public function validates its arguments once, here, before any model, optimizer,
+metric or cache state changes; every error says what was expected, what was received
+and how to fix it, and subclasses a builtin (``autosplit.errors``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from autosplit.errors import BatchSizeError, ModelNotReadyError, UnsupportedModelError, describe
+from autosplit.split import check_size
+
+__all__ = [
+    "check_choice",
+    "check_compiled_loss",
+    "check_fraction",
+    "check_initial_epoch",
+    "check_model",
+    "check_optional_size",
+    "check_size",
+    "check_trainable",
+    "check_verbose",
+]
+
+
+def check_verbose(verbose: Any) -> int:
+    """``"auto"`` -> 1; 0, 1 and 2 as themselves."""
+    if verbose == "auto":
+        return 1
+    if verbose in (0, 1, 2) and not isinstance(verbose, bool):
+        return int(verbose)
+    raise ValueError(
+        f"Expected `verbose` to be 'auto', 0, 1 or 2. Received: verbose={describe(verbose)}.")
+
+
+def check_choice(name: str, value: Any, choices: tuple) -> Any:
+    if not any(type(value) is type(c) and value == c for c in choices):
+        raise ValueError(
+            f"Expected `{name}` to be one of {', '.join(repr(c) for c in choices)}. "
+            f"Received: {name}={describe(value)}.")
+    return value
+
+
+def check_optional_size(name: str, value: Any) -> int | None:
+    return None if value is None else check_size(name, value)
+
+
+def check_fraction(name: str, value: Any, *, upper_open: bool = True) -> float:
+    """A float in [0, 1) (or [0, 1] with ``upper_open=False``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        ok = 0 <= value < 1 if upper_open else 0 <= value <= 1
+    if not ok:
+        raise ValueError(
+            f"Expected `{name}` to be a number in [0, 1{')' if upper_open else ']'}. "
+            f"Received: {name}={describe(value)}.")
+    return float(value)
+
+
+def check_initial_epoch(initial_epoch: Any, epochs: int) -> int:
+    if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int) or not (
+            0 <= initial_epoch < epochs):
+        raise BatchSizeError(
+            f"Expected `initial_epoch` to be an int in [0, epochs={epochs}). "
+            f"Received: initial_epoch={describe(initial_epoch)}.")
+    return initial_epoch
+
+
+def check_model(model: Any) -> None:
+    """Raise a typed error, changing nothing, unless ``model`` can be trained split."""
+    if not isinstance(model, keras.Model):
+        raise ModelNotReadyError(
+            f"Expected `model` to be a compiled keras.Model. Received: model={describe(model)}.")
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        raise ModelNotReadyError(
+            "Expected a compiled model with an optimizer. Received: a model that "
+            f"{'is not compiled' if not getattr(model, 'compiled', False) else 'has no optimizer'}"
+            ". Call `model.compile(optimizer=..., loss=...)` first.")
+    if getattr(model, "_compile_loss", None) is None:
+        raise ModelNotReadyError(
+            "Expected a model compiled with a loss. Received: model.compile(loss=None). "
+            "Pass `loss=` to `model.compile` (autosplit splits the compiled loss).")
+    for method in ("train_step", "compute_loss"):
+        override = getattr(type(model), method, None)
+        if override is not None and override is not getattr(keras.Model, method):
+            raise UnsupportedModelError(
+                f"Expected a model that uses Keras's own `{method}`. Received: "
+                f"{type(model).__name__} overrides `{method}`, which autosplit cannot split "
+                "into micro-batches exactly. Use `autosplit.accumulate_gradients` inside "
+                "your own training step instead.")
+    check_trainable(model)
+
+
+def check_compiled_loss(model: Any) -> None:
+    """For ``check``: a model compiled with a loss (no optimizer step runs)."""
+    if not isinstance(model, keras.Model):
+        raise ModelNotReadyError(
+            f"Expected `model` to be a compiled keras.Model. Received: model={describe(model)}.")
+    if not getattr(model, "compiled", False) or getattr(model, "_compile_loss", None) is None:
+        raise ModelNotReadyError(
+            "Expected a model compiled with a loss. Received: a model that is not compiled "
+            "or has loss=None. Call `model.compile(optimizer=..., loss=...)` first.")
+
+
+def check_trainable(model: keras.Model) -> None:
+    if model.built and not model.trainable_variables:
+        raise ModelNotReadyError(
+            "Expected a model with trainable weights. Received: a model whose "
+            "`trainable_variables` is empty (are all layers frozen?).")

@@ -1,0 +1,242 @@
+"""Every input model.fit takes goes through one host pipeline of micro-batches.
+
+Exactness for each input kind against plain ``model.fit``; balanced splits; and the
+structure of the traced step: nothing with B rows in it, the iterator on the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import assert_weights_close
+
+import autosplit
+from autosplit.inputs import HOST, get_input
+from autosplit.pipeline import MicroBatches, elements_per_batch
+from autosplit.split import balanced_sizes, piece_pattern, split_batch
+from autosplit.step import build_for, train_step
+
+N, B, M = 230, 64, 16  # 230 = 3 * 64 + 38: a short last large batch every epoch
+
+
+def make():
+    model = keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-2)),
+        keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def data(n=N):
+    r = np.random.default_rng(0)
+    return (r.normal(size=(n, 6)).astype("float32"), r.integers(0, 3, size=(n,)).astype("int32"),
+            r.uniform(0.1, 2.0, size=(n,)).astype("float32"))
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, w, size):
+        super().__init__()
+        self.arrays, self.size = (x, y, w), size
+
+    def __len__(self):
+        return math.ceil(len(self.arrays[0]) / self.size)
+
+    def __getitem__(self, i):
+        return tuple(a[i * self.size:(i + 1) * self.size] for a in self.arrays)
+
+
+def batches(x, y, w, size, forever=False):
+    while True:
+        for i in range(0, len(x), size):
+            yield x[i:i + size], y[i:i + size], w[i:i + size]
+        if not forever:
+            return
+
+
+def reference_and_initial(epochs, rows=N):
+    x, y, w = data()
+    model = make()
+    model.build((None, 6))
+    initial = model.get_weights()
+    model.fit(x[:rows], y[:rows], sample_weight=w[:rows], batch_size=B, epochs=epochs,
+              shuffle=False, verbose=0)
+    return model, initial
+
+
+def candidate(initial):
+    model = make()
+    model.build((None, 6))
+    model.set_weights(initial)
+    return model
+
+
+KINDS = {
+    "arrays": lambda x, y, w: dict(x=x, y=y, sample_weight=w, shuffle=False),
+    "examples": lambda x, y, w: dict(x=tf.data.Dataset.from_tensor_slices((x, y, w))),
+    "batched-by-32": lambda x, y, w: dict(x=tf.data.Dataset.from_tensor_slices((x, y, w))
+                                          .batch(32)),
+    "batched-by-7": lambda x, y, w: dict(x=tf.data.Dataset.from_tensor_slices((x, y, w))
+                                         .batch(7)),
+    "PyDataset": lambda x, y, w: dict(x=Batches(x, y, w, 25), shuffle=False),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_input_kind_equals_model_fit(kind):
+    reference, initial = reference_and_initial(epochs=2)
+    model = candidate(initial)
+    history = autosplit.fit_large_batch(model, batch_size=B, micro_batch_size=M, epochs=2,
+                                        verbose=0, **KINDS[kind](*data()))
+    assert int(model.optimizer.iterations) == 2 * math.ceil(N / B)
+    assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
+    np.testing.assert_allclose(history.history["loss"], reference.history.history["loss"],
+                               rtol=1e-5)
+
+
+def test_a_generator_read_once_to_its_end():
+    reference, initial = reference_and_initial(epochs=1)
+    model = candidate(initial)
+    history = autosplit.fit_large_batch(model, batches(*data(), 23), batch_size=B,
+                                        micro_batch_size=M, verbose=0)
+    assert history.autosplit["input"] == "generator"
+    assert int(model.optimizer.iterations) == math.ceil(N / B)
+    assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
+
+
+def test_an_endless_generator_with_steps_per_epoch():
+    reference, initial = reference_and_initial(epochs=1, rows=3 * B)
+    model = candidate(initial)
+    autosplit.fit_large_batch(model, batches(*data(), 20, forever=True), batch_size=B,
+                              micro_batch_size=M, steps_per_epoch=3, verbose=0)
+    assert int(model.optimizer.iterations) == 3
+    assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
+
+
+def test_a_second_epoch_of_a_spent_generator_warns_and_stops():
+    model = make()
+    with pytest.warns(UserWarning, match="ran out of data"):
+        history = autosplit.fit_large_batch(model, batches(*data(), 23), batch_size=B,
+                                            micro_batch_size=M, epochs=3, verbose=0)
+    assert len(history.history["loss"]) == 1
+
+
+# ---------------------------------------------------------------- balanced splits
+
+
+@pytest.mark.parametrize(("batch", "bound", "rows", "k", "padding"), [
+    (250, 64, 63, 4, 2), (4096, 3000, 2048, 2, 0), (4096, 256, 256, 16, 0),
+    (10, 3, 3, 4, 2), (7, 100, 7, 1, 0), (12, 1, 1, 12, 0), (50, 16, 13, 4, 2)])
+def test_balanced_split(batch, bound, rows, k, padding):
+    split = split_batch(batch, bound)
+    assert (split.micro_batch_size, split.accumulation_steps, split.padded_rows) == (
+        rows, k, padding)
+    assert split.padded_rows < split.accumulation_steps or split.padded_rows == 0
+    assert sum(balanced_sizes(batch, k)) == batch
+    assert max(balanced_sizes(batch, k)) == rows
+
+
+def test_pipeline_cuts_balanced_micro_batches_and_marks_the_padding():
+    x, y, w = data(250)
+    pipeline = MicroBatches(get_input(x, y, w, shuffle=False), 250, 63)
+    elements = list(pipeline.dataset())
+    assert len(elements) == 4 == pipeline.elements(0)
+    valid = [e[3].numpy() for e in elements]
+    assert [int(v.sum()) for v in valid] == [63, 63, 62, 62]
+    assert all(e[0].shape == (63, 6) for e in elements)
+    rows = np.concatenate([e[0].numpy()[v > 0] for e, v in zip(elements, valid, strict=True)])
+    np.testing.assert_array_equal(rows, x)  # every row once, in order
+
+
+def test_worker_shares_and_local_replicas_cover_every_row_once():
+    for workers in (1, 2, 4):
+        seen = []
+        for worker in range(workers):
+            pattern = piece_pattern(96, 5, workers=workers, worker=worker, local_replicas=2)
+            assert sum(p.rows for p in pattern) == 96
+            assert max(p.rows for p in pattern) <= 5
+            start = 0
+            for p in pattern:
+                if p.keep:
+                    seen += list(range(start, start + p.rows))
+                start += p.rows
+            kept = sum(p.keep for p in pattern)
+            assert kept % 2 == 0  # every local replica gets the same number of pieces
+            assert elements_per_batch(pattern, 96, 2) == kept // 2
+        assert sorted(seen) == list(range(96))
+
+
+# ---------------------------------------------------------------- what the step holds
+
+
+def walk(graph, seen=None):
+    """The graph and every function graph it calls (loop bodies, conds, XLA bodies)."""
+    seen = set() if seen is None else seen
+    yield graph
+    for op in graph.get_operations():
+        for attr in op.node_def.attr.values():
+            names = ([attr.func.name] if attr.HasField("func") else []) + [
+                f.name for f in attr.list.func]
+            for name in names:
+                if name not in seen:
+                    seen.add(name)
+                    function = graph._get_function(name)
+                    if function is not None and hasattr(function, "graph"):
+                        yield from walk(function.graph, seen)
+
+
+@pytest.mark.parametrize("kind", ["arrays", "examples", "batched"])
+def test_the_traced_step_holds_no_tensor_of_b_rows_and_reads_input_on_the_host(kind):
+    batch, micro, rows = 4096, 64, 5000
+    r = np.random.default_rng(0)
+    x = r.normal(size=(rows, 8)).astype("float32")
+    y = r.integers(0, 3, size=(rows,)).astype("int32")
+    source = {"arrays": (x, y), "examples": tf.data.Dataset.from_tensor_slices((x, y)),
+              "batched": tf.data.Dataset.from_tensor_slices((x, y)).batch(100)}[kind]
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer="adam", metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    adapter = get_input(source) if kind != "arrays" else get_input(x, y)
+    pipeline = MicroBatches(adapter, batch, micro)
+    spec = pipeline.element_spec()
+    build_for(model, spec)
+    step = train_step(model, batch, spec)
+    iterator = iter(pipeline.dataset())
+    assert "CPU" in iterator._iterator_resource.device
+    assert all("CPU" in v.device for v in tf.nest.flatten(step._stash))
+    graph = step.graph(iterator)
+    operations = [op for g in walk(graph) for op in g.get_operations()]
+    assert len(operations) > 100
+    for op in operations:
+        for tensor in op.outputs:
+            assert not (tensor.shape.rank and tensor.shape[0] in (batch, rows)), (
+                f"{op.type} {op.name} has shape {tensor.shape}")
+    reads = [op for op in operations if "Iterator" in op.type or "Optional" in op.type]
+    assert {op.type for op in reads} >= {"IteratorGetNextAsOptional", "OptionalGetValue"}
+    for op in reads:
+        # Ops on an iterator handle are colocated with it: on the host.
+        assert op.device in ("", HOST) and (op.device == HOST or any(
+            b"loc:@" in group for group in op.colocation_groups())
+            or op.inputs[0].dtype in (tf.resource, tf.variant)), op
+
+
+def test_class_weight_is_exact():
+    x, y, _ = data()
+    class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
+    reference = make()
+    reference.build((None, 6))
+    initial = reference.get_weights()
+    reference.fit(x, y, batch_size=B, class_weight=class_weight, shuffle=False, verbose=0)
+    for source in (dict(x=x, y=y, shuffle=False),
+                   dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(10))):
+        model = candidate(initial)
+        autosplit.fit_large_batch(model, batch_size=B, micro_batch_size=M,
+                                  class_weight=class_weight, verbose=0, **source)
+        assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
