@@ -1,24 +1,40 @@
-"""autosplit: train with any batch size on one accelerator, exactly."""
+"""autosplit: train with any batch size on one accelerator, exactly.
 
-from autosplit.accumulate import Accumulated, accumulate_gradients, accumulate_iterator
-from autosplit.check import CheckReport, check
-from autosplit.errors import (
-    AutosplitError,
-    BatchSizeError,
-    DatasetError,
-    MemoryLimitError,
-    ModelNotReadyError,
-    NothingFitsError,
-    UnsupportedModelError,
-    WorkerLostError,
-)
-from autosplit.fit import fit_large_batch
-from autosplit.probe import ProbeResult, probe
-from autosplit.search import Trial
-from autosplit.split import Split, split_batch
-from autosplit.step import TrainStep
+The names below are imported on first use, so that ``import autosplit`` (and the
+``autosplit`` program's parent process) does not load TensorFlow until it is needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
+
+_EXPORTS = {
+    "Accumulated": "autosplit.accumulate",
+    "accumulate_gradients": "autosplit.accumulate",
+    "accumulate_iterator": "autosplit.accumulate",
+    "CheckReport": "autosplit.check",
+    "check": "autosplit.check",
+    "AutosplitError": "autosplit.errors",
+    "BatchSizeError": "autosplit.errors",
+    "DatasetError": "autosplit.errors",
+    "MemoryLimitError": "autosplit.errors",
+    "ModelNotReadyError": "autosplit.errors",
+    "NothingFitsError": "autosplit.errors",
+    "UnsupportedModelError": "autosplit.errors",
+    "WorkerLostError": "autosplit.errors",
+    "fit_large_batch": "autosplit.fit",
+    "ProbeResult": "autosplit.probe",
+    "probe": "autosplit.probe",
+    "Trial": "autosplit.search",
+    "Split": "autosplit.split",
+    "split_batch": "autosplit.split",
+    "TrainStep": "autosplit.step",
+}
 
 __all__ = [
     "Accumulated",
@@ -43,3 +59,49 @@ __all__ = [
     "probe",
     "split_batch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autosplit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    """``autosplit.check`` and ``autosplit.probe`` are functions, though modules of the
+    same names exist: importing a submodule sets the package attribute to the module,
+    so these two names are resolved on every access."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("check", "probe"):
+            return getattr(importlib.import_module(f"autosplit.{name}"), name)
+        return super().__getattribute__(name)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from autosplit.accumulate import Accumulated, accumulate_gradients, accumulate_iterator
+    from autosplit.check import CheckReport, check
+    from autosplit.errors import (
+        AutosplitError,
+        BatchSizeError,
+        DatasetError,
+        MemoryLimitError,
+        ModelNotReadyError,
+        NothingFitsError,
+        UnsupportedModelError,
+        WorkerLostError,
+    )
+    from autosplit.fit import fit_large_batch
+    from autosplit.probe import ProbeResult, probe
+    from autosplit.search import Trial
+    from autosplit.split import Split, split_batch
+    from autosplit.step import TrainStep

@@ -18,7 +18,6 @@ from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 
 __all__ = [
     "FlatLoss",
-    "build_model",
     "call_has_training_arg",
     "compile_loss_built",
     "data_adapter",
@@ -31,8 +30,10 @@ __all__ = [
     "peeked_batches",
     "per_replica",
     "resolve_path",
+    "resume_epoch",
     "set_keras_mask",
     "squeeze_or_expand_to_same_rank",
+    "symbolic_build",
     "train_validation_split",
 ]
 
@@ -58,7 +59,7 @@ def set_keras_mask(x: Any, mask: Any) -> None:
     setter(x, mask)
 
 
-def build_model(model: keras.Model, data_batch: tuple) -> None:
+def symbolic_build(model: keras.Model, data_batch: tuple) -> None:
     """Build the model, its compiled loss and metrics and the optimizer, symbolically.
 
     ``data_batch`` is ``(x, y, sample_weight)`` of tensors, arrays or ``TensorSpec``s.
@@ -128,6 +129,11 @@ def metric_lists(model: keras.Model) -> tuple[list, list, Any]:
 def loss_tracker(model: keras.Model) -> keras.metrics.Metric | None:
     """The ``Mean`` metric behind the ``loss`` entry of the logs."""
     return getattr(model, "_loss_tracker", None)
+
+
+def resume_epoch(model: keras.Model) -> int | None:
+    """The epoch ``keras.callbacks.BackupAndRestore`` restored (``Trainer._initial_epoch``)."""
+    return getattr(model, "_initial_epoch", None)
 
 
 def resolve_path(path: tuple, obj: Any) -> Any:

@@ -381,7 +381,7 @@ def _finish(model, plan, totals: Totals, batch_size: int, scale) -> Accumulated:
 
 def _prepare(model, specs) -> LossPlan:
     if not _keras.compile_loss_built(model):
-        _keras.build_model(model, specs)
+        _keras.symbolic_build(model, specs)
     return loss_plan(model, specs)
 
 

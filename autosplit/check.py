@@ -177,7 +177,7 @@ def check(
     if not model.built or not _keras.compile_loss_built(model):
         sample = tree.map_structure(lambda t: None if t is None else t[:1],
                                     (x, y, sample_weight))
-        _keras.build_model(model, sample)
+        _keras.symbolic_build(model, sample)
 
     culprits = _layer_culprits(model)
     # An activity regulariser only differs when a micro-batch holds padding rows.

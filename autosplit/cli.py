@@ -5,10 +5,15 @@ Exit codes: 0 success (for ``check``: the split is exact), 1 ``check`` found the
 not exact, 2 usage error (bad arguments, unknown model, bad memory string), 3 nothing
 fits (not even one example).
 
-With ``--memory-limit`` the work runs in a child process under a real cap: on the CPU
-through TensorFlow's BFC allocator capped at the limit (``TF_CPU_BFC_MEM_LIMIT_IN_MB``,
-so the limit means the memory TensorFlow may allocate, as on a GPU), on a GPU through a
-logical-device memory limit. A crash under the cap cannot take the CLI down.
+With ``--memory-limit`` the work runs in a child process under a real cap
+(``autosplit.caps.run_capped``): on the CPU through TensorFlow's BFC allocator capped
+at the limit (``TF_CPU_BFC_MEM_LIMIT_IN_MB``, so the limit means the memory TensorFlow
+may allocate, as on a GPU), on a GPU through a logical-device memory limit. A crash
+under the cap cannot take the CLI down. Run as the ``autosplit`` program, the work
+always happens in such a child, whose TensorFlow start-up lines (oneDNN notices, CUDA
+stubs, ``cuInit`` on a machine without a GPU) are hidden unless ``--verbose``; real
+errors always show. Probe progress (one line per trial) goes to stdout, or to stderr
+with ``--json`` so that stdout stays one JSON document.
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 
 EXIT_OK, EXIT_NOT_EXACT, EXIT_USAGE, EXIT_NOTHING_FITS = 0, 1, 2, 3
 _CHILD_ENV = "AUTOSPLIT_CHILD"
-_GPU_LIMIT_ENV = "AUTOSPLIT_GPU_MEMORY_LIMIT_BYTES"
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show TensorFlow's own start-up log lines")
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--epochs", type=int, default=3)
     demo.add_argument("--memory-limit", default="80MiB",
                       help="real cap for the demo's child process ('none' for no cap)")
+    _add_common(demo)
 
     probe = sub.add_parser("probe", help="find the largest micro-batch that fits")
     _add_model_arguments(probe)
@@ -54,23 +63,31 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--no-cache", action="store_true")
     probe.add_argument("--report", action="store_true",
                        help="also print the memory model's prediction for a range of sizes")
+    _add_common(probe)
 
     check = sub.add_parser("check", help="is the split step exact for this model? (exit 1 if not)")
     _add_model_arguments(check)
     check.add_argument("--micro-batch-size", type=int, required=True)
     check.add_argument("--tolerance", type=float, default=1e-4)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_common(check)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``autosplit`` console script."""
+    """Entry point of the ``autosplit`` console script.
+
+    ``main()`` (the program) does the work in a child process with a quiet stderr;
+    ``main([...])`` (tests, scripts) does it in this process unless ``--memory-limit``
+    asks for a cap.
+    """
+    program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
-    from autosplit.memory import parse_memory
+    from autosplit.units import parse_memory
 
     try:
         memory_limit = getattr(args, "memory_limit", None)
@@ -93,8 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"autosplit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if limit is not None and os.environ.get(_CHILD_ENV) != "1":
-        return _run_capped(argv, limit, json_output=getattr(args, "json", False))
+    if os.environ.get(_CHILD_ENV) != "1" and (limit is not None or program):
+        return _run_child(argv, limit, verbose=args.verbose)
     if args.command == "demo":
         return _demo(args)
     if args.command == "check":
@@ -102,25 +119,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _probe(args, limit)
 
 
-def _run_capped(argv: list[str], limit: int, *, json_output: bool) -> int:
-    """Re-run this command in a child process under a real memory cap."""
-    from autosplit.memory import capped_cpu_env
+def _run_child(argv: list[str], limit: int | None, *, verbose: bool) -> int:
+    """Re-run this command in a child process (under a real cap when ``limit``)."""
+    from autosplit.caps import run_capped
 
-    env = capped_cpu_env(limit)
-    env[_CHILD_ENV] = "1"
-    env[_GPU_LIMIT_ENV] = str(limit)
-    command = [sys.executable, "-m", "autosplit", *argv]
-    completed = subprocess.run(command, env=env, check=False)
-    if completed.returncode < 0:
-        print(f"autosplit: the capped child process died with signal {-completed.returncode}",
+    env = {_CHILD_ENV: "1"}
+    if verbose:
+        env["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    run = run_capped(["-m", "autosplit", *argv], limit, env=env, quiet=not verbose)
+    if run.returncode < 0:
+        print(f"autosplit: the child process died with signal {-run.returncode}",
               file=sys.stderr)
         return 1
-    return completed.returncode
+    return run.returncode
 
 
 def _configure_gpu_cap() -> None:
     """In the child: cap the first GPU through a logical device, before TF starts."""
-    limit = os.environ.get(_GPU_LIMIT_ENV)
+    from autosplit.caps import GPU_LIMIT_ENV
+
+    limit = os.environ.get(GPU_LIMIT_ENV)
     if not limit:
         return
     import tensorflow as tf
@@ -144,9 +162,23 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
         print(f"autosplit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     x, y = _synthetic_batch(shape, args.batch_size, args.classes)
+    progress = sys.stderr if args.json else sys.stdout
+
+    def on_trial(trial, budget):
+        from autosplit.probe import format_trial
+
+        if not on_trial.started:
+            print(f"probing {args.model} for batch {args.batch_size} "
+                  f"(budget {format_bytes(budget)}):", file=progress, flush=True)
+            on_trial.started = True
+        print(format_trial(trial, budget), file=progress, flush=True)
+
+    on_trial.started = False
+    from autosplit.units import format_bytes
+
     try:
         result = probe(model, x, y, batch_size=args.batch_size, memory_limit=limit,
-                       headroom=args.headroom, cache=not args.no_cache)
+                       headroom=args.headroom, cache=not args.no_cache, on_trial=on_trial)
     except NothingFitsError as exc:
         if args.json:
             print(json.dumps({"error": "nothing_fits", "message": str(exc),
@@ -195,7 +227,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def format_result(result, *, report: bool = False) -> str:
     """A table of the trials and the choice, for people."""
-    from autosplit.memory import format_bytes
+    from autosplit.units import format_bytes
 
     def size(n):
         return "-" if n is None else format_bytes(int(n))
@@ -218,6 +250,7 @@ def format_result(result, *, report: bool = False) -> str:
         "",
         f"chosen      micro_batch_size={result.micro_batch_size}, "
         f"accumulation_steps={result.accumulation_steps} for batch_size={result.batch_size}",
+        f"why         {result.reason()}",
         f"peak        predicted {size(result.predicted_peak_bytes)}, "
         f"measured {size(result.measured_peak_bytes)}; {result.ooms} OOM trial(s), "
         f"{len(result.trials)} trials, {result.seconds:.1f} s",
@@ -262,7 +295,9 @@ def _demo(args: argparse.Namespace) -> int:
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     loss_before = model.evaluate(x, y, batch_size=1024, verbose=0, return_dict=True)["loss"]
-    cap = os.environ.get(_GPU_LIMIT_ENV)
+    from autosplit.caps import GPU_LIMIT_ENV
+
+    cap = os.environ.get(GPU_LIMIT_ENV)
     print(f"autosplit demo: {args.examples} synthetic examples, MLP {features}-1024-1024-"
           f"{classes}, target batch {args.batch_size}"
           + (f", real memory cap {int(cap) // 2**20} MiB" if cap else ", no memory cap"))

@@ -22,7 +22,8 @@ import tensorflow as tf
 from autosplit import _keras
 from autosplit.distribute import Layout, layout
 from autosplit.errors import BatchSizeError, DatasetError, describe
-from autosplit.inputs import DatasetInput, InputAdapter, get_input
+from autosplit.evaluate import Evaluator, validation_input
+from autosplit.inputs import InputAdapter, get_input
 from autosplit.pipeline import MicroBatches
 from autosplit.recovery import Recovery
 from autosplit.split import Split, split_batch
@@ -197,43 +198,27 @@ def _check_input(adapter: InputAdapter, args: _Args) -> None:
 
 
 class _Validation:
-    """``model.evaluate`` on the validation data, at the micro-batch size."""
+    """Validation logs after an epoch, in micro-batches (``autosplit.evaluate``)."""
+
+    _ATTR = "_autosplit_evaluator"
 
     def __init__(self, data: Any, args: _Args) -> None:
-        self.data = data
+        self.adapter = validation_input(data)
         self.args = args
 
     @classmethod
     def make(cls, data: Any, args: _Args) -> _Validation | None:
-        if data is None:
-            return None
-        ok = isinstance(data, (tf.data.Dataset, keras.utils.PyDataset)) or (
-            isinstance(data, (tuple, list)) and len(data) in (2, 3))
-        if not ok:
-            raise ValueError(
-                "Expected `validation_data` to be a tf.data.Dataset, a keras.utils.PyDataset "
-                "or a tuple (x, y) or (x, y, sample_weight). Received: "
-                f"validation_data={describe(data)}.")
-        return cls(data, args)
+        return None if data is None else cls(data, args)
 
     def __call__(self, model: keras.Model, rows: int) -> dict:
-        batch = self.args.validation_batch_size or rows
-        kwargs: dict[str, Any] = {"steps": self.args.validation_steps}
-        data = self.data
-        if isinstance(data, tf.data.Dataset):
-            # The device sees validation micro-batches too: rebatch whatever the user's
-            # batches are (DatasetInput knows a batched dataset from one of examples).
-            if DatasetInput(data, name="validation_data").batched:
-                data = data.rebatch(batch)
-            else:
-                data = data.batch(batch)
-        elif isinstance(data, (tuple, list)):
-            data, y, *rest = data
-            kwargs.update(y=y, batch_size=batch)
-            if rest and rest[0] is not None:
-                kwargs["sample_weight"] = rest[0]
-        logs = model.evaluate(data, verbose=0, return_dict=True, **kwargs)
-        return {f"val_{name}": float(value) for name, value in logs.items()}
+        # One evaluator per model, like the train step: a second fit traces nothing new.
+        evaluator = model.__dict__.get(self._ATTR)
+        if evaluator is None:
+            evaluator = model.__dict__[self._ATTR] = Evaluator(model)
+        logs = evaluator(self.adapter, rows=rows,
+                         batch_size=self.args.validation_batch_size or self.args.batch_size,
+                         steps=self.args.validation_steps)
+        return {f"val_{name}": value for name, value in logs.items()}
 
 
 # ---------------------------------------------------------------- plan
@@ -321,10 +306,13 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
     traces_before = step.tracing_count()
     model.stop_training = False
     callback_list.on_train_begin()
+    # keras.callbacks.BackupAndRestore restores the weights in on_train_begin and says
+    # where to resume, as model.fit reads it.
+    first_epoch = _keras.resume_epoch(model) or args.initial_epoch
     iterator, logs, epoch_logs, global_step = None, {}, {}, 0
     # model.fit keeps one iterator across epochs when steps_per_epoch is given.
     keep_iterator = args.steps_per_epoch is not None or not adapter.reiterable
-    for epoch in range(args.initial_epoch, args.epochs):
+    for epoch in range(first_epoch, args.epochs):
         model.reset_metrics()
         adapter.on_epoch_begin()
         callback_list.on_epoch_begin(epoch)

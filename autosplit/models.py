@@ -1,6 +1,6 @@
 """Built-in models for the CLI and the demo: small, compiled, no downloads.
 
-``build_model("mlp" | "cnn" | "transformer" | "mobilenet_v2" | "resnet50", input_shape)``
+``load_model("mlp" | "cnn" | "transformer" | "mobilenet_v2" | "resnet50", input_shape)``
 returns a compiled Keras model (Adam, sparse categorical cross-entropy on logits);
 ``load_model("package.module:function", input_shape)`` calls a user's factory.
 """
@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import keras
+if TYPE_CHECKING:
+    import keras
 
-__all__ = ["MODELS", "build_model", "load_model", "parse_shape"]
+__all__ = ["MODELS", "load_model", "parse_shape"]
 
 
 def _compile(model: keras.Model) -> keras.Model:
+    import keras
+
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -25,6 +29,8 @@ def _compile(model: keras.Model) -> keras.Model:
 
 
 def mlp(input_shape: Sequence[int], classes: int = 10) -> keras.Model:
+    import keras
+
     inputs = keras.Input(tuple(input_shape))
     h = keras.layers.Flatten()(inputs) if len(input_shape) > 1 else inputs
     for width in (512, 512):
@@ -33,6 +39,8 @@ def mlp(input_shape: Sequence[int], classes: int = 10) -> keras.Model:
 
 
 def cnn(input_shape: Sequence[int], classes: int = 10) -> keras.Model:
+    import keras
+
     inputs = keras.Input(tuple(input_shape))
     h = inputs
     for filters in (32, 64, 128):
@@ -45,6 +53,8 @@ def cnn(input_shape: Sequence[int], classes: int = 10) -> keras.Model:
 def transformer(input_shape: Sequence[int], classes: int = 10, *, layers: int = 2,
                 heads: int = 4) -> keras.Model:
     """A Transformer encoder over (sequence, features) inputs, mean-pooled."""
+    import keras
+
     if len(input_shape) != 2:
         raise ValueError(
             "Expected `input_shape` (sequence_length, features) for the transformer. "
@@ -64,6 +74,8 @@ def transformer(input_shape: Sequence[int], classes: int = 10, *, layers: int = 
 
 def _application(name: str) -> Callable[..., keras.Model]:
     def build(input_shape: Sequence[int], classes: int = 10) -> keras.Model:
+        import keras
+
         factory = getattr(keras.applications, name)
         model = factory(weights=None, input_shape=tuple(input_shape), classes=classes,
                         classifier_activation=None)
@@ -97,6 +109,8 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 def load_model(spec: str, input_shape: Sequence[int]) -> keras.Model:
     """A built-in model by name, or ``module:function`` returning a compiled model."""
+    import keras
+
     if spec in MODELS:
         return MODELS[spec](input_shape)
     if ":" not in spec:
@@ -122,5 +136,3 @@ def load_model(spec: str, input_shape: Sequence[int]) -> keras.Model:
         )
     return model
 
-
-build_model = load_model

@@ -8,11 +8,11 @@ trial's time does not grow with B/m. Nothing of B rows is ever held, so the memo
 model's fixed part is the weights, the optimizer slots, the float32 sums and the
 pipeline's few buffered micro-batches, whatever the input kind.
 
-Phases: validate and read the device and the budget (``autosplit.memory``), look up
-the cache (``autosplit.cache``), search (``autosplit.search``), build the immutable
-:class:`ProbeResult` from the trials. The model, the optimizer and the metrics are
-restored bitwise after the trials. Out-of-memory is detected by type
-(``tf.errors.ResourceExhaustedError``).
+Phases: validate and read the device and the budget (``autosplit.device``,
+``autosplit.caps``), look up the cache (``autosplit.cache``), search
+(``autosplit.search``), build the immutable :class:`ProbeResult` from the trials. The
+model, the optimizer and the metrics are restored bitwise after the trials.
+Out-of-memory is detected by type (``tf.errors.ResourceExhaustedError``).
 """
 
 from __future__ import annotations
@@ -29,15 +29,17 @@ import keras
 import tensorflow as tf
 
 from autosplit import cache as _cache
+from autosplit.caps import PeakMeter
+from autosplit.device import budget_bytes, read_device
 from autosplit.distribute import layout
 from autosplit.errors import MemoryLimitError, NothingFitsError, UnsupportedModelError
 from autosplit.inputs import ArrayInput, InputAdapter, get_input
-from autosplit.memory import PeakMeter, budget_bytes, format_bytes, parse_memory, read_device
 from autosplit.pipeline import MicroBatches
 from autosplit.search import Trial, fit_line, run_search
 from autosplit.split import split_batch
 from autosplit.state import Snapshot
 from autosplit.step import build_for, train_step
+from autosplit.units import format_bytes, parse_memory
 from autosplit.validation import check_fraction, check_model, check_size
 
 __all__ = ["ProbeResult", "Trial", "invalidate_cache", "probe", "search_micro_batch"]

@@ -532,5 +532,5 @@ def build_for(model: keras.Model, element_spec: Any, local_replicas: int = 1) ->
     if local_replicas > 1:
         x, y, w = tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), (x, y, w))
     with model.distribute_strategy.scope():
-        _keras.build_model(model, (x, y, _empty_to_none(w)))
+        _keras.symbolic_build(model, (x, y, _empty_to_none(w)))
     check_trainable(model)

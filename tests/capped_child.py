@@ -1,12 +1,12 @@
 """Child-process scenarios run under a real TensorFlow memory cap (capped BFC allocator).
 
-Invoked as ``python tests/capped_child.py SCENARIO OUT.json``; the parent sets the cap
-through ``autosplit.memory.capped_cpu_env`` and reads the JSON this writes.
+Started by ``autosplit.caps.run_capped(["tests/capped_child.py", SCENARIO, DIR], cap)``;
+each scenario hands its report back with ``autosplit.caps.write_result`` and may leave
+files (weights) in DIR.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 import autosplit
+from autosplit.caps import write_result
 from autosplit.testing import train_on_large_batch
 
 
@@ -41,7 +42,7 @@ def data(n):
             rng.integers(0, 10, size=(n,)).astype("int32"))
 
 
-def probe_then_check(out):
+def probe_then_check(folder):
     """Probe under the cap; train at m; try 2m (or the next size up)."""
     x, y = data(4096)
     model = demo_mlp(keras.optimizers.Adam(1e-3))
@@ -67,25 +68,24 @@ def probe_then_check(out):
         report["bigger_fits"] = True
     except tf.errors.ResourceExhaustedError:
         report["bigger_fits"] = False
-    out.write(json.dumps(report))
+    write_result(report)
 
 
-def recover_from_real_oom(out):
+def recover_from_real_oom(folder):
     """A fixed micro-batch too large for the cap: recover and finish exactly."""
     x, y = data(8192)
     model = demo_mlp(keras.optimizers.SGD(0.05))
     history = autosplit.fit_large_batch(model, x, y, batch_size=4096, micro_batch_size=4096,
                                         epochs=1, shuffle=False, verbose=0)
-    np.savez(out.name + ".npz", *model.get_weights())
-    out.write(json.dumps({"autosplit": history.autosplit,
-                          "iterations": int(model.optimizer.iterations)}))
+    np.savez(os.path.join(folder, "weights.npz"), *model.get_weights())
+    write_result({"autosplit": history.autosplit, "iterations": int(model.optimizer.iterations)})
 
 
-def nothing_fits(out):
+def nothing_fits(folder):
     """A budget of what the model holds plus 1 MiB: not even one example fits."""
     x, y = data(256)
     model = demo_mlp(keras.optimizers.Adam(1e-3))
-    autosplit._keras.build_model(model, (x[:8], y[:8], None))
+    autosplit._keras.symbolic_build(model, (x[:8], y[:8], None))
     before = [w.copy() for w in model.get_weights()]
     held = tf.config.experimental.get_memory_info("CPU:0")["current"]
     report = {}
@@ -98,10 +98,10 @@ def nothing_fits(out):
                       budget_bytes=exc.budget_bytes)
     report["weights_unchanged"] = all(
         np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
-    out.write(json.dumps(report))
+    write_result(report)
 
 
-def input_kinds(out):
+def input_kinds(folder):
     """Probe on arrays (what `autosplit probe` does), then train at its choice from each
     input kind: the answer holds for all of them, because none holds a large batch."""
     x, y = data(8192)
@@ -120,12 +120,10 @@ def input_kinds(out):
                                      "micro_batch_size": history.autosplit["micro_batch_size"]}
         except tf.errors.ResourceExhaustedError as exc:
             report["kinds"][kind] = {"trained": False, "error": str(exc)[:300]}
-    out.write(json.dumps(report))
+    write_result(report)
 
 
 if __name__ == "__main__":
-    scenario, path = sys.argv[1], sys.argv[2]
-    with open(path, "w") as handle:
-        scenarios = {"probe": probe_then_check, "recover": recover_from_real_oom,
-                     "nothing": nothing_fits, "kinds": input_kinds}
-        scenarios[scenario](handle)
+    scenarios = {"probe": probe_then_check, "recover": recover_from_real_oom,
+                 "nothing": nothing_fits, "kinds": input_kinds}
+    scenarios[sys.argv[1]](sys.argv[2] if len(sys.argv) > 2 else ".")

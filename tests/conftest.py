@@ -25,7 +25,7 @@ def twin(make_model, sample):
     """Two identical compiled models (same initial weights), built on ``sample``."""
     reference, candidate = make_model(), make_model()
     for model in (reference, candidate):
-        _keras.build_model(model, sample)
+        _keras.symbolic_build(model, sample)
     candidate.set_weights(reference.get_weights())
     return reference, candidate
 

@@ -1,185 +1,431 @@
-"""The benchmarks: ``memory_scaling.py``'s checks, report and plot, and its quick run.
+"""The benchmarks: the shared harness, each script's checks and searches, the training
+methods they compare, and a quick end-to-end run of every script.
 
-The quick run is end to end: real child processes under a real TensorFlow memory cap
-(plain Keras raises a real ``ResourceExhaustedError`` at B = 1024), the JSON, the
-Markdown and the PNG. ``overhead.py --quick`` (about a minute) and
-``probe_search.py --quick`` (a few minutes) together take well over the 60 s this file
-may spend on them, so they are not run here; their own ``--quick`` modes are the smoke
-tests.
+The quick runs are real: capped child processes under a real TensorFlow memory cap
+(plain Keras raises a real ``ResourceExhaustedError`` in ``memory_scaling``), the JSON,
+the Markdown and the PNG. They are marked slow; everything else runs in seconds on
+fakes and hand-computed numbers.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+# pytest puts tests/ on sys.path, not the repository root that holds benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import keras
+import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from autosplit import caps
+from benchmarks import gpu_check, harness, memory_scaling, overhead, probe_search, workloads
+
+ROOT = harness.ROOT
 MiB = 2**20
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def load(name: str):
-    """A benchmark script as a module (benchmarks/ is not a package)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
+# ---------------------------------------------------------------- the harness
 
 
-ms = load("memory_scaling")
+def test_tables_align_the_first_column_left_and_the_rest_right():
+    header, rows = ["method", "n"], [["a", "1"], ["bb", "100"]]
+    assert harness.text_table(header, rows) == ("method    n\n"
+                                                "------  ---\n"
+                                                "a         1\n"
+                                                "bb      100")
+    assert harness.md_table(header, rows) == ["| method | n |", "|---|---:|", "| a | 1 |",
+                                              "| bb | 100 |"]
 
 
-def ok(peak_mib, samples_per_s=1000.0, held_mib=10.0, **extra):
-    return {"status": "ok", "peak_mib": peak_mib, "samples_per_s": samples_per_s,
-            "held_mib": held_mib, **extra}
+def test_write_report_writes_json_markdown_and_png_or_nothing(tmp_path):
+    panel = harness.Panel("peaks", "MiB", [
+        harness.Series("a", [512, 1024], [10.0, 11.0], failed=[2048], failed_y=64.0),
+        harness.Series("b", [512, 2048], [20.0, 40.0], marker="s")],
+        logy=True, hline=(64.0, "cap 64 MiB"), xticks=[512, 1024, 2048])
+    report = {"numbers": [1, 2.5]}
+    paths = harness.write_report(tmp_path / "out", "bench", report, "# bench\n",
+                                 lambda path: harness.line_plot(path, [[panel, panel], [panel]],
+                                                                "title"))
+    assert [p.name for p in paths] == ["bench.json", "bench.md", "bench.png"]
+    assert json.loads(paths[0].read_text()) == report
+    assert paths[1].read_text() == "# bench\n"
+    assert paths[2].read_bytes()[:8] == PNG
+    assert harness.write_report(None, "bench", report, "# bench\n") == []
+
+
+def test_quick_runs_write_files_only_where_asked(tmp_path):
+    p = harness.parser("d", quick="q", repeats=2)
+    assert harness.out_dir(p.parse_args(["--quick"])) is None
+    assert harness.out_dir(p.parse_args([])) == harness.RESULTS
+    assert harness.out_dir(p.parse_args(["--quick", "--out", str(tmp_path)])) == tmp_path
+
+
+def test_run_child_is_run_capped_and_says_how_the_child_ended(monkeypatch):
+    calls, ends = [], iter([
+        caps.CappedRun(0, {"status": "ok", "x": 1}, "", "", 2.0),
+        caps.CappedRun(-11, None, "", "Fatal Python error\n", 3.0),
+        caps.CappedRun(1, None, "", "Traceback: boom\n", 4.0),
+    ])
+
+    def fake(argv, limit, *, timeout, env, capture):
+        calls.append((argv, limit, timeout, env, capture))
+        return next(ends)
+
+    monkeypatch.setattr(caps, "run_capped", fake)
+    ok = harness.run_child("memory_scaling", {"b": 512}, 64, timeout=9)
+    crashed = harness.run_child("memory_scaling", {"b": 512}, 64, timeout=9)
+    failed = harness.run_child("memory_scaling", {"b": 512}, 64, timeout=9)
+    assert ok == {"status": "ok", "x": 1, "child_wall_s": 2.0, "limit_mib": 64}
+    assert crashed["status"] == "OOM" and "SIGSEGV" in crashed["oom_where"]
+    assert failed["status"] == "error" and "boom" in failed["error"]
+    argv, limit, timeout, env, capture = calls[0]
+    assert argv == ["-m", "benchmarks.memory_scaling", "--child", '{"b": 512}']
+    assert (limit, timeout, capture) == (64 * MiB, 9, True)
+    assert env["CUDA_VISIBLE_DEVICES"] == "-1" and str(ROOT) in env["PYTHONPATH"]
+
+    def late(*args, **kwargs):
+        raise subprocess.TimeoutExpired("python", 9)
+
+    monkeypatch.setattr(caps, "run_capped", late)
+    assert harness.run_child("memory_scaling", {}, 64, timeout=9)["status"] == "error"
+
+
+def test_serve_child_hands_the_result_back(tmp_path, monkeypatch):
+    path = tmp_path / "result.json"
+    monkeypatch.setenv(caps.RESULT_ENV, str(path))
+    assert harness.serve_child('{"a": 1}', lambda task: {"b": task["a"] + 1}) == 0
+    assert json.loads(path.read_text()) == {"b": 2}
+
+
+def test_run_all_keeps_the_order_of_the_calls():
+    def call(i):
+        def go():
+            time.sleep(0.05 * (3 - i))
+            return {"i": i}
+        return go
+
+    assert harness.run_all([call(i) for i in range(3)], jobs=3) == [{"i": 0}, {"i": 1}, {"i": 2}]
+    assert harness.run_all([call(i) for i in range(2)], jobs=1) == [{"i": 0}, {"i": 1}]
+
+
+def test_round_robin_rotates_the_order_and_speed_summary_divides_best_by_best():
+    order = []
+    seconds = {"a": iter([1.0, 2.0]), "b": iter([4.0, 2.0]), "c": iter([8.0, 8.0])}
+
+    def run(name):
+        def go():
+            order.append(name)
+            return {"samples": 100, "seconds": next(seconds[name])}
+        return go
+
+    runs = harness.round_robin({n: run(n) for n in "abc"}, 2, lambda line: None)
+    assert order == ["a", "b", "c", "b", "c", "a"]
+    summary = harness.speed_summary(runs, "b")
+    assert summary["a"]["samples_per_s_best"] == pytest.approx(100.0)
+    assert summary["a"]["ratio"] == pytest.approx(100.0 / 50.0)
+    assert summary["a"]["ratio_median"] == pytest.approx(75.0 / 37.5)
+    assert summary["c"]["ratio"] == pytest.approx(12.5 / 50.0)
+
+
+def test_growth_check_by_hand():
+    # One input batch of 16 MiB: the bound is 16 + 10% of 40 = 20 MiB, the target 4 MiB.
+    c = harness.growth_check(40.0, 45.0, 16.0)
+    assert (c["growth_mib"], c["allowed_mib"], c["status"]) == (5.0, 20.0, "PASS")
+    assert c["growth_in_batches"] == pytest.approx(5 / 16) and c["target_met"] is False
+    assert harness.growth_check(40.0, 43.0, 16.0)["target_met"] is True
+    assert harness.growth_check(40.0, 61.0, 16.0)["status"] == "MISS"
+    assert harness.growth_check(None, 61.0, 16.0)["status"] == "N/A"
+
+
+# ---------------------------------------------------------------- memory_scaling
+
+
+def ok(peak, rate=1000.0, **extra):
+    return {"status": "ok", "peak_mib": peak, "samples_per_s": rate, "held_mib": 1.0,
+            "peak_source": "tf-allocator", **extra}
 
 
 def oom():
-    return {"status": "OOM", "peak_mib": "OOM", "samples_per_s": "OOM"}
+    return {"status": "OOM", "peak_mib": "OOM", "samples_per_s": "OOM", "oom_where": "training"}
 
 
-def point(B, m, k, capped, uncapped=None):
-    return {"batch_size": B, "micro_batch_size": m, "accumulation_steps": k,
-            "capped": capped, "uncapped": uncapped or {"keras": ok(50.0)}}
+def scaling_model():
+    """Two sizes; one large batch of inputs at B = 16384 is 16384 * 1024 bytes = 16 MiB."""
+    def point(B, methods):
+        return {"batch_size": B, "accumulation_steps": B // 128, "methods": methods}
+
+    return {"label": "toy", "cap_mib": 96, "rows": 32768, "micro_batch_size": 128,
+            "example_bytes": 1024, "trainable_weight_bytes": 4 * MiB, "points": [
+                point(512, {"autosplit_examples": ok(40.0), "autosplit_arrays": ok(30.0),
+                            "autosplit_batched": ok(40.0), "keras": ok(50.0),
+                            "keras_accumulation": ok(41.0), "bare_loop": ok(39.0)}),
+                # growth: examples +3 (target met), arrays +19 (<= 16 + 3), batched +21 (MISS)
+                point(16384, {"autosplit_examples": ok(43.0), "autosplit_arrays": ok(49.0),
+                              "autosplit_batched": ok(61.0, oom_recoveries=[{"step": 1}]),
+                              "keras": oom(), "keras_accumulation": ok(50.0),
+                              "bare_loop": ok(40.0)})]}
 
 
-def synthetic_model():
-    """Two sizes, numbers chosen so every check can be worked out by hand."""
-    return {
-        "label": "toy", "input_shape": [128], "cap_mib": 96, "samples_per_epoch": 8192,
-        "fixed_micro_batch_size": 128, "example_bytes": 1024, "input_bytes": 1020,
-        "trainable_weight_bytes": 4 * MiB,
-        "points": [
-            point(512, 512, 1, {"keras": ok(40.0), "autosplit": ok(41.0),
-                                "keras_at_m": ok(40.0), "keras_accumulation": ok(40.0),
-                                "autosplit_fixed": ok(30.0)}),
-            # One input batch at B = 16384 is 16 MiB: (a) allows 5% of 30 + 16 = 17.5 MiB
-            # of growth, and 30 -> 47 is 17.
-            point(16384, 2048, 8, {
-                "keras": oom(), "keras_accumulation": ok(80.0),
-                "autosplit": ok(87.0, samples_per_s=3000.0, held_mib=30.0,
-                                oom_recoveries=[{"step": 3, "failed": 2304, "retry": 2048}]),
-                # (b): expected 76 + 4 (weights) = 80 MiB; 87 / 80 = 1.0875.
-                "keras_at_m": ok(76.0, samples_per_s=2000.0, held_mib=12.0),
-                "autosplit_fixed": ok(47.0)}),
-        ],
-    }
+def test_memory_scaling_checks_worked_by_hand():
+    checks = {c["id"]: c for c in memory_scaling.checks_for("toy", scaling_model())}
+    assert {k: c["status"] for k, c in checks.items()} == {
+        "a-examples": "PASS", "a-arrays": "PASS", "a-batched": "MISS",
+        "b-examples": "PASS", "b-arrays": "PASS", "b-batched": "MISS", "c": "PASS"}
+    a = checks["a-examples"]
+    assert (a["input_batch_mib"], a["growth_mib"], a["allowed_mib"]) == (16.0, 3.0, 20.0)
+    assert a["target_met"] is True and checks["a-arrays"]["target_met"] is False
+    assert [r["ratio"] for r in checks["b-batched"]["rows"]] == pytest.approx([40 / 41, 61 / 50])
+    assert checks["c"]["keras_oom"] == [16384]
 
 
-def by_id(checks):
-    return {c["id"]: c for c in checks}
+def test_memory_scaling_checks_miss_or_say_not_run():
+    model = scaling_model()
+    model["points"][1]["methods"]["keras"] = ok(90.0)  # the cap never bit plain Keras
+    model["points"][1]["methods"]["autosplit_arrays"] = oom()
+    checks = {c["id"]: c for c in memory_scaling.checks_for("toy", model)}
+    assert checks["c"]["status"] == "MISS" and checks["a-arrays"]["status"] == "N/A"
+    for point in model["points"]:
+        point["methods"]["keras"] = memory_scaling.NOT_RUN
+    assert {c["id"]: c["status"] for c in memory_scaling.checks_for("toy", model)}["c"] == "N/A"
 
 
-def test_keras_split_uses_equal_micro_batches_no_larger_than_m():
-    assert ms.keras_split(1024, 696) == (2, 512)
-    assert ms.keras_split(1024, 1024) == (1, 1024)
-    assert ms.keras_split(16384, 2000) == (9, 1820)
-    assert ms.keras_split(16384, 128) == (128, 128)
+def test_memory_scaling_report_and_plot_from_a_synthetic_run(tmp_path):
+    model = scaling_model()
+    report = {"question": memory_scaling.QUESTION, "command": "python -m benchmarks.x",
+              "units": memory_scaling.UNITS, "machine": harness.machine_info(),
+              "settings": {"micro_batch_size": 128, "repeats": 2}, "models": {"toy": model},
+              "checks": memory_scaling.checks_for("toy", model),
+              "notes": memory_scaling.notes({"toy": model})}
+    text = memory_scaling.markdown(report)
+    assert "| 16384 | 128 | 43.0 | 49.0 | 61.0* | **OOM** | 50.0 | 40.0 |" in text
+    assert "- (a-batched) **MISS**" in text
+    assert any("recovered from an OOM" in n for n in report["notes"])
+    memory_scaling.plot(report, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == PNG
 
 
-def test_fixed_micro_batch_splits_every_size():
-    assert ms.FULL.fixed_micro_batch == 128
-    assert ms.QUICK.fixed_micro_batch < min(ms.QUICK.batch_sizes)
+# ---------------------------------------------------------------- probe_search
 
 
-def test_checks_worked_by_hand():
-    checks = by_id(ms.checks_for("toy", synthetic_model()))
-    a = checks["a"]
-    assert (a["from_batch_size"], a["to_batch_size"]) == (512, 16384)
-    assert a["input_batch_copy_mib"] == pytest.approx(16.0)
-    assert a["growth_mib"] == pytest.approx(17.0)
-    assert a["allowed_mib"] == pytest.approx(17.5)
-    assert a["status"] == "PASS"
-    b = checks["b"]
-    assert [r["batch_size"] for r in b["rows"]] == [16384]  # k = 1 at 512 is no split
-    assert b["worst"]["ratio"] == pytest.approx(1.0875)
-    assert b["worst"]["held_excess_mib"] == pytest.approx(30.0 - 12.0)
-    assert b["worst"]["transient_excess_mib"] == pytest.approx((87.0 - 30.0) - (76.0 - 12.0))
-    assert b["status"] == "PASS"
-    c = checks["c"]
-    assert c["status"] == "PASS"
-    assert c["keras_oom"] == [16384]
-    assert c["autosplit_oom_recoveries"] == 1
-    d = checks["d"]
-    assert d["rows"][0]["ratio"] == pytest.approx(1.5)
-    assert d["status"] == "PASS"
+def threshold(limit, tried):
+    def fits(m):
+        tried.append(m)
+        return m <= limit
+    return fits
 
 
-def test_checks_miss_when_the_numbers_say_so():
-    model = synthetic_model()
-    capped = model["points"][1]["capped"]
-    capped["autosplit_fixed"] = ok(60.0)  # growth 30 > 17.5
-    capped["autosplit"] = ok(96.0, samples_per_s=1500.0, held_mib=30.0)  # 96 / 80 = 1.2
-    model["points"][0]["capped"]["autosplit"] = oom()
-    model["points"][1]["capped"]["keras"] = ok(95.0)
-    checks = by_id(ms.checks_for("toy", model))
-    assert {key: c["status"] for key, c in checks.items()} == {
-        "a": "MISS", "b": "MISS", "c": "MISS", "d": "MISS"}
-    assert checks["c"]["autosplit_trained"] == [16384]
-    assert checks["c"]["keras_oom"] == []
+def test_searches_try_exactly_these_sizes():
+    tried = []
+    assert probe_search.bisection(4096, threshold(1000, tried)) == 1000
+    assert tried == [2048, 1024, 512, 768, 896, 960, 992, 1008, 1000, 1004, 1002, 1001]
+    tried = []
+    assert probe_search.lightning_binsearch(4096, threshold(1000, tried)) == 1000
+    assert tried == [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 768, 896, 960, 992, 1008, 1000,
+                     1004, 1002, 1001]
+    tried = []
+    assert probe_search.accelerate_backoff(4096, threshold(1000, tried)) == 933
+    assert tried == [4096, 3686, 3317, 2985, 2686, 2417, 2175, 1957, 1761, 1584, 1425, 1282,
+                     1153, 1037, 933]
+    assert probe_search.accelerate_backoff(8, threshold(0, [])) == 0
+    assert probe_search.bisection(8, threshold(0, [])) == 0
 
 
-def test_report_and_plot_from_a_synthetic_run(tmp_path):
-    model = synthetic_model()
-    report = {"question": ms.QUESTION, "command": "python benchmarks/memory_scaling.py",
-              "units": ms.UNITS, "peak_source": ms.PEAK_SOURCE,
-              "machine": {"cpu_count": 2, "tensorflow": "x", "keras": "y", "python": "z",
-                          "date": "today", "load_average_at_start": [0.0]},
-              "settings": {"repeats": 2}, "models": {"toy": model},
-              "checks": ms.checks_for("toy", model),
-              "streaming": {"available": False, "note": "not yet"}}
-    for p in model["points"]:
-        for method in ms.CAPPED_METHODS:
-            p["capped"].setdefault(method, ms.public(None))
-    report["notes"] = ms.notes(report)
-    text = ms.markdown(report)
-    assert "Peak source: tf-allocator (BFC)" in text
-    assert "**OOM**" in text and "87.0*" in text  # the recovered point is marked
-    assert "- (a) toy: **PASS**" in text
-    assert any("recovered by autosplit" in n for n in report["notes"])
-    ms.plot(report, tmp_path / "plot.png")
-    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def trial(rows, fits=True, oom=False, peak=30 * MiB, seconds=1.0):
+    return {"micro_batch_size": rows, "rows": rows, "fits": fits, "oom": oom,
+            "peak_bytes": None if oom else peak, "seconds": seconds}
 
 
-def test_bad_flags_exit_before_anything_runs():
-    with pytest.raises(SystemExit):
-        ms.main(["--quick", "--repeats", "0"])
-    with pytest.raises(SystemExit):
-        ms.main(["--quick", "--models", "resnet"])
+def test_probe_search_summary_checks_and_notes_by_hand():
+    raw = {"exhaustive": {"found": 2000, "seconds": 100.0, "unsplit_fits": False,
+                          "largest_split": 2000, "confirm": {"2000": False, "2001": False},
+                          "trials": [trial(4096, False, True), trial(2000)]},
+           "autosplit": {"found": 1900, "seconds": 20.0,
+                         "trials": [trial(64), trial(1024), trial(2100, False, True),
+                                    trial(1900, peak=60 * MiB)]},
+           "autosplit_headroom": {"found": 1700, "seconds": 20.0, "trials": [trial(1700)]},
+           "lightning": {"found": 2048, "seconds": 90.0,
+                         "trials": [trial(2)] * 12},
+           "accelerate": {"found": 2417, "seconds": 50.0,
+                          "trials": [trial(4096, False, True)] * 5 + [trial(2417)]}}
+    summary = probe_search.summarise(raw)
+    assert summary["autosplit"]["fraction_of_true_max"] == pytest.approx(0.95)
+    assert (summary["autosplit"]["trials"], summary["autosplit"]["ooms"]) == (4, 1)
+    assert summary["autosplit"]["peak_mib_at_found"] == 60.0
+    assert summary["autosplit"]["sequence"] == "64 1024 2100x 1900"
+    series = [{"batch_size": 1024, "accumulation_steps": 2, "seconds_per_trial": 2.0},
+              {"batch_size": 8192, "accumulation_steps": 12, "seconds_per_trial": 2.5}]
+    checks = {c["id"]: c["status"] for c in probe_search.checks(summary, series)}
+    assert checks == {"close": "PASS", "trials": "PASS", "ooms": "MISS", "seconds": "PASS",
+                      "flat": "PASS"}
+    series[1]["seconds_per_trial"] = 4.0
+    assert probe_search.checks(summary, series)[-1]["status"] == "MISS"
+    notes = probe_search.notes({"raw": raw, "methods": summary})
+    assert any("did NOT fit again" in n for n in notes)
+    assert any("accelerate" in n and "2417" in n for n in notes)
+
+
+def test_probe_search_series_averages_trials_that_did_not_run_out_of_memory():
+    [row] = probe_search.series_summary([{"batch_size": 4096, "found": 512,
+                                          "accumulation_steps": 8, "seconds": 14.0,
+                                          "trials": [trial(64, seconds=1.0),
+                                                     trial(1024, False, True, seconds=10.0),
+                                                     trial(512, seconds=3.0)]}])
+    assert (row["trials"], row["ooms"], row["seconds_per_trial"]) == (3, 1, 2.0)
+
+
+# ---------------------------------------------------------------- the methods
+
+
+def test_bare_loop_is_one_exact_full_batch_step():
+    spec = workloads.mlp_spec(8, (16,))
+    x, y = workloads.synthetic(64, spec.input_shape, seed=3)
+    reference, bare = (workloads.build_model(spec, seed=1) for _ in range(2))
+    for model in (reference, bare):  # SGD: a step proportional to the gradient
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=reference.loss)
+    reference.train_on_batch(x, y)
+    clock = workloads.EpochMeter(None, samples_per_epoch=64, warmup=0)
+    workloads.bare_loop(bare, x, y, batch_size=64, micro_batch_size=16, epochs=1, callback=clock)
+    assert int(bare.optimizer.iterations) == 1 and clock.records[0]["applies"] == 1
+    for expected, actual in zip(reference.get_weights(), bare.get_weights(), strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="multiple"):
+        workloads.bare_loop(bare, x, y, batch_size=64, micro_batch_size=24, epochs=1,
+                            callback=clock)
+
+
+@pytest.mark.parametrize("method, rows, k, applies", [
+    ("autosplit_examples", 32, 4, 2), ("autosplit_arrays", 32, 4, 2),
+    ("autosplit_batched", 32, 4, 2), ("keras", 128, 1, 2), ("keras_at_m", 32, 1, 8),
+    ("keras_accumulation", 32, 4, 2), ("bare_loop", 32, 4, 2)])
+def test_every_method_trains_and_counts_its_applies(method, rows, k, applies):
+    """256 rows, B = 128, m = 32: two applies per epoch, but eight for plain Keras at m."""
+    spec = workloads.mlp_spec(8, (16,))
+    x, y = workloads.synthetic(256, spec.input_shape)
+    r = workloads.measure(method, spec, x, y, batch_size=128, micro_batch_size=32, repeats=1)
+    assert r["status"] == "ok", r
+    assert (r["micro_batch_size"], r["accumulation_steps"]) == (rows, k)
+    assert [e["applies"] for e in r["epochs"]] == [applies]
+    assert r["peak_mib"] > 0 and r["samples_per_s"] > 0
+
+
+# ---------------------------------------------------------------- overhead and gpu_check
+
+
+def test_overhead_checks_compare_with_the_bare_loop_and_plain_keras():
+    def rate(best, ratio=1.0):
+        return {"samples_per_s_best": best, "ratio": ratio}
+
+    cases = {"small_k": {"methods": {"autosplit_arrays": rate(96.0), "bare_loop": rate(100.0)}},
+             "large_k": {"accumulation_steps": 128, "micro_batch_size": 128,
+                         "methods": {"autosplit_arrays": rate(90.0, 0.9)}}}
+    checks = overhead.checks(cases)
+    assert [(c["id"], c["status"]) for c in checks] == [("bare", "PASS"), ("large-k", "MISS")]
+    assert checks[0]["ratio"] == pytest.approx(0.96)
+
+
+def test_gpu_check_checks_growth_per_input_kind_and_speed():
+    def point(B, examples, arrays):
+        return {"batch_size": B, "methods": {"autosplit_examples": ok(examples),
+                                             "autosplit_arrays": ok(arrays)}}
+
+    report = {"example_bytes": 1024, "points": [point(512, 100.0, 100.0),
+                                                point(16384, 103.0, 130.0)],
+              "speed": {"batch_size": 16384, "micro_batch_size": 128,
+                        "methods": {"autosplit_arrays": {"ratio": 0.97}}}}
+    checks = {c["id"]: c for c in gpu_check.checks(report)}
+    assert checks["a-examples"]["status"] == "PASS" and checks["a-examples"]["target_met"]
+    assert checks["a-arrays"]["status"] == "MISS"  # 30 MiB > 16 + 10
+    assert checks["speed"]["status"] == "PASS"
+
+
+@pytest.mark.parametrize("module, argv", [
+    (memory_scaling, ["--quick", "--repeats", "0"]),
+    (memory_scaling, ["--quick", "--methods", "resnet"]),
+    (overhead, ["--quick", "--epochs", "0"]),
+    (overhead, ["--quick", "--cases", "medium_k"]),
+    (probe_search, ["--quick", "--batch-size", "0"]),
+    (gpu_check, ["--quick", "--repeats", "0"]),
+])
+def test_bad_flags_exit_before_anything_runs(module, argv):
+    with pytest.raises(SystemExit, match="Expected"):
+        module.main(argv)
+
+
+# ---------------------------------------------------------------- quick runs, end to end
+
+
+def read(folder, name):
+    assert (folder / f"{name}.md").read_text().startswith("# ")
+    return json.loads((folder / f"{name}.json").read_text())
 
 
 @pytest.mark.slow
-def test_quick_run_writes_every_point_the_checks_and_the_plot(tmp_path):
-    assert ms.main(["--quick", "--out", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "memory_scaling.json").read_text())
-    assert report["peak_source"] == "tf-allocator (BFC)"
-    assert report["models"]
-    for model in report["models"].values():
-        assert [p["batch_size"] for p in model["points"]] == list(ms.QUICK.batch_sizes)
-        for p in model["points"]:
-            for condition, methods in (("capped", ms.CAPPED_METHODS),
-                                       ("uncapped", ms.UNCAPPED_METHODS)):
-                for method in methods:
-                    r = p[condition][method]
-                    for name in ("peak_mib", "samples_per_s"):
-                        value = r[name]
-                        assert value == "OOM" or (
-                            isinstance(value, (int, float)) and value > 0), (
-                            p["batch_size"], condition, method, name, r)
-                    if r["status"] == "ok":
-                        assert r["peak_source"] == "tf-allocator"
-    checks = report["checks"]
-    assert {(c["model"], c["id"]) for c in checks} == {
-        (key, i) for key in report["models"] for i in "abcd"}
-    assert all(c["status"] in ("PASS", "MISS", "N/A") and c["summary"] for c in checks)
-    # The quick configuration is built so: plain Keras fails at 1024, autosplit trains.
-    assert by_id(checks)["c"]["status"] == "PASS", by_id(checks)["c"]
-    assert "streaming" in report
-    assert (tmp_path / "memory_scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "## Checks" in (tmp_path / "memory_scaling.md").read_text()
+def test_memory_scaling_quick_run_under_a_real_cap(tmp_path):
+    methods = "autosplit_batched,keras"
+    assert memory_scaling.main(["--quick", "--jobs", "2", "--methods", methods,
+                                "--out", str(tmp_path)]) == 0
+    report = read(tmp_path, "memory_scaling")
+    [model] = report["models"].values()
+    assert [p["batch_size"] for p in model["points"]] == [512, 1024]
+    for p in model["points"]:
+        r = p["methods"]["autosplit_batched"]
+        assert r["status"] == "ok" and r["peak_source"] == "tf-allocator"
+        assert (r["micro_batch_size"], r["accumulation_steps"]) == (128, p["batch_size"] // 128)
+        assert r["input"] == "batched tf.data.Dataset" and 0 < r["peak_mib"] < 64
+        assert p["methods"]["bare_loop"]["status"] == "not run"
+    # Plain Keras fits at 512 and meets the cap at 1024: a real ResourceExhaustedError.
+    assert [p["methods"]["keras"]["status"] for p in model["points"]] == ["ok", "OOM"]
+    checks = {c["id"]: c["status"] for c in report["checks"]}
+    assert checks["c"] == "PASS" and checks["a-batched"] in ("PASS", "MISS")
+    assert checks["a-arrays"] == checks["b-batched"] == "N/A"
+    assert (tmp_path / "memory_scaling.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.slow
+def test_overhead_quick_run(tmp_path):
+    assert overhead.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = read(tmp_path, "overhead")
+    small, large = report["cases"]["small_k"], report["cases"]["large_k"]
+    assert list(small["methods"]) == list(overhead.SMALL_K)
+    # 4096 rows: 4 applies per epoch at B = 1024, 64 at the baseline's m = 64.
+    assert {m: r["applies_per_epoch"] for m, r in small["methods"].items()} == {
+        "autosplit_arrays": 4, "keras_at_m": 64, "keras_accumulation": 4, "hand_loop": 4,
+        "bare_loop": 4}
+    assert small["methods"]["keras_at_m"]["ratio"] == 1.0
+    assert large["accumulation_steps"] == 32 and large["methods"]["autosplit_arrays"]["ratio"] > 0
+    assert [c["id"] for c in report["checks"]] == ["bare", "large-k"]
+
+
+@pytest.mark.slow
+def test_probe_search_quick_run_under_a_real_cap(tmp_path):
+    assert probe_search.main(["--quick", "--jobs", "2", "--out", str(tmp_path)]) == 0
+    report = read(tmp_path, "probe_search")
+    assert report["raw"]["exhaustive"]["unsplit_fits"] is True  # the quick cap holds B = 256
+    for method, r in report["methods"].items():
+        assert 0 < r["found"] <= 256 and r["trials"] >= 1 and r["ooms"] == 0, (method, r)
+        assert r["error"] is None
+    assert [r["batch_size"] for r in report["series"]] == [256, 512]
+    assert all(r["seconds_per_trial"] > 0 for r in report["series"])
+    assert [c["id"] for c in report["checks"]] == ["close", "trials", "ooms", "seconds", "flat"]
+    assert (tmp_path / "probe_search.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.slow
+def test_gpu_check_quick_run_on_the_cpu_path(tmp_path):
+    assert gpu_check.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = read(tmp_path, "gpu_check")
+    assert report["device"]["kind"] in ("CPU", "GPU")
+    assert report["probe"]["status"] == "ok" and report["probe"]["trials"]
+    assert [p["batch_size"] for p in report["points"]] == [256, 512]
+    for p in report["points"]:
+        for method in gpu_check.METHODS:
+            assert p["methods"][method]["status"] == "ok" and p["methods"][method]["peak_mib"] > 0
+    assert report["speed"]["methods"]["autosplit_arrays"]["ratio"] > 0
+    assert [c["id"] for c in report["checks"]] == ["a-examples", "a-arrays", "speed"]
+    assert (tmp_path / "gpu_check.png").read_bytes()[:8] == PNG

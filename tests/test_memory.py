@@ -1,4 +1,4 @@
-"""Tests of autosplit.memory: sizes, device readings, budgets, peaks and CPU caps.
+"""Tests of autosplit.units, .device and .caps: sizes, readings, budgets, peaks, caps.
 
 Real readings wherever this machine allows: procfs, psutil, a TensorFlow child process
 under a real BFC cap. cgroup trees are fake directories so every layout is covered;
@@ -9,28 +9,24 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from autosplit import memory
-from autosplit.errors import MemoryLimitError
-from autosplit.memory import (
+from autosplit import device as memory
+from autosplit.caps import PeakMeter, capped_cpu_env, is_noise, run_capped
+from autosplit.device import (
     DeviceInfo,
-    PeakMeter,
     budget_bytes,
-    capped_cpu_env,
-    format_bytes,
     is_tf_bfc_capped,
-    parse_memory,
     read_cpu,
     read_device,
     read_gpu,
 )
+from autosplit.errors import MemoryLimitError
+from autosplit.units import format_bytes, parse_memory
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 # The children import the same autosplit as this process.
@@ -507,19 +503,17 @@ def test_peak_meter_sources(monkeypatch):
 
 def _run_capped_child(script: str, limit_bytes: int) -> dict:
     """Runs ``script`` in a fresh Python with TensorFlow capped; returns its last JSON line."""
-    env = capped_cpu_env(limit_bytes)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_PARENT),
-                                                      env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=180, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    run = run_capped(["-c", script], limit_bytes, timeout=180, capture=True,
+                     env={"PYTHONPATH": str(PACKAGE_PARENT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 _PEAK_SCRIPT = """
 import json
 import tensorflow as tf
-from autosplit.memory import PeakMeter, read_cpu
+from autosplit.caps import PeakMeter
+from autosplit.device import read_cpu
 
 meter = PeakMeter("CPU:0")
 meter.reset()
@@ -576,3 +570,19 @@ def test_real_resource_exhausted_under_bfc_cap_and_process_survives():
     assert out["raised"] == "ResourceExhaustedError"
     assert out["before"] == out["after"] == 1000.0
     assert out["current"] < 1 * MiB
+
+
+def test_run_capped_hands_back_json_and_hides_tensorflow_start_up_lines():
+    """The CLI, the tests and the benchmarks start capped children this one way."""
+    script = ("import sys, tensorflow as tf\n"
+              "from autosplit.caps import write_result\n"
+              "print('a real error line', file=sys.stderr)\n"
+              "write_result({'cap': tf.config.experimental.get_memory_info('CPU:0')['peak'] >= 0,"
+              " 'env': __import__('os').environ['TF_CPU_BFC_MEM_LIMIT_IN_MB']})\n")
+    run = run_capped(["-c", script], 96 * MiB, timeout=180, capture=True,
+                     env={"PYTHONPATH": str(PACKAGE_PARENT)})
+    assert run.returncode == 0, run.stderr
+    assert run.result == {"cap": True, "env": "96"}
+    assert "a real error line" in run.stderr
+    assert not any(is_noise(line) for line in run.stderr.splitlines())
+    assert "oneDNN" not in run.stderr and "cuInit" not in run.stderr

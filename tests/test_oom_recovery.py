@@ -133,6 +133,6 @@ def test_real_oom_under_a_cap_recovers_to_the_weights_of_an_uninterrupted_run(tm
     model = demo_mlp(keras.optimizers.SGD(0.05))
     autosplit.fit_large_batch(model, (x, y), batch_size=4096, micro_batch_size=1024,
                               shuffle=False, verbose=0)
-    saved = np.load(str(out) + ".npz")
+    saved = np.load(str(out / "weights.npz"))
     assert_weights_close(model.get_weights(), [saved[f"arr_{i}"] for i in range(len(saved))],
                          1e-5)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
@@ -12,8 +10,8 @@ import numpy as np
 import pytest
 
 import autosplit
+from autosplit.caps import PeakMeter, run_capped
 from autosplit.errors import MemoryLimitError
-from autosplit.memory import PeakMeter, capped_cpu_env
 from autosplit.probe import ProbeResult, invalidate_cache, probe
 
 HERE = Path(__file__).parent
@@ -48,7 +46,7 @@ def state(model):
 
 def test_probe_leaves_state_bitwise_unchanged_and_round_trips(cache_home):
     model = small_model()
-    autosplit._keras.build_model(model, (data()[0][:8], data()[1][:8], None))
+    autosplit._keras.symbolic_build(model, (data()[0][:8], data()[1][:8], None))
     before = state(model)
     result = probe(model, data(), batch_size=256, cache=False)
     after = state(model)
@@ -102,14 +100,12 @@ def test_fit_with_auto_micro_batch(cache_home):
 
 
 def run_child(scenario, tmp_path, limit_mib):
-    out = tmp_path / f"{scenario}.json"
-    env = capped_cpu_env(limit_mib * 2**20)
-    env["PYTHONPATH"] = str(HERE.parent) + ":" + str(HERE)
-    completed = subprocess.run([sys.executable, str(HERE / "capped_child.py"), scenario,
-                                str(out)], env=env, capture_output=True, text=True,
-                               timeout=600, check=False)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(out.read_text()), out
+    """A scenario of capped_child.py under a real cap: (its report, its folder)."""
+    run = run_capped([str(HERE / "capped_child.py"), scenario, str(tmp_path)],
+                     limit_mib * 2**20, timeout=600, capture=True,
+                     env={"PYTHONPATH": f"{HERE.parent}:{HERE}"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.result, tmp_path
 
 
 @pytest.mark.slow

@@ -1,43 +1,12 @@
-"""Device memory readings and budgets.
-
-Separation of concerns: this module owns every number autosplit knows about memory
-and nothing else. It reads how much a device has (:func:`read_gpu`, :func:`read_cpu`,
-:func:`read_device`), turns a reading into the bytes a split step may plan for
-(:func:`budget_bytes`), measures what one step used at its peak (:class:`PeakMeter`),
-and builds the environment that gives a child process a real hard cap on CPU
-(:func:`capped_cpu_env`). It never searches, trains or retries; ``probe.py`` does.
+"""Device memory readings: how much a GPU (NVML) or the host (psutil, cgroups,
+``RLIMIT_AS``, TensorFlow's BFC cap) lets this process use, and the budget from it.
 
 The GPU reading is what ``nvidia-smi`` shows (NVML); the CPU reading is what the
 kernel enforces (cgroups, ``RLIMIT_AS``) and what TensorFlow's own CPU allocator
 enforces when it is a capped BFC allocator. The idea of measuring rather than
 guessing follows accelerate's ``utils/memory.py`` (PR #3684, "Stop halving my batch").
-
-What was observed on TensorFlow 2.21, CPU only, in a child process started with
-``TF_CPU_ALLOCATOR_USE_BFC=true`` and ``TF_CPU_BFC_MEM_LIMIT_IN_MB=200``:
-
-* ``tf.config.experimental.get_memory_info("CPU:0")`` returns
-  ``{'current': ..., 'peak': ...}``; after an eager ``tf.zeros((10_000_000,))``
-  (40 MB) it read ``{'current': 67108864, 'peak': 67109120}``: the allocator reports
-  the 64 MiB chunk it handed out, not the 40 MB tensor, and that chunk is what other
-  tensors cannot use. ``reset_memory_stats("CPU:0")`` brought ``peak`` back to
-  ``current`` (0 once the tensor was freed).
-* An eager ``tf.zeros((100_000_000,))`` (400 MB), and the same allocation inside a
-  ``tf.function`` whose shape is a runtime input, raised
-  ``tf.errors.ResourceExhaustedError`` after 10.0 s (the allocator waits and retries
-  before giving up) and the process went on computing. A ``tf.matmul`` whose inputs
-  did not fit raised it as well.
-* A ``tf.zeros`` of static shape inside a ``tf.function`` is a graph constant:
-  Grappler either folded it away (no allocation, no error) or failed while folding
-  it with ``InvalidArgumentError: Cannot parse tensor from proto`` after ~80 s. Use
-  runtime shapes when provoking an OOM on purpose.
-* Without ``TF_CPU_ALLOCATOR_USE_BFC``, ``get_memory_info("CPU:0")`` does not raise:
-  it returns ``{'current': 0, 'peak': 0}`` whatever was allocated, so the CPU
-  allocator is only trusted when the environment says it is BFC.
-* TensorFlow reads the cap in MiB (``TF_CPU_BFC_MEM_LIMIT_IN_MB * 2**20``) and, with
-  BFC on and no cap set, uses 65536 MiB (64 GiB).
-* ``RLIMIT_AS`` is never used as a cap: TensorFlow reserves large virtual ranges and
-  an address-space limit ends the process with ``std::bad_alloc`` instead of raising
-  ``ResourceExhaustedError``.
+What TensorFlow's allocator does under a cap is shown by the real-cap tests in
+``tests/test_memory.py``.
 """
 
 from __future__ import annotations
@@ -52,13 +21,13 @@ import re
 import sys
 import warnings
 from collections.abc import Mapping
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import psutil
 
 from autosplit.errors import MemoryLimitError
+from autosplit.units import MIB, parse_memory
 
 try:
     import resource
@@ -68,120 +37,23 @@ except ImportError:  # Windows has no RLIMIT_AS.
 __all__ = [
     "LIMIT_SOURCES",
     "DeviceInfo",
-    "PeakMeter",
+    "bfc_enabled",
     "budget_bytes",
-    "capped_cpu_env",
-    "format_bytes",
     "is_tf_bfc_capped",
-    "parse_memory",
     "read_cpu",
     "read_device",
     "read_gpu",
+    "split_device",
 ]
 
 LIMIT_SOURCES = ("nvml", "psutil", "cgroup-v2", "cgroup-v1", "rlimit-as", "tf-bfc-cap")
 """Every value :attr:`DeviceInfo.limit_source` can take."""
 
-# Decimal units are SI; bare K/M/G/T are binary, as Docker (`--memory 2g`) and
-# TensorFlow's own logs use them.
-_UNITS: dict[str, int] = {
-    "": 1, "b": 1, "byte": 1, "bytes": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}
-_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(e[+-]?\d+)?\s*([a-z]*)\s*$", re.I)
 _DEVICE_RE = re.compile(r"(?:^|[/:])(CPU|GPU):(\d+)$", re.I)
-
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 on x86).
 _CGROUP_UNLIMITED = 2**60
 # TensorFlow's cap when TF_CPU_ALLOCATOR_USE_BFC is on and no limit is given.
 _TF_BFC_DEFAULT_MIB = 1 << 16
-_MIB = 2**20
-
-
-def parse_memory(value: str | int | float | None, *, name: str = "memory_limit") -> int | None:
-    """Parses a memory size into bytes.
-
-    ``KB``/``MB``/``GB``/``TB`` are powers of 1000 and ``KiB``/``MiB``/``GiB``/``TiB``
-    powers of 1024. A bare ``K``/``M``/``G``/``T`` is a power of 1024, as in
-    ``docker run --memory 2g`` and TensorFlow's logs. Units are case-insensitive, so
-    ``"512mb"`` is 512 MB (there is no bit unit). A fractional number of bytes is
-    rounded down.
-
-    Args:
-        value: ``None`` (no limit), a positive number of bytes, or a string such as
-            ``"6GiB"``, ``"512MB"``, ``"1.5 GiB"``, ``"2g"`` or ``"1024"``.
-        name: The argument's name, used in error messages.
-
-    Returns:
-        The size in bytes, or ``None`` when ``value`` is ``None``.
-
-    Raises:
-        MemoryLimitError: ``value`` is not positive, is a bool, NaN or infinite, or is
-            a string that is not a number followed by a known unit.
-
-    Example:
-        >>> parse_memory("1.5 GiB")
-        1610612736
-        >>> parse_memory("512MB")
-        512000000
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise _memory_error(name, value)
-    if isinstance(value, numbers.Integral):
-        size = int(value)
-    elif isinstance(value, numbers.Real):
-        if not math.isfinite(value):
-            raise _memory_error(name, value)
-        size = math.floor(value)
-    elif isinstance(value, str):
-        match = _MEMORY_RE.match(value)
-        if match is None:
-            raise _memory_error(name, value)
-        number, exponent, unit = match.groups()
-        if unit.lower() not in _UNITS:
-            raise _memory_error(
-                name, value,
-                f" Unknown unit {unit!r}: use B, KB, MB, GB, TB (powers of 1000), "
-                "KiB, MiB, GiB, TiB or K, M, G, T (powers of 1024).")
-        # Fraction keeps "0.3GB" exact; float arithmetic would give 299999999.
-        size = math.floor(Fraction(number + (exponent or "")) * _UNITS[unit.lower()])
-    else:
-        raise _memory_error(name, value)
-    if size < 1:
-        raise _memory_error(name, value)
-    return size
-
-
-def _memory_error(name: str, value: object, hint: str = "") -> MemoryLimitError:
-    return MemoryLimitError(
-        f"Expected `{name}` to be a positive number of bytes or a string like '6GiB' "
-        f"or '512MB'. Received: {name}={value!r}.{hint}")
-
-
-def format_bytes(n: int) -> str:
-    """Formats a byte count with the largest binary unit that keeps it at least 1.
-
-    Args:
-        n: A number of bytes.
-
-    Returns:
-        A short string with two decimals, or whole bytes below 1 KiB.
-
-    Example:
-        >>> format_bytes(1610612736)
-        '1.50 GiB'
-        >>> format_bytes(512)
-        '512 B'
-    """
-    n = int(n)
-    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= factor:
-            return f"{n / factor:.2f} {unit}"
-    return f"{n} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +161,7 @@ def read_gpu(
         >>> info = read_gpu("GPU:0")
         >>> print(info.name, format_bytes(info.available_bytes))  # e.g. NVIDIA H100 79.10 GiB
     """
-    kind, index = _split_device(tf_device)
+    kind, index = split_device(tf_device)
     if kind != "GPU":
         raise ValueError(f"Expected `tf_device` to name a GPU, like 'GPU:0'. "
                          f"Received: tf_device={tf_device!r}")
@@ -419,7 +291,7 @@ def read_cpu(
         >>> info.limit_source in ("psutil", "cgroup-v2", "cgroup-v1", "rlimit-as")
         True
     """
-    kind, index = _split_device(tf_device)
+    kind, index = split_device(tf_device)
     if kind != "CPU":
         raise ValueError(f"Expected `tf_device` to name a CPU, like 'CPU:0'. "
                          f"Received: tf_device={tf_device!r}")
@@ -572,7 +444,7 @@ def read_device(tf_device: str | None = None) -> DeviceInfo:
         >>> info.kind, info.limit_source  # e.g. ('GPU', 'nvml') or ('CPU', 'cgroup-v2')
     """
     if tf_device is not None:
-        kind, index = _split_device(tf_device)
+        kind, index = split_device(tf_device)
         if kind == "CPU":
             return read_cpu(tf_device=f"CPU:{index}")
     import tensorflow as tf
@@ -632,121 +504,6 @@ def budget_bytes(device: DeviceInfo, memory_limit: int | None, headroom: float =
     return math.floor(limit * (1 - headroom))
 
 
-# ---------------------------------------------------------------- peak and caps
-
-
-class PeakMeter:
-    """The peak memory of one device between :meth:`reset` and :meth:`peak_bytes`.
-
-    Attributes:
-        tf_device: The device measured, ``"GPU:0"`` or ``"CPU:0"``.
-        source: Where the numbers come from. ``"tf-allocator"``:
-            ``tf.config.experimental.get_memory_info`` on a GPU, or on the CPU when
-            the process started with ``TF_CPU_ALLOCATOR_USE_BFC=true`` (set before
-            TensorFlow loads; see :func:`capped_cpu_env`); the figures are allocator
-            chunks, so they include fragmentation. ``"rss-hwm"``: the process's
-            resident set (``VmRSS``) and its high-water mark (``VmHWM``), reset by
-            writing ``5`` to ``/proc/self/clear_refs``; they cover the whole process
-            and are only repeatable when ``MALLOC_MMAP_THRESHOLD_`` is fixed, because
-            glibc otherwise raises its mmap threshold as blocks are freed and keeps
-            later ones in the heap.
-        baseline_bytes: :meth:`current_bytes` at the last :meth:`reset`; a step used
-            ``peak_bytes() - baseline_bytes`` on top of what was already held.
-
-    Example:
-        >>> meter = PeakMeter("CPU:0")
-        >>> meter.reset()
-        >>> run_step()
-        >>> step_bytes = meter.peak_bytes() - meter.baseline_bytes
-    """
-
-    def __init__(self, tf_device: str = "CPU:0", *,
-                 proc_root: str | os.PathLike[str] = "/proc") -> None:
-        kind, index = _split_device(tf_device)
-        self.tf_device = f"{kind}:{index}"
-        # Without BFC, get_memory_info("CPU:0") returns zeros instead of raising.
-        tf_allocator = kind == "GPU" or _bfc_enabled(os.environ)
-        self.source = "tf-allocator" if tf_allocator else "rss-hwm"
-        self.baseline_bytes = 0
-        self._proc_root = Path(proc_root)
-
-    def reset(self) -> None:
-        """Starts a new measurement: the peak drops to what is in use now."""
-        if self.source == "tf-allocator":
-            import tensorflow as tf
-
-            tf.config.experimental.reset_memory_stats(self.tf_device)
-        else:
-            # "5" resets only the high-water mark (Linux >= 4.0).
-            (self._proc_root / "self" / "clear_refs").write_text("5")
-        self.baseline_bytes = self.current_bytes()
-
-    def peak_bytes(self) -> int:
-        """The most bytes in use since the last :meth:`reset`."""
-        if self.source == "tf-allocator":
-            return int(self._tf_info()["peak"])
-        peak = _status_bytes(self._proc_root, "VmHWM")
-        return peak if peak is not None else self.current_bytes()
-
-    def current_bytes(self) -> int:
-        """The bytes in use now."""
-        if self.source == "tf-allocator":
-            return int(self._tf_info()["current"])
-        current = _status_bytes(self._proc_root, "VmRSS")
-        return current if current is not None else int(psutil.Process().memory_info().rss)
-
-    def _tf_info(self) -> dict[str, int]:
-        import tensorflow as tf
-
-        return tf.config.experimental.get_memory_info(self.tf_device)
-
-    def __repr__(self) -> str:
-        return f"PeakMeter(tf_device={self.tf_device!r}, source={self.source!r})"
-
-
-def capped_cpu_env(limit_bytes: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for a child process in which TensorFlow has a hard CPU cap.
-
-    TensorFlow's BFC allocator then raises ``tf.errors.ResourceExhaustedError`` when
-    a step would go past ``limit_bytes`` (after about 10 s of retries), and the
-    process goes on. ``RLIMIT_AS`` is never used as a cap: TensorFlow reserves large
-    virtual ranges and dies with ``std::bad_alloc`` under it instead of raising.
-    The variables are read when TensorFlow creates its CPU allocator, so they only
-    work for a process that has not run TensorFlow yet: pass the result to
-    ``subprocess.run(..., env=...)``.
-
-    Args:
-        limit_bytes: The cap in bytes, rounded up to whole MiB.
-        base: The environment to copy; ``os.environ`` when ``None``. Not modified.
-
-    Returns:
-        A copy of ``base`` with ``TF_CPU_ALLOCATOR_USE_BFC=true``,
-        ``TF_CPU_BFC_MEM_LIMIT_IN_MB``, ``TF_ENABLE_ONEDNN_OPTS=0`` (oneDNN kernels
-        segfaulted on allocation failure), ``MALLOC_MMAP_THRESHOLD_=65536`` (so the
-        ``rss-hwm`` fallback of :class:`PeakMeter` is repeatable) and
-        ``TF_CPP_MIN_LOG_LEVEL=2`` unless ``base`` already sets a level.
-
-    Raises:
-        MemoryLimitError: ``limit_bytes`` is not a positive size.
-
-    Example:
-        >>> env = capped_cpu_env(parse_memory("2GiB"))
-        >>> subprocess.run([sys.executable, "train.py"], env=env, check=True)
-    """
-    limit = parse_memory(limit_bytes, name="limit_bytes")
-    if limit is None:
-        raise _memory_error("limit_bytes", limit_bytes)
-    env = dict(os.environ if base is None else base)
-    env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-    env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(-(-limit // _MIB))
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    # oneDNN's kernels crashed the process (SIGSEGV) on an allocation failure under
-    # the cap, where TF's own kernels raise ResourceExhaustedError: seen on TF 2.21.
-    env["TF_ENABLE_ONEDNN_OPTS"] = "0"
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return env
-
-
 def is_tf_bfc_capped(environ: Mapping[str, str] | None = None) -> int | None:
     """TensorFlow's CPU cap in bytes when its CPU allocator is BFC, else ``None``.
 
@@ -762,20 +519,20 @@ def is_tf_bfc_capped(environ: Mapping[str, str] | None = None) -> int | None:
         209715200
     """
     env = os.environ if environ is None else environ
-    if not _bfc_enabled(env):
+    if not bfc_enabled(env):
         return None
     try:
         mib = int(env.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", _TF_BFC_DEFAULT_MIB))
     except ValueError:
         mib = _TF_BFC_DEFAULT_MIB
-    return mib * _MIB
+    return mib * MIB
 
 
-def _bfc_enabled(env: Mapping[str, str]) -> bool:
+def bfc_enabled(env: Mapping[str, str]) -> bool:
     return env.get("TF_CPU_ALLOCATOR_USE_BFC", "").strip().lower() in ("true", "1")
 
 
-def _split_device(tf_device: str) -> tuple[str, int]:
+def split_device(tf_device: str) -> tuple[str, int]:
     """'GPU:0', '/device:GPU:0', '/physical_device:gpu:0' -> ('GPU', 0)."""
     match = _DEVICE_RE.search(tf_device) if isinstance(tf_device, str) else None
     if match is None:

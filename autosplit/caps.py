@@ -1,0 +1,263 @@
+"""Measuring and capping memory: the peak of a step, and real caps for child processes.
+
+:class:`PeakMeter` reads TensorFlow's allocator (or the process's high-water mark).
+:func:`capped_cpu_env` and :func:`run_capped` start a child process in which
+TensorFlow's CPU allocator has a hard cap: it raises a genuine
+``ResourceExhaustedError`` there and the process lives on, as on a GPU. The CLI, the
+tests and the benchmarks all start their capped children through :func:`run_capped`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import psutil
+
+from autosplit.device import _status_bytes, bfc_enabled, split_device
+from autosplit.units import MIB, memory_error, parse_memory
+
+__all__ = ["CappedRun", "PeakMeter", "capped_cpu_env", "is_noise", "run_capped",
+           "write_result"]
+
+RESULT_ENV = "AUTOSPLIT_RESULT"
+GPU_LIMIT_ENV = "AUTOSPLIT_GPU_MEMORY_LIMIT_BYTES"
+
+
+class PeakMeter:
+    """The peak memory of one device between :meth:`reset` and :meth:`peak_bytes`.
+
+    Attributes:
+        tf_device: The device measured, ``"GPU:0"`` or ``"CPU:0"``.
+        source: Where the numbers come from. ``"tf-allocator"``:
+            ``tf.config.experimental.get_memory_info`` on a GPU, or on the CPU when
+            the process started with ``TF_CPU_ALLOCATOR_USE_BFC=true`` (set before
+            TensorFlow loads; see :func:`capped_cpu_env`); the figures are allocator
+            chunks, so they include fragmentation. ``"rss-hwm"``: the process's
+            resident set (``VmRSS``) and its high-water mark (``VmHWM``), reset by
+            writing ``5`` to ``/proc/self/clear_refs``; they cover the whole process
+            and are only repeatable when ``MALLOC_MMAP_THRESHOLD_`` is fixed, because
+            glibc otherwise raises its mmap threshold as blocks are freed and keeps
+            later ones in the heap.
+        baseline_bytes: :meth:`current_bytes` at the last :meth:`reset`; a step used
+            ``peak_bytes() - baseline_bytes`` on top of what was already held.
+
+    Example:
+        >>> meter = PeakMeter("CPU:0")
+        >>> meter.reset()
+        >>> run_step()
+        >>> step_bytes = meter.peak_bytes() - meter.baseline_bytes
+    """
+
+    def __init__(self, tf_device: str = "CPU:0", *,
+                 proc_root: str | os.PathLike[str] = "/proc") -> None:
+        kind, index = split_device(tf_device)
+        self.tf_device = f"{kind}:{index}"
+        # Without BFC, get_memory_info("CPU:0") returns zeros instead of raising.
+        tf_allocator = kind == "GPU" or bfc_enabled(os.environ)
+        self.source = "tf-allocator" if tf_allocator else "rss-hwm"
+        self.baseline_bytes = 0
+        self._proc_root = Path(proc_root)
+
+    def reset(self) -> None:
+        """Starts a new measurement: the peak drops to what is in use now."""
+        if self.source == "tf-allocator":
+            import tensorflow as tf
+
+            tf.config.experimental.reset_memory_stats(self.tf_device)
+        else:
+            # "5" resets only the high-water mark (Linux >= 4.0).
+            (self._proc_root / "self" / "clear_refs").write_text("5")
+        self.baseline_bytes = self.current_bytes()
+
+    def peak_bytes(self) -> int:
+        """The most bytes in use since the last :meth:`reset`."""
+        if self.source == "tf-allocator":
+            return int(self._tf_info()["peak"])
+        peak = _status_bytes(self._proc_root, "VmHWM")
+        return peak if peak is not None else self.current_bytes()
+
+    def current_bytes(self) -> int:
+        """The bytes in use now."""
+        if self.source == "tf-allocator":
+            return int(self._tf_info()["current"])
+        current = _status_bytes(self._proc_root, "VmRSS")
+        return current if current is not None else int(psutil.Process().memory_info().rss)
+
+    def _tf_info(self) -> dict[str, int]:
+        import tensorflow as tf
+
+        return tf.config.experimental.get_memory_info(self.tf_device)
+
+    def __repr__(self) -> str:
+        return f"PeakMeter(tf_device={self.tf_device!r}, source={self.source!r})"
+
+
+def capped_cpu_env(limit_bytes: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child process in which TensorFlow has a hard CPU cap.
+
+    TensorFlow's BFC allocator then raises ``tf.errors.ResourceExhaustedError`` when
+    a step would go past ``limit_bytes`` (after about 10 s of retries), and the
+    process goes on. ``RLIMIT_AS`` is never used as a cap: TensorFlow reserves large
+    virtual ranges and dies with ``std::bad_alloc`` under it instead of raising.
+    The variables are read when TensorFlow creates its CPU allocator, so they only
+    work for a process that has not run TensorFlow yet: pass the result to
+    ``subprocess.run(..., env=...)``.
+
+    Args:
+        limit_bytes: The cap in bytes, rounded up to whole MiB.
+        base: The environment to copy; ``os.environ`` when ``None``. Not modified.
+
+    Returns:
+        A copy of ``base`` with ``TF_CPU_ALLOCATOR_USE_BFC=true``,
+        ``TF_CPU_BFC_MEM_LIMIT_IN_MB``, ``TF_ENABLE_ONEDNN_OPTS=0`` (oneDNN kernels
+        segfaulted on allocation failure), ``MALLOC_MMAP_THRESHOLD_=65536`` (so the
+        ``rss-hwm`` fallback of :class:`PeakMeter` is repeatable) and
+        ``TF_CPP_MIN_LOG_LEVEL=2`` unless ``base`` already sets a level.
+
+    Raises:
+        MemoryLimitError: ``limit_bytes`` is not a positive size.
+
+    Example:
+        >>> env = capped_cpu_env(parse_memory("2GiB"))
+        >>> subprocess.run([sys.executable, "train.py"], env=env, check=True)
+    """
+    limit = parse_memory(limit_bytes, name="limit_bytes")
+    if limit is None:
+        raise memory_error("limit_bytes", limit_bytes)
+    env = dict(os.environ if base is None else base)
+    env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(-(-limit // MIB))
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    # oneDNN's kernels crashed the process (SIGSEGV) on an allocation failure under
+    # the cap, where TF's own kernels raise ResourceExhaustedError: seen on TF 2.21.
+    env["TF_ENABLE_ONEDNN_OPTS"] = "0"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
+# TensorFlow's C++ start-up chatter on stderr: absl's pre-init banner, INFO and WARNING
+# lines, and the CUDA stubs' errors on a machine without a GPU. Anything else
+# (a real error, a Python traceback) passes through.
+_NOISE = [re.compile(p) for p in (
+    r"^WARNING: All log messages before absl::InitializeLog\(\) is called",
+    r"^[IW]\d{4} \d\d:\d\d:\d\d",
+    r"^E\d{4} .*(cuda_platform|cuda_diagnostics|cuda_dnn|cuda_fft|cuda_blas|cuInit|"
+    r"Unable to register)",
+    r"^To enable the following instructions: .*rebuild TensorFlow",
+)]
+
+
+def is_noise(line: str) -> bool:
+    """Whether a stderr line is TensorFlow start-up chatter, not an error.
+
+    >>> is_noise("I0000 00:00:1796014245.425577    2085 port.cc:153] oneDNN custom ...")
+    True
+    >>> is_noise("Traceback (most recent call last):")
+    False
+    """
+    return any(p.search(line) for p in _NOISE)
+
+
+class CappedRun(NamedTuple):
+    """How a capped child process ended."""
+
+    returncode: int  # negative: killed by that signal
+    result: Any  # the JSON the child wrote with write_result(), or None
+    stdout: str | None  # captured output (capture=True), else None
+    stderr: str | None  # captured stderr (capture=True), noise dropped when quiet
+    seconds: float
+
+
+def run_capped(argv: Sequence[str], limit_bytes: int | str | None, *,
+               timeout: float | None = None,
+               env: Mapping[str, str] | None = None, quiet: bool = True,
+               capture: bool = False) -> CappedRun:
+    """Run ``python <argv>`` in a child process under a real TensorFlow memory cap.
+
+    On the CPU the cap is TensorFlow's BFC allocator (:func:`capped_cpu_env`); a GPU
+    child reads ``AUTOSPLIT_GPU_MEMORY_LIMIT_BYTES`` and caps its first GPU with a
+    logical device (``autosplit.cli`` does). A crash under the cap ends the child,
+    never the caller. The child reports back with :func:`write_result`.
+
+    Args:
+        argv: the interpreter's arguments: ``["-m", "autosplit", "probe", ...]`` or
+            ``["script.py", "arg"]``.
+        limit_bytes: the cap (bytes or a string like ``"72MiB"``); None runs the child
+            uncapped (for the quiet relay alone).
+        timeout: seconds before the child is killed (``subprocess.TimeoutExpired``).
+        env: extra environment variables for the child.
+        quiet: drop TensorFlow's start-up lines from the child's stderr
+            (:func:`is_noise`); errors still pass.
+        capture: collect stdout and stderr instead of passing them through.
+
+    Returns:
+        A :class:`CappedRun`.
+
+    Example:
+        >>> run = run_capped(["train.py"], "2GiB", timeout=600)
+        >>> run.returncode, run.result
+    """
+    limit = parse_memory(limit_bytes, name="limit_bytes")
+    if limit is None:
+        child_env = dict(os.environ)
+        child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    else:
+        child_env = capped_cpu_env(limit)
+        child_env.setdefault(GPU_LIMIT_ENV, str(limit))
+    child_env.update(env or {})
+    handle, path = tempfile.mkstemp(prefix="autosplit-", suffix=".json")
+    os.close(handle)
+    child_env[RESULT_ENV] = path
+    started = time.perf_counter()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, *argv], env=child_env, text=True,
+            stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE)
+        kept: list[str] = []
+
+        def relay():
+            for line in process.stderr:
+                if quiet and is_noise(line):
+                    continue
+                if capture:
+                    kept.append(line)
+                else:
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+
+        reader = threading.Thread(target=relay, daemon=True)
+        reader.start()
+        try:
+            stdout = process.stdout.read() if capture else None
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        finally:
+            reader.join(timeout=5)
+        text = Path(path).read_text()
+        result = json.loads(text) if text.strip() else None
+    finally:
+        Path(path).unlink(missing_ok=True)
+    return CappedRun(process.returncode, result, stdout, "".join(kept) if capture else None,
+                     time.perf_counter() - started)
+
+
+def write_result(data: Any) -> None:
+    """In a child of :func:`run_capped`: hand ``data`` (JSON-serialisable) back."""
+    path = os.environ.get(RESULT_ENV)
+    if not path:
+        raise RuntimeError(f"Expected to run under autosplit.caps.run_capped (${RESULT_ENV} "
+                           "is not set). Received: a process started some other way.")
+    Path(path).write_text(json.dumps(data))
