@@ -12,6 +12,7 @@ Callbacks see one step per large batch.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -236,6 +237,9 @@ class _Plan:
 
 def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom, cache,
           verbose) -> _Plan:
+    # Functions traced for an earlier call's tf.data pipeline hold its arrays in
+    # reference cycles; free them before this call allocates (it matters under a cap).
+    gc.collect()
     where = layout(model.distribute_strategy)
     if args.batch_size % where.replicas:
         raise BatchSizeError(
@@ -360,6 +364,7 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
     # As model.fit does: swap the averaged weights in (a no-op without use_ema).
     model.optimizer.finalize_variable_values(model.trainable_variables)
     callback_list.on_train_end(logs=epoch_logs or logs)
+    recovery.on_shrink = None  # it closes over the recovery itself: no cycle to keep
     info["oom_recoveries"] = recovery.records
     info["traces"] = step.tracing_count() - traces_before
     history = model.history

@@ -17,6 +17,7 @@ a leading axis, one micro-batch per replica (missing ones are all padding).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -56,6 +57,18 @@ def _pad_replicas(element: Any, replicas: int) -> Any:
     return (*parts, pad(valid) * present)
 
 
+def _element(*piece: Any, materialize, rows: int) -> tuple:
+    """A cut piece of rows -> ``(x, y, sample_weight_or_(), valid)``, padded to ``rows``."""
+    piece = piece[0] if len(piece) == 1 else piece
+    padded, valid = _pad_rows(piece, rows)
+    x, y, w = materialize(padded)
+    return x, y, (() if w is None else w), valid
+
+
+def _pad_replicas_of(*element: Any, replicas: int) -> Any:
+    return _pad_replicas(element, replicas)
+
+
 def elements_per_batch(pattern: list[Piece], batch_rows: int, local_replicas: int) -> int:
     """Elements this worker's pipeline yields for a large batch of ``batch_rows`` rows.
 
@@ -90,6 +103,7 @@ class MicroBatches:
         self.pattern = piece_pattern(batch_size, rows, workers=workers, worker=worker,
                                      local_replicas=local_replicas)
         self.per_batch = elements_per_batch(self.pattern, batch_size, local_replicas)
+        self._datasets: dict = {}
 
     def steps(self) -> int | None:
         """Large batches in one epoch (None when the input does not say)."""
@@ -110,8 +124,15 @@ class MicroBatches:
         """The micro-batch elements of one epoch (or, with ``repeat``, of endless epochs).
 
         Repeating after the cut restarts the pattern with every epoch, so a short last
-        batch never borrows rows from the next epoch.
+        batch never borrows rows from the next epoch. Built once and reused: iterating
+        it again starts a new epoch without tracing its functions again.
         """
+        key = (repeat, shuffle_seed)
+        if key not in self._datasets:
+            self._datasets[key] = self._build(repeat=repeat, shuffle_seed=shuffle_seed)
+        return self._datasets[key]
+
+    def _build(self, *, repeat: bool, shuffle_seed: int | None) -> tf.data.Dataset:
         with tf.device(HOST):
             ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed)
             sizes = [p.rows for p in self.pattern]
@@ -120,23 +141,28 @@ class MicroBatches:
             if not all(keep):
                 table = tf.constant(keep)
                 period = len(keep)
-                ds = ds.enumerate().filter(
-                    lambda i, piece: tf.gather(table, i % period)).map(lambda i, piece: piece)
-            ds = ds.map(self._element)
-            if self.local_replicas > 1:
-                ds = ds.batch(self.local_replicas).map(
-                    lambda *e: _pad_replicas(e, self.local_replicas))
+
+                def ours(index, piece):
+                    return tf.gather(table, index % period)
+
+                def drop_index(index, piece):
+                    return piece
+
+                ds = ds.enumerate().filter(ours).map(drop_index)
+            # Functions that hold the adapter, not this object: a dataset kept in
+            # self._datasets must not point back at self (a cycle would keep the input's
+            # arrays alive until the next garbage collection).
+            ds = ds.map(functools.partial(_element, materialize=self.adapter.materialize,
+                                          rows=self.rows))
+            replicas = self.local_replicas
+            if replicas > 1:
+                ds = ds.batch(replicas).map(functools.partial(_pad_replicas_of,
+                                                              replicas=replicas))
             if repeat:
                 ds = ds.repeat()
             options = tf.data.Options()
             options.deterministic = True
             return ds.with_options(options).prefetch(_PREFETCH)
-
-    def _element(self, *piece: Any) -> tuple:
-        piece = piece[0] if len(piece) == 1 else piece
-        padded, valid = _pad_rows(piece, self.rows)
-        x, y, w = self.adapter.materialize(padded)
-        return x, y, (() if w is None else w), valid
 
     def element_spec(self) -> Any:
         return self.dataset().element_spec

@@ -32,10 +32,10 @@ from autosplit import cache as _cache
 from autosplit.caps import PeakMeter
 from autosplit.device import budget_bytes, read_device
 from autosplit.distribute import layout
-from autosplit.errors import MemoryLimitError, NothingFitsError, UnsupportedModelError
+from autosplit.errors import MemoryLimitError, NothingFitsError
 from autosplit.inputs import ArrayInput, InputAdapter, get_input
 from autosplit.pipeline import MicroBatches
-from autosplit.search import Trial, fit_line, run_search
+from autosplit.search import Trial, fit_line, run_search, search
 from autosplit.split import split_batch
 from autosplit.state import Snapshot
 from autosplit.step import build_for, train_step
@@ -69,6 +69,8 @@ class ProbeResult:
     seconds: float
     cache_key: str
     from_cache: bool = False
+    worker: int = 0  # this worker's index: each worker of a multi-worker run searches
+    workers: int = 1  # for itself, in lockstep, and may use its own size
 
     def fitting_sizes(self) -> list[int]:
         """Sizes a trial showed to fit, largest first."""
@@ -82,14 +84,16 @@ class ProbeResult:
 
     def reason(self) -> str:
         """Why this size, in one line (for ``history.autosplit`` and the CLI)."""
+        where = f"worker {self.worker} of {self.workers}: " if self.workers > 1 else ""
         if self.from_cache:
-            return f"cached probe result ({self.cache_key[:8]})"
+            return f"{where}cached probe result ({self.cache_key[:8]})"
         smallest_failure = min((t.micro_batch_size for t in self.trials if not t.fits),
                                default=None)
         if self.micro_batch_size >= self.batch_size or smallest_failure is None:
-            return (f"the whole batch fits: peak {format_bytes(self.measured_peak_bytes or 0)} "
-                    f"within the budget of {format_bytes(self.budget_bytes)}")
-        return (f"largest size that fit the budget of {format_bytes(self.budget_bytes)} "
+            peak = format_bytes(self.measured_peak_bytes or 0)
+            return (f"{where}the whole batch fits: peak {peak} within the budget of "
+                    f"{format_bytes(self.budget_bytes)}")
+        return (f"{where}largest size that fit the budget of {format_bytes(self.budget_bytes)} "
                 f"(peak {format_bytes(self.measured_peak_bytes or 0)}); {smallest_failure} "
                 f"did not; {len(self.trials)} trials, {self.ooms} out of memory")
 
@@ -177,13 +181,6 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     limit = parse_memory(memory_limit)
     check_fraction("headroom", headroom)
     where = layout(model.distribute_strategy)
-    if where.multi_worker:
-        # Each worker's trials would issue collectives in its own order: a deadlock.
-        raise UnsupportedModelError(
-            "Expected an explicit `micro_batch_size` under MultiWorkerMirroredStrategy. "
-            "Received: micro_batch_size='auto'. Find it once on one worker's hardware "
-            "(`autosplit probe ...` or autosplit.probe without the strategy) and pass it "
-            "to every worker.")
     local_batch = batch_size // where.replicas
     trial_input = adapter if adapter.reiterable else ArrayInput(
         *adapter.sample(local_batch), shuffle=False)
@@ -217,59 +214,134 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
         model, spec[:3], device=[device.kind, device.identity, device.total_bytes],
         jit_compile=jit, memory_limit=limit, batch_size=batch_size, headroom=headroom,
         replicas=where.replicas)
-    if cache:
-        stored = _cache.load(key)
-        if stored is not None:
-            try:
-                return dataclasses.replace(ProbeResult.from_dict(stored), from_cache=True)
-            except (TypeError, KeyError):
-                pass
-
+    stored = _cache.load(key) if cache else None
     step = train_step(model, batch_size, spec, jit_compile=jit)
-    snapshot = Snapshot(model)
-    say = _reporter(verbose, on_trial, budget)
-
-    def trial(m: int) -> Trial:
-        t0 = time.perf_counter()
-        iterator = None
+    if where.multi_worker:
+        # Every worker searches, or none: one that skipped the search on a cache hit
+        # would leave the others waiting in the trials' collectives.
+        hit, _ = step.agree(stored is not None, 0.0)
+        stored = stored if hit else None
+    if stored is not None:
         try:
-            rows = split_batch(local_batch, m).micro_batch_size
-            cut = MicroBatches(trial_input, batch_size, rows, workers=where.workers,
-                               worker=where.worker, local_replicas=where.local_replicas)
-            step.rebind(cut.element_spec())
-            iterator = iter(cut.dataset(repeat=True))
-            count = min(_TRIAL_MICRO_BATCHES, cut.per_batch)
-            # The first step traces and makes one-time allocations (kernel caches,
-            # scratch buffers) that stay; the steady-state peak is what training sees.
-            step.run(iterator, count)
-            meter.reset()
-            for _ in range(_TRIAL_STEPS):
-                step.run(iterator, count)
-            peak = meter.peak_bytes()
-            result = Trial(m, peak <= budget, False, int(peak), time.perf_counter() - t0)
-        except tf.errors.ResourceExhaustedError:
-            result = Trial(m, False, True, None, time.perf_counter() - t0)
-        finally:
-            step.discard()
-            snapshot.restore()
-            del iterator
-            gc.collect()  # a dead trial's buffers must not count against the next one
-        say(result)
-        return result
+            return dataclasses.replace(ProbeResult.from_dict(stored), from_cache=True)
+        except (TypeError, KeyError):
+            pass
 
+    trials_runner = _Trials(step, Snapshot(model), meter, budget, trial_input, batch_size,
+                            where, _reporter(verbose, on_trial, budget))
     try:
-        chosen, trials = run_search(local_batch, budget, trial)
+        if where.multi_worker:
+            chosen, trials = trials_runner.lockstep(local_batch)
+        else:
+            chosen, trials = run_search(local_batch, budget, trials_runner.trial)
     finally:
         step.discard()
-        snapshot.restore()
+        trials_runner.snapshot.restore()
+        del trials_runner
+        gc.collect()  # the trials' pipelines, before training builds its own
     result = _result(trials, chosen, local_batch, device, budget, limit, headroom, meter,
                      key, time.perf_counter() - started)
+    result = dataclasses.replace(result, worker=where.worker, workers=where.workers)
     if verbose:
         print(f"  chose micro_batch_size={result.micro_batch_size} "
               f"(k={result.accumulation_steps}): {result.reason()}", flush=True)
     if cache:
         _cache.store(key, result.to_dict())
     return result
+
+
+class _Trials:
+    """Trial steps at one size after another, and the lockstep form across workers."""
+
+    def __init__(self, step, snapshot, meter, budget, data, batch_size, where, say):
+        self.step, self.snapshot, self.meter = step, snapshot, meter
+        self.budget, self.data, self.batch_size, self.where = budget, data, batch_size, where
+        self.say = say
+
+    def trial(self, m: int | None) -> Trial | None:
+        """One warm-up step, then the peak of two more; None when ``m`` is None (a worker
+        whose search is over still takes part in every collective of the round)."""
+        t0 = time.perf_counter()
+        iterator, failed, peak = None, m is None, None
+        try:
+            count = 0
+            if m is not None:
+                where = self.where
+                rows = split_batch(self.batch_size // where.replicas, m).micro_batch_size
+                cut = MicroBatches(self.data, self.batch_size, rows, workers=where.workers,
+                                   worker=where.worker, local_replicas=where.local_replicas)
+                self.step.rebind(cut.element_spec())
+                iterator = iter(cut.dataset(repeat=True))
+                count = min(_TRIAL_MICRO_BATCHES, cut.per_batch)
+            # The first step traces and makes one-time allocations (kernel caches,
+            # scratch buffers) that stay; the steady-state peak is what training sees.
+            for index in range(1 + _TRIAL_STEPS):
+                failed = not self._step(iterator, count, active=not failed) or failed
+                if index == 0:
+                    self.meter.reset()
+            peak = None if failed else self.meter.peak_bytes()
+        finally:
+            self.step.discard()
+            self.snapshot.restore()
+            del iterator
+            gc.collect()  # a dead trial's buffers must not count against the next one
+        if m is None:
+            return None
+        result = Trial(m, peak is not None and peak <= self.budget, peak is None,
+                       None if peak is None else int(peak), time.perf_counter() - t0)
+        self.say(result)
+        return result
+
+    def _step(self, iterator, count: int, *, active: bool) -> bool:
+        """One trial step; False if it ran out of memory on this worker."""
+        if not self.where.multi_worker:
+            if not active:
+                return False
+            try:
+                self.step.run(iterator, count)
+            except tf.errors.ResourceExhaustedError:
+                return False
+            return True
+        ok = True
+        if active:
+            try:
+                self.step.run_local(iterator, count)
+            except tf.errors.ResourceExhaustedError:
+                ok = False
+        # The loop above runs no collective; the agreement and the apply do, and
+        # every worker reaches them the same number of times, whatever it tried.
+        all_ok, _ = self.step.agree(ok, 0.0)
+        if all_ok:
+            self.step.finish()
+        else:
+            self.step.discard()
+        return ok and active
+
+    def lockstep(self, batch_size: int) -> tuple[int | None, list[Trial]]:
+        """Each worker runs its own search (its own sizes, its own budget), one trial per
+        round for all; the rounds go on until every worker's search is over."""
+        trials: list[Trial] = []
+        generator = search(batch_size, self.budget)
+        request: tuple | None = next(generator)
+        chosen = None
+        while True:
+            result = self.trial(None if request is None else request[0])
+            if request is not None:
+                trials.append(result)
+                try:
+                    request = generator.send(result)
+                except StopIteration as stop:
+                    chosen, request = stop.value, None
+            everyone_done, _ = self.step.agree(request is None, 0.0)
+            if everyone_done:
+                break
+        # A worker with nothing that fits stops them all, not only itself.
+        all_found, _ = self.step.agree(chosen is not None, 0.0)
+        if not all_found and chosen is not None:
+            raise NothingFitsError(
+                "Another worker of the MultiWorkerMirroredStrategy run found that not even "
+                "one example fits its memory budget; see that worker's error.")
+        return chosen, trials
 
 
 def _reporter(verbose: int, on_trial, budget: int) -> Callable[[Trial], None]:

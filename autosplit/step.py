@@ -206,9 +206,18 @@ class TrainStep:
         flat = [next(it) if keep else None for keep in present]
         return tf.nest.pack_sequence_as(piece, flat)
 
-    def _commit(self, values, w, valid):
-        """Per replica: add one piece to the sums and the metrics."""
-        piece = self._unflatten(list(values))
+    def _commit_sums(self, values, ready=None):
+        """Per replica: add one piece's gradients and loss terms to the sums.
+
+        ``ready`` exists once every local replica has its gradients: a strategy runs
+        replica functions in threads of their own, where the caller's control
+        dependencies do not reach, so the ordering travels as data.
+        """
+        with tf.control_dependencies([] if ready is None else [ready]):
+            return self._add_to_sums(list(values))
+
+    def _add_to_sums(self, values):
+        piece = self._unflatten(values)
         pairs = [(s, g) for sums, grads in zip(self.sums, piece.gradients, strict=True)
                  for s, g in zip(sums, grads, strict=True) if s is not None]
 
@@ -225,10 +234,15 @@ class TrainStep:
         ops += [v.assign_add(t) for v, t in
                 zip(self.denominators, piece.denominators, strict=True)]
         ops += [self.in_call.assign_add(piece.forward), self.real_rows.assign_add(piece.rows)]
-        with tf.control_dependencies(ops):
+        return _after(ops)
+
+    def _commit_metrics(self, values, w, valid, ready=None):
+        """Per replica: update the compiled metrics from one piece (after ``ready``)."""
+        piece = self._unflatten(list(values))
+        with tf.control_dependencies([] if ready is None else [ready]):
             update_metrics(self.model, piece.y, piece.y_pred, _empty_to_none(w), valid,
                            piece.masks)
-        return tf.constant(0)
+            return tf.constant(True)
 
     def _compute_function(self):
         if self.jit_compile and not self.run_eagerly:
@@ -239,25 +253,39 @@ class TrainStep:
             return self._functions[key]
         return self._compute
 
-    def _run_piece(self, x, y, w, valid):
-        """Compute one micro-step on every local replica, then commit it on all of them."""
+    def _run_piece(self, x, y, w, valid, end_row):
+        """One micro-step on every local replica: compute, then (only once all of them
+        have their gradients) add to the sums and record that the rows up to
+        ``end_row`` of the element in flight are done, then update the metrics.
+
+        Every op depends on the one before: an out-of-memory error anywhere before the
+        record leaves the sums and the record as they were, one after it cannot undo it.
+        """
         compute = self._compute_function()
-        if self.replicas == 1:
-            values = compute(x, y, w, valid)
-            with tf.control_dependencies(values):
-                return self._commit(values, w, valid)
         args = (x, y, w, valid)
-        if self.local_replicas > 1:
-            args = tf.nest.map_structure(
-                lambda t: _keras.per_replica([t[i] for i in range(self.local_replicas)]), args)
-        outputs = self.strategy.run(compute, args=args)
-        everything = [t for out in self.strategy.experimental_local_results(outputs)
-                      for t in tf.nest.flatten(out)]
-        # A replica commits only once every local replica has its gradients: a failure
-        # anywhere leaves the sums of all of them untouched.
-        with tf.control_dependencies(everything):
-            self.strategy.run(self._commit, args=(outputs, args[2], args[3]))
-        return tf.constant(0)
+        if self.replicas == 1:
+            values = compute(*args)
+            with tf.control_dependencies(values):
+                summed = self._commit_sums(values)
+        else:
+            if self.local_replicas > 1:
+                args = tf.nest.map_structure(
+                    lambda t: _keras.per_replica([t[i] for i in range(self.local_replicas)]),
+                    args)
+            values = self.strategy.run(compute, args=args)
+            everything = [t for out in self.strategy.experimental_local_results(values)
+                          for t in tf.nest.flatten(out)]
+            ready = _after(everything)
+            summed = _after(self.strategy.experimental_local_results(
+                self.strategy.run(self._commit_sums, args=(values, ready))))
+        with tf.control_dependencies([summed]):
+            recorded = _after([self.done_rows.assign(end_row),
+                               self.pending.assign(end_row < self.rows)])
+        if self.replicas == 1:
+            with tf.control_dependencies([recorded]):
+                return self._commit_metrics(values, w, valid)
+        return _after(self.strategy.experimental_local_results(self.strategy.run(
+            self._commit_metrics, args=(values, args[2], args[3], recorded))))
 
     # ------------------------------------------------------------ one element
 
@@ -270,9 +298,7 @@ class TrainStep:
             keep = tf.cast(tf.range(rows) >= first_row, tf.float32)
             valid = valid * (keep[None, :] if axis else keep)
         if pieces == 1:
-            op = self._run_piece(x, y, w, valid)
-            with tf.control_dependencies([op]):
-                return _after([self.pending.assign(False)])
+            return self._run_piece(x, y, w, valid, tf.constant(rows))
         size = -(-rows // pieces)
 
         def body(p):
@@ -283,16 +309,14 @@ class TrainStep:
                                              (x, y, w, valid))
                 inside = tf.cast(index < rows, tf.float32)
                 part_valid = part[3] * (inside[None, :] if axis else inside)
-            op = self._run_piece(part[0], part[1], part[2], part_valid)
-            with tf.control_dependencies([op]):
-                done = self.done_rows.assign(tf.minimum((p + 1) * size, rows))
+            done = self._run_piece(part[0], part[1], part[2], part_valid,
+                                   tf.minimum((p + 1) * size, rows))
             with tf.control_dependencies([done]):
                 return p + 1
 
         start = tf.constant(0) if first_row is None else first_row // size
         loop = tf.while_loop(lambda p: p < pieces, body, [start], parallel_iterations=1)
-        with tf.control_dependencies([loop]):
-            return _after([self.pending.assign(False)])
+        return _after([loop])
 
     # ------------------------------------------------------------ the loop
 
@@ -340,13 +364,22 @@ class TrainStep:
 
         with tf.control_dependencies(ops):
             start = tf.constant(0, count.dtype if hasattr(count, "dtype") else tf.int32)
-        tf.while_loop(cond, body, [start, tf.constant(False)], parallel_iterations=1)
-        return self.pulled.read_value()
+        loop = tf.while_loop(cond, body, [start, tf.constant(False)], parallel_iterations=1)
+        with tf.control_dependencies(loop):
+            return self.pulled.read_value()
 
     # ------------------------------------------------------------ after the loop
 
-    def _finish_replica(self):
-        """Per replica: all-reduce the scalar sums, combine, apply once, zero the sums."""
+    def _finish_replica(self, ready=None):
+        """Per replica: all-reduce the scalar sums, combine, apply once, zero the sums.
+
+        ``ready``: a token of the loop's end (control dependencies of the caller do not
+        reach a strategy's replica threads).
+        """
+        with tf.control_dependencies([] if ready is None else [ready]):
+            return self._apply_sums()
+
+    def _apply_sums(self):
         model = self.model
         context = tf.distribute.get_replica_context()
         local_rows = self.real_rows.read_value()
@@ -390,17 +423,18 @@ class TrainStep:
         for v in [*self.numerators, *self.denominators, self.in_call, self.real_rows]:
             v.assign(0.0)
 
-    def _finish(self):
+    def _finish(self, ready=None):
         if self.replicas == 1:
-            self._finish_replica()
+            with tf.control_dependencies([] if ready is None else [ready]):
+                loss = self._finish_replica()
         else:
-            self.strategy.run(self._finish_replica)
-        return self.model.get_metrics_result()
+            loss = self.strategy.run(self._finish_replica, args=(ready,))
+        with tf.control_dependencies(tf.nest.flatten(
+                self.strategy.experimental_local_results(loss))):
+            return self.model.get_metrics_result()
 
     def _fused(self, iterator, count):
-        pulled = self._local(iterator, count)
-        with tf.control_dependencies([pulled]):
-            return self._finish()
+        return self._finish(self._local(iterator, count))
 
     def _agree(self, failed, rows):
         """Multi-worker: how many replicas failed, and the real rows, summed over all (one
@@ -413,8 +447,14 @@ class TrainStep:
 
     # ------------------------------------------------------------ compiled functions
 
+    # Functions whose collectives must be traced once, in the same order, on every
+    # worker: TensorFlow numbers collective instances as they are traced, so a worker
+    # that traced one more (for its own micro-batch size) would talk past the others.
+    _SHARED = ("finish", "agree")
+
     def _function(self, name: str, fn, **static):
-        key = (name, repr(self.piece_spec), tuple(sorted(static.items())))
+        spec = "" if name in self._SHARED else repr(self.piece_spec)
+        key = (name, spec, tuple(sorted(static.items())))
         if key not in self._functions:
             call = functools.partial(fn, **static) if static else fn
             self._functions[key] = call if self.run_eagerly else tf.function(

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 import autosplit
-from autosplit.caps import write_result
+from autosplit.caps import PeakMeter, write_result
 from autosplit.testing import train_on_large_batch
 
 
@@ -112,11 +112,13 @@ def input_kinds(folder):
     sources = {"arrays": lambda: dict(x=x, y=y),
                "examples": lambda: dict(x=tf.data.Dataset.from_tensor_slices((x, y))),
                "batched": lambda: dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(100))}
+    meter = PeakMeter("CPU:0")
     for kind, source in sources.items():
         try:
+            meter.reset()
             history = autosplit.fit_large_batch(model, batch_size=4096, micro_batch_size=m,
                                                 on_oom="raise", verbose=0, **source())
-            report["kinds"][kind] = {"trained": True,
+            report["kinds"][kind] = {"trained": True, "peak_bytes": meter.peak_bytes(),
                                      "micro_batch_size": history.autosplit["micro_batch_size"]}
         except tf.errors.ResourceExhaustedError as exc:
             report["kinds"][kind] = {"trained": False, "error": str(exc)[:300]}

@@ -64,6 +64,11 @@ def reference_weights(optimizer, batch, epochs):
     return model.get_weights()
 
 
+def relative_error(expected, actual) -> float:
+    return max(float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
+               for a, b in zip(expected, actual, strict=True))
+
+
 def count_all_reduces(graph_def) -> dict:
     ops = ("CollectiveReduce", "CollectiveReduceV2", "NcclAllReduce", "CollectiveAllReduce")
     found = {"main": 0, "loop_body": 0}
@@ -137,23 +142,66 @@ def worker(out):
                 os._exit(17)  # a worker that dies mid-run
 
     report = {}
-    try:
-        autosplit.fit_large_batch(model, (x, y, w), batch_size=40, verbose=0)
-    except autosplit.UnsupportedModelError as exc:
-        report["auto_refused"] = str(exc)
+    if os.environ.get("AUTOSPLIT_TEST_AUTO"):
+        # The automatic search in lockstep: accepted, and then training is exact.
+        with strategy.scope():
+            auto = make(OPTIMIZERS["adam"])
+        history = autosplit.fit_large_batch(auto, (x, y, w), batch_size=40, epochs=2,
+                                            shuffle=False, verbose=0, cache=False)
+        report["auto"] = {k: history.autosplit[k] for k in
+                          ("micro_batch_size", "micro_batch_reason", "workers")}
+        report["auto_error"] = relative_error(reference_weights("adam", 40, 2),
+                                              auto.get_weights())
     try:
         autosplit.fit_large_batch(model, (x, y, w), batch_size=40, micro_batch_size=6,
                                   epochs=2, shuffle=False, verbose=0, callbacks=[Die()])
-        expected = reference_weights("adam", 40, 2)
-        report["adam"] = max(
-            float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
-            for a, b in zip(expected, model.get_weights(), strict=True))
+        report["adam"] = relative_error(reference_weights("adam", 40, 2), model.get_weights())
         report["iterations"] = int(model.optimizer.iterations.numpy())
     except Exception as exc:  # reported to the parent, which checks the type and text
         report["error"] = f"{type(exc).__name__}: {exc}"[:2000]
     out.write(json.dumps(report))
 
 
+def demo_mlp():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((128,)), keras.layers.Dense(1024, activation="relu"),
+                              keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def demo_data(n=8192):
+    r = np.random.default_rng(0)
+    return (r.normal(size=(n, 128)).astype("float32"),
+            r.integers(0, 10, size=(n,)).astype("int32"))
+
+
+def capped_worker(out):
+    """One worker of two on localhost, each under its own real cap (worker 0's smaller).
+
+    AUTOSPLIT_TEST_MICRO: a fixed micro-batch (rows per replica), or "auto".
+    """
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120.0)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    micro = os.environ["AUTOSPLIT_TEST_MICRO"]
+    x, y = demo_data()
+    with strategy.scope():
+        model = demo_mlp()
+    report = {}
+    try:
+        history = autosplit.fit_large_batch(
+            model, x, y, batch_size=4096, micro_batch_size=micro if micro == "auto" else
+            int(micro), shuffle=False, verbose=0, cache=False)
+        report["autosplit"] = {k: v for k, v in history.autosplit.items() if k != "probe"}
+        report["iterations"] = int(model.optimizer.iterations.numpy())
+        np.savez(out.name + ".npz", *model.get_weights())
+    except Exception as exc:  # reported to the parent, which checks the type and text
+        report["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+    out.write(json.dumps(report))
+
+
 if __name__ == "__main__":
     with open(sys.argv[2], "w") as handle:
-        {"mirrored": mirrored, "worker": worker}[SCENARIO](handle)
+        {"mirrored": mirrored, "worker": worker, "capped_worker": capped_worker}[SCENARIO](
+            handle)

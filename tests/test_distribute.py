@@ -11,7 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from conftest import assert_weights_close
+
+from autosplit.caps import capped_cpu_env
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
@@ -52,17 +56,21 @@ def free_ports(n):
     return ports
 
 
-def run_workers(tmp_path, **extra):
+def run_workers(tmp_path, scenario="worker", caps=None, both=None, **extra):
+    """Two workers on localhost; ``extra`` environment for worker 1 only, ``both`` for
+    both; ``caps`` gives each its own real TensorFlow CPU cap."""
     cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
     procs, outs = [], []
     for index in range(2):
         tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-        env = child_env(TF_CONFIG=tf_config, **(extra if index == 1 else {}))
+        env = child_env(TF_CONFIG=tf_config, **(both or {}), **(extra if index == 1 else {}))
+        if caps:
+            env = capped_cpu_env(caps[index], env)
         env.setdefault("AUTOSPLIT_TEST_COLLECTIVE_TIMEOUT", "30")
         out = tmp_path / f"worker{index}.json"
         outs.append(out)
         procs.append(subprocess.Popen([sys.executable, str(HERE / "strategy_child.py"),
-                                       "worker", str(out)], env=env,
+                                       scenario, str(out)], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     codes = []
     for proc in procs:
@@ -77,13 +85,16 @@ def run_workers(tmp_path, **extra):
 
 
 def test_multi_worker_mirrored_two_processes(tmp_path):
-    codes, outs = run_workers(tmp_path)
+    codes, outs = run_workers(tmp_path, both={"AUTOSPLIT_TEST_AUTO": "1"})
     assert codes == [0, 0]
     for out in outs:
         report = json.loads(out.read_text())
         assert "error" not in report, report
         assert report["adam"] <= 1e-4 and report["iterations"] == 6
-        assert "explicit `micro_batch_size`" in report["auto_refused"]
+        # micro_batch_size="auto" is searched in lockstep and trains exactly.
+        assert report["auto_error"] <= 1e-4, report
+        assert report["auto"]["workers"] == 2
+        assert report["auto"]["micro_batch_reason"].startswith("worker ")
 
 
 def test_a_dead_worker_makes_the_other_fail_clearly_and_soon(tmp_path):
@@ -95,3 +106,68 @@ def test_a_dead_worker_makes_the_other_fail_clearly_and_soon(tmp_path):
     assert survivor["error"].startswith("WorkerLostError"), survivor
     assert "stopped answering" in survivor["error"]
     assert elapsed < 200
+
+
+def reference_demo_weights():
+    """Single-device, full-batch plain Keras on the same data and seed."""
+    from strategy_child import demo_data, demo_mlp
+
+    x, y = demo_data()
+    model = demo_mlp()
+    model.fit(x, y, batch_size=4096, shuffle=False, verbose=0)
+    return model.get_weights(), int(model.optimizer.iterations)
+
+
+def worker_weights(out):
+    saved = np.load(str(out) + ".npz")
+    return [saved[f"arr_{i}"] for i in range(len(saved))]
+
+
+# Worker 0 has less memory than worker 1. The demo MLP's fixed part (weights, momentum,
+# sums, all-reduce buffers) is ~37 MiB: at 44 MiB a worker's whole share of 2048 rows
+# cannot fit, at 56 MiB about 1024 rows do.
+TIGHT = (44 * 2**20, 160 * 2**20)
+ROOMY = (56 * 2**20, 160 * 2**20)
+
+
+@pytest.mark.slow
+def test_an_oom_on_one_worker_is_recovered_by_all_and_stays_exact(tmp_path):
+    """A fixed micro-batch that only worker 0 cannot fit: it runs out of memory, the
+    other waits in the agreement (not in a collective apply), worker 0 finishes the same
+    batch in smaller pieces, and both apply once, exactly."""
+    codes, outs = run_workers(tmp_path, "capped_worker", caps=TIGHT,
+                              both={"AUTOSPLIT_TEST_MICRO": "2048"})
+    reports = [json.loads(out.read_text()) for out in outs]
+    assert codes == [0, 0], reports
+    for report in reports:
+        assert "error" not in report, report
+        assert report["iterations"] == 2  # 8192 / 4096 large batches, each applied once
+    assert reports[0]["autosplit"]["oom_recoveries"], reports[0]
+    assert reports[0]["autosplit"]["micro_batch_size"] < 2048
+    assert reports[1]["autosplit"]["oom_recoveries"] == []
+    assert reports[1]["autosplit"]["micro_batch_size"] == 2048  # each worker its own size
+    expected, iterations = reference_demo_weights()
+    assert iterations == 2
+    for out in outs:
+        assert_weights_close(expected, worker_weights(out), 1e-5)
+    for a, b in zip(worker_weights(outs[0]), worker_weights(outs[1]), strict=True):
+        np.testing.assert_array_equal(a, b)  # the replicas stay identical
+
+
+@pytest.mark.slow
+def test_auto_searches_in_lockstep_each_worker_its_own_size(tmp_path):
+    codes, outs = run_workers(tmp_path, "capped_worker", caps=ROOMY,
+                              both={"AUTOSPLIT_TEST_MICRO": "auto"})
+    reports = [json.loads(out.read_text()) for out in outs]
+    assert codes == [0, 0], reports
+    sizes = []
+    for index, report in enumerate(reports):
+        assert "error" not in report, report
+        info = report["autosplit"]
+        assert info["micro_batch_reason"].startswith(f"worker {index} of 2: ")
+        sizes.append(info["micro_batch_size"])
+        assert report["iterations"] == 2
+    assert sizes[0] < sizes[1], sizes  # each worker the largest size its own memory allows
+    expected, _ = reference_demo_weights()
+    for out in outs:
+        assert_weights_close(expected, worker_weights(out), 1e-5)

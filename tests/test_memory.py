@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -223,9 +224,11 @@ def test_read_cpu_tf_bfc_cap_is_smallest(host, tmp_path):
     _write_tree(tmp_path, {"cg/memory.max": 200 * MiB, "cg/memory.current": 0})
     info = read_cpu(cgroup_root=tmp_path / "cg", proc_root=tmp_path / "proc")
     # Available is the cap less what TF's CPU allocator reports in use, which depends
-    # on what this process ran before (0 in a fresh one).
+    # on what this process ran before (0 in a fresh one): read it the same way.
     assert (info.total_bytes, info.limit_source) == (16 * MiB, "tf-bfc-cap")
-    assert 0 < info.available_bytes <= 16 * MiB
+    tf = sys.modules.get("tensorflow")
+    used = int(tf.config.experimental.get_memory_info("CPU:0")["current"]) if tf else 0
+    assert info.available_bytes == max(16 * MiB - used, 0)
 
 
 def test_read_cpu_real_machine():

@@ -1,0 +1,7 @@
+"""autosplit's benchmarks: one script per question, the machinery shared.
+
+``harness`` (command line, capped children, timing, reports, plots) and ``workloads``
+(models, data, training methods) serve ``memory_scaling``, ``overhead``,
+``probe_search`` and ``gpu_check``. Run a script as ``python -m benchmarks.<name>``
+from the repository root; see ``benchmarks/README.md``.
+"""
