@@ -1,12 +1,12 @@
 # Two entry points do all the set-up on a fresh machine with python3 and make:
 #   make demo   -- trains a small model with fit_large_batch(batch_size=4096)
-#   make test   -- ruff, then the whole test suite (slow tests included)
+#   make test   -- ruff, the doctests, then the whole test suite (slow tests included)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-quick clean
+.PHONY: demo test lint doctest bench bench-quick bench-gpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +22,20 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check autosplit tests benchmarks
 
-test: lint
+doctest: $(STAMP)
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q --doctest-modules autosplit
+
+test: lint doctest
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -ra
 
 bench: $(STAMP)
-	$(PY) benchmarks/overhead.py
+	$(PY) -m benchmarks.overhead
+
+bench-quick: $(STAMP)
+	$(PY) -m pytest -q tests/test_benchmarks.py
+
+bench-gpu: $(STAMP)
+	$(PY) -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -24,6 +24,7 @@ __all__ = [
     "flat_losses",
     "flatten_layers",
     "get_keras_mask",
+    "gpu_pci_bus_id",
     "loss_tracker",
     "metric_lists",
     "output_loss_trackers",
@@ -164,6 +165,26 @@ def train_validation_split(arrays: tuple, validation_split: float) -> tuple:
     from keras.src.trainers.data_adapters.array_slicing import train_validation_split as split
 
     return split(arrays, validation_split=validation_split)
+
+
+def gpu_pci_bus_id(index: int) -> str | None:
+    """TensorFlow's PCI bus id for GPU:<index> (``device_lib``), or None.
+
+    ``get_device_details()`` has only name and compute capability; the bus id is in the
+    device description. Listing logical devices first initialises the runtime with the
+    user's GPU options, so ``device_lib`` reuses its allocators.
+    """
+    import re
+
+    import tensorflow as tf
+    from tensorflow.python.client import device_lib
+
+    tf.config.list_logical_devices("GPU")
+    for device in device_lib.list_local_devices():
+        if device.device_type == "GPU" and device.name.endswith(f"GPU:{index}"):
+            match = re.search(r"pci bus id: ([0-9a-fA-F:.]+)", device.physical_device_desc)
+            return match.group(1) if match else None
+    return None
 
 
 def per_replica(values: list) -> Any:

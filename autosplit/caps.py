@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 
 import psutil
 
-from autosplit.device import _status_bytes, bfc_enabled, split_device
+from autosplit.device import split_device
+from autosplit.host import bfc_enabled, status_bytes
 from autosplit.units import MIB, memory_error, parse_memory
 
 __all__ = ["CappedRun", "PeakMeter", "capped_cpu_env", "is_noise", "run_capped",
@@ -52,10 +53,10 @@ class PeakMeter:
             ``peak_bytes() - baseline_bytes`` on top of what was already held.
 
     Example:
-        >>> meter = PeakMeter("CPU:0")
-        >>> meter.reset()
-        >>> run_step()
-        >>> step_bytes = meter.peak_bytes() - meter.baseline_bytes
+        >>> meter = PeakMeter("CPU:0")  # doctest: +SKIP
+        >>> meter.reset()  # doctest: +SKIP
+        >>> run_step()  # doctest: +SKIP
+        >>> step_bytes = meter.peak_bytes() - meter.baseline_bytes  # doctest: +SKIP
     """
 
     def __init__(self, tf_device: str = "CPU:0", *,
@@ -83,14 +84,14 @@ class PeakMeter:
         """The most bytes in use since the last :meth:`reset`."""
         if self.source == "tf-allocator":
             return int(self._tf_info()["peak"])
-        peak = _status_bytes(self._proc_root, "VmHWM")
+        peak = status_bytes(self._proc_root, "VmHWM")
         return peak if peak is not None else self.current_bytes()
 
     def current_bytes(self) -> int:
         """The bytes in use now."""
         if self.source == "tf-allocator":
             return int(self._tf_info()["current"])
-        current = _status_bytes(self._proc_root, "VmRSS")
+        current = status_bytes(self._proc_root, "VmRSS")
         return current if current is not None else int(psutil.Process().memory_info().rss)
 
     def _tf_info(self) -> dict[str, int]:
@@ -128,8 +129,8 @@ def capped_cpu_env(limit_bytes: int, base: Mapping[str, str] | None = None) -> d
         MemoryLimitError: ``limit_bytes`` is not a positive size.
 
     Example:
-        >>> env = capped_cpu_env(parse_memory("2GiB"))
-        >>> subprocess.run([sys.executable, "train.py"], env=env, check=True)
+        >>> env = capped_cpu_env(parse_memory("2GiB"))  # doctest: +SKIP
+        >>> subprocess.run([sys.executable, "train.py"], env=env, check=True)  # doctest: +SKIP
     """
     limit = parse_memory(limit_bytes, name="limit_bytes")
     if limit is None:
@@ -204,8 +205,8 @@ def run_capped(argv: Sequence[str], limit_bytes: int | str | None, *,
         A :class:`CappedRun`.
 
     Example:
-        >>> run = run_capped(["train.py"], "2GiB", timeout=600)
-        >>> run.returncode, run.result
+        >>> run = run_capped(["train.py"], "2GiB", timeout=600)  # doctest: +SKIP
+        >>> run.returncode, run.result  # doctest: +SKIP
     """
     limit = parse_memory(limit_bytes, name="limit_bytes")
     if limit is None:

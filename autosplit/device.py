@@ -1,5 +1,6 @@
-"""Device memory readings: how much a GPU (NVML) or the host (psutil, cgroups,
-``RLIMIT_AS``, TensorFlow's BFC cap) lets this process use, and the budget from it.
+"""Device memory readings: how much a GPU (NVML) lets this process use, which device a
+model trains on, and the budget from a reading. The host's own readings (psutil,
+cgroups, ``RLIMIT_AS``, TensorFlow's BFC cap) are in ``autosplit.host``.
 
 The GPU reading is what ``nvidia-smi`` shows (NVML); the CPU reading is what the
 kernel enforces (cgroups, ``RLIMIT_AS``) and what TensorFlow's own CPU allocator
@@ -16,18 +17,13 @@ import dataclasses
 import math
 import numbers
 import os
-import platform
 import re
-import sys
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, NamedTuple
-
-import psutil
+from typing import Any
 
 from autosplit.errors import MemoryLimitError
-from autosplit.units import MIB, parse_memory
+from autosplit.units import parse_memory
 
 try:
     import resource
@@ -37,10 +33,7 @@ except ImportError:  # Windows has no RLIMIT_AS.
 __all__ = [
     "LIMIT_SOURCES",
     "DeviceInfo",
-    "bfc_enabled",
     "budget_bytes",
-    "is_tf_bfc_capped",
-    "read_cpu",
     "read_device",
     "read_gpu",
     "split_device",
@@ -50,10 +43,6 @@ LIMIT_SOURCES = ("nvml", "psutil", "cgroup-v2", "cgroup-v1", "rlimit-as", "tf-bf
 """Every value :attr:`DeviceInfo.limit_source` can take."""
 
 _DEVICE_RE = re.compile(r"(?:^|[/:])(CPU|GPU):(\d+)$", re.I)
-# cgroup v1 writes "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 on x86).
-_CGROUP_UNLIMITED = 2**60
-# TensorFlow's cap when TF_CPU_ALLOCATOR_USE_BFC is on and no limit is given.
-_TF_BFC_DEFAULT_MIB = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +66,8 @@ class DeviceInfo:
         pci_bus_id: The GPU's PCI bus id as ``"0000:3b:00.0"``; ``None`` on CPU.
 
     Example:
+        >>> import json
+        >>> from autosplit.host import read_cpu
         >>> info = read_cpu()
         >>> DeviceInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
         True
@@ -158,8 +149,9 @@ def read_gpu(
         pynvml.NVMLError: NVML failed (no driver, no permission...).
 
     Example:
-        >>> info = read_gpu("GPU:0")
-        >>> print(info.name, format_bytes(info.available_bytes))  # e.g. NVIDIA H100 79.10 GiB
+        >>> info = read_gpu("GPU:0")  # doctest: +SKIP
+        >>> print(info.name, format_bytes(info.available_bytes))  # doctest: +SKIP
+        NVIDIA H100 80GB HBM3 79.10 GiB
     """
     kind, index = split_device(tf_device)
     if kind != "GPU":
@@ -219,20 +211,11 @@ def _find_nvml_handle(nvml: Any, index: int, wanted: str | None) -> tuple[Any, s
 def _tf_pci_bus_id(index: int) -> str | None:
     """TensorFlow's PCI bus id for GPU:<index>, or None when TF does not say."""
     try:
-        import tensorflow as tf
-        from tensorflow.python.client import device_lib
+        from autosplit import _keras
 
-        # get_device_details() has only name and compute capability; the bus id is
-        # in the device description. Listing logical devices first initialises the
-        # runtime with the user's GPU options, so device_lib reuses its allocators.
-        tf.config.list_logical_devices("GPU")
-        for device in device_lib.list_local_devices():
-            if device.device_type == "GPU" and device.name.endswith(f"GPU:{index}"):
-                match = re.search(r"pci bus id: ([0-9a-fA-F:.]+)", device.physical_device_desc)
-                return match.group(1) if match else None
+        return _keras.gpu_pci_bus_id(index)
     except Exception:  # A missing bus id only costs the index fallback.
         return None
-    return None
 
 
 def _normalize_bus_id(bus_id: str) -> str:
@@ -249,178 +232,6 @@ def _normalize_bus_id(bus_id: str) -> str:
 def _text(value: str | bytes) -> str:
     # pynvml < 11.5 returns bytes for names, UUIDs and bus ids; later ones str.
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-# ---------------------------------------------------------------------------- CPU
-
-
-class _Bound(NamedTuple):
-    """One reading that bounds CPU memory."""
-
-    available: int  # bytes this process may still allocate under this bound
-    total: int  # bytes this bound allows in all
-    source: str  # one of LIMIT_SOURCES
-
-
-def read_cpu(
-    *, cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
-    proc_root: str | os.PathLike[str] = "/proc", tf_device: str = "CPU:0",
-) -> DeviceInfo:
-    """Reads how much host memory this process may still use.
-
-    The budget is the smallest of: ``psutil.virtual_memory().available``; cgroup v2
-    ``memory.max - memory.current``; cgroup v1 ``memory.limit_in_bytes -
-    memory.usage_in_bytes``; ``RLIMIT_AS`` minus the current ``VmSize``; and, when
-    TensorFlow's CPU allocator is a capped BFC allocator (:func:`is_tf_bfc_capped`),
-    that cap minus TF's current bytes. Cgroup limits are read at this process's own
-    cgroup and every ancestor up to the root (a parent's limit binds its children);
-    reclaimable page cache (``inactive_file``) is not counted as used, as in
-    ``docker stats``. ``"max"`` and v1's huge "no limit" values are unlimited.
-
-    Args:
-        cgroup_root: Where the cgroup file system is mounted.
-        proc_root: Where procfs is mounted (``self/cgroup``, ``self/status``,
-            ``cpuinfo`` are read from it).
-        tf_device: The TensorFlow device to record, ``"CPU:0"``.
-
-    Returns:
-        A reading with ``kind="CPU"`` whose ``limit_source`` names the smallest bound.
-
-    Example:
-        >>> info = read_cpu()
-        >>> info.limit_source in ("psutil", "cgroup-v2", "cgroup-v1", "rlimit-as")
-        True
-    """
-    kind, index = split_device(tf_device)
-    if kind != "CPU":
-        raise ValueError(f"Expected `tf_device` to name a CPU, like 'CPU:0'. "
-                         f"Received: tf_device={tf_device!r}")
-    cgroup_root, proc_root = Path(cgroup_root), Path(proc_root)
-    memory = psutil.virtual_memory()
-    bounds = [_Bound(int(memory.available), int(memory.total), "psutil")]
-
-    v2_path, v1_path = _own_cgroup_paths(proc_root)
-    for bound in (
-        _cgroup_bound(cgroup_root, v2_path, "memory.max", "memory.current",
-                      "inactive_file", "cgroup-v2"),
-        _cgroup_bound(cgroup_root / "memory", v1_path, "memory.limit_in_bytes",
-                      "memory.usage_in_bytes", "total_inactive_file", "cgroup-v1"),
-        _rlimit_as_bound(proc_root),
-        _tf_bfc_bound(),
-    ):
-        if bound is not None:
-            bounds.append(bound)
-
-    tightest = min(bounds)
-    model = _cpu_model(proc_root)
-    return DeviceInfo(
-        kind="CPU", name=model, identity=f"cpu:{model}:{int(memory.total)}",
-        total_bytes=min(b.total for b in bounds), available_bytes=tightest.available,
-        used_by_others_bytes=None, limit_source=tightest.source,
-        tf_device=f"CPU:{index}", pci_bus_id=None)
-
-
-def _own_cgroup_paths(proc_root: Path) -> tuple[str, str]:
-    """This process's cgroup v2 path and v1 memory-controller path ('/' if unknown)."""
-    v2, v1 = "/", "/"
-    try:
-        lines = (proc_root / "self" / "cgroup").read_text().splitlines()
-    except OSError:
-        return v2, v1
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and not controllers:
-            v2 = path or "/"
-        elif "memory" in controllers.split(","):
-            v1 = path or "/"
-    return v2, v1
-
-
-def _cgroup_bound(root: Path, own_path: str, limit_file: str, usage_file: str,
-                  stat_key: str, source: str) -> _Bound | None:
-    """The tightest limit from the own cgroup up to ``root``; None if none is set."""
-    parts = [p for p in own_path.split("/") if p]
-    # Without a cgroup namespace the own path may not exist under the mount point;
-    # the directories that do exist are still ancestors (or the container's root).
-    directories = [root.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
-    tightest = None
-    for directory in directories:
-        limit = _read_int(directory / limit_file)
-        if limit is None or limit >= _CGROUP_UNLIMITED:
-            continue
-        usage = _read_int(directory / usage_file) or 0
-        usage = max(usage - _stat_value(directory / "memory.stat", stat_key), 0)
-        bound = _Bound(max(limit - usage, 0), limit, source)
-        tightest = bound if tightest is None else min(tightest, bound)
-    return tightest
-
-
-def _rlimit_as_bound(proc_root: Path) -> _Bound | None:
-    if resource is None:
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY or soft <= 0:
-        return None
-    used = _status_bytes(proc_root, "VmSize") or 0
-    return _Bound(max(soft - used, 0), soft, "rlimit-as")
-
-
-def _tf_bfc_bound() -> _Bound | None:
-    cap = is_tf_bfc_capped()
-    if cap is None:
-        return None
-    used = 0
-    tf = sys.modules.get("tensorflow")  # Nothing is allocated before TF is imported.
-    if tf is not None:
-        try:
-            used = int(tf.config.experimental.get_memory_info("CPU:0")["current"])
-        except (ValueError, KeyError, AttributeError):
-            used = 0
-    return _Bound(max(cap - used, 0), cap, "tf-bfc-cap")
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    try:
-        return int(text)
-    except ValueError:  # "max" in cgroup v2
-        return None
-
-
-def _stat_value(path: Path, key: str) -> int:
-    try:
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def _status_bytes(proc_root: Path, key: str) -> int | None:
-    """A ``kB`` field of ``<proc_root>/self/status`` in bytes."""
-    try:
-        for line in (proc_root / "self" / "status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _cpu_model(proc_root: Path) -> str:
-    try:
-        for line in (proc_root / "cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 # ---------------------------------------------------------------- either device
@@ -440,9 +251,12 @@ def read_device(tf_device: str | None = None) -> DeviceInfo:
         The reading of :func:`read_gpu` or :func:`read_cpu`.
 
     Example:
-        >>> info = read_device()
-        >>> info.kind, info.limit_source  # e.g. ('GPU', 'nvml') or ('CPU', 'cgroup-v2')
+        >>> info = read_device()  # doctest: +SKIP
+        >>> info.kind, info.limit_source  # doctest: +SKIP
+        ('GPU', 'nvml')
     """
+    from autosplit.host import read_cpu
+
     if tf_device is not None:
         kind, index = split_device(tf_device)
         if kind == "CPU":
@@ -490,7 +304,8 @@ def budget_bytes(device: DeviceInfo, memory_limit: int | None, headroom: float =
             not in ``[0, 1)``.
 
     Example:
-        >>> budget_bytes(read_device(), parse_memory("6GiB"))  # at most 0.9 * 6 GiB
+        >>> budget_bytes(read_device(), parse_memory("6GiB"))  # doctest: +SKIP
+        5798205849
     """
     if (isinstance(headroom, bool) or not isinstance(headroom, numbers.Real)
             or not 0 <= headroom < 1):
@@ -502,34 +317,6 @@ def budget_bytes(device: DeviceInfo, memory_limit: int | None, headroom: float =
     if cap is not None:
         limit = min(limit, cap)
     return math.floor(limit * (1 - headroom))
-
-
-def is_tf_bfc_capped(environ: Mapping[str, str] | None = None) -> int | None:
-    """TensorFlow's CPU cap in bytes when its CPU allocator is BFC, else ``None``.
-
-    Reads the same variables TensorFlow does: ``TF_CPU_ALLOCATOR_USE_BFC`` (``true``
-    or ``1``) and ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` (MiB; 65536, i.e. 64 GiB, when
-    unset or unreadable, as in TensorFlow).
-
-    Args:
-        environ: The environment to read; ``os.environ`` when ``None``.
-
-    Example:
-        >>> is_tf_bfc_capped(capped_cpu_env(200 * 2**20))
-        209715200
-    """
-    env = os.environ if environ is None else environ
-    if not bfc_enabled(env):
-        return None
-    try:
-        mib = int(env.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", _TF_BFC_DEFAULT_MIB))
-    except ValueError:
-        mib = _TF_BFC_DEFAULT_MIB
-    return mib * MIB
-
-
-def bfc_enabled(env: Mapping[str, str]) -> bool:
-    return env.get("TF_CPU_ALLOCATOR_USE_BFC", "").strip().lower() in ("true", "1")
 
 
 def split_device(tf_device: str) -> tuple[str, int]:

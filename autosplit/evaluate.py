@@ -24,8 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 from autosplit import _keras
-from autosplit.accumulate import _empty_to_none, forward, update_metrics, weight_regularization
 from autosplit.inputs import HOST, InputAdapter
+from autosplit.piece import empty_to_none, forward, update_metrics, weight_regularization
 from autosplit.pipeline import MicroBatches
 from autosplit.reduction import SUM
 
@@ -52,7 +52,7 @@ class Evaluator:
 
             def one():
                 x, y, w, valid = optional.get_value()
-                w = _empty_to_none(w)
+                w = empty_to_none(w)
                 y_al, y_pred, terms, losses = forward(model, x, y, w, valid, training=False)
                 update_metrics(model, y_al, y_pred, w, valid)
                 piece_rows = tf.reduce_sum(valid)

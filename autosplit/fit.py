@@ -119,8 +119,9 @@ def fit_large_batch(
         split, why, and any out-of-memory recoveries.
 
     Example:
-        >>> history = autosplit.fit_large_batch(model, x, y, batch_size=4096, epochs=3)
-        >>> history.autosplit["micro_batch_size"]
+        >>> history = autosplit.fit_large_batch(  # doctest: +SKIP
+        ...     model, x, y, batch_size=4096, epochs=3)
+        >>> history.autosplit["micro_batch_size"]  # doctest: +SKIP
         512
     """
     args = _validate(model, locals())

@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from autosplit import _keras
 from autosplit.errors import DatasetError, describe
+from autosplit.piece import map_present
 
 __all__ = [
     "ArrayInput",
@@ -178,21 +179,16 @@ class ArrayInput(InputAdapter):
 
     def materialize(self, rows: Any) -> tuple:
         # The gather runs in the host pipeline: only the micro-batch's rows are copied.
-        x, y, w = _map(lambda t: tf.gather(t, rows), self.arrays)
+        x, y, w = map_present(lambda t: tf.gather(t, rows), self.arrays)
         if self._class_weight is not None:
             w = self._class_weight(y, w)
         return x, y, w
 
     def sample(self, n: int) -> tuple:
-        x, y, w = _map(lambda t: t[:n], self.arrays)
+        x, y, w = map_present(lambda t: t[:n], self.arrays)
         if self._class_weight is not None:
             w = self._class_weight(y, w)
         return x, y, w
-
-
-def _map(fn, structure):
-    """``tf.nest.map_structure`` that leaves ``None`` (no sample weight) alone."""
-    return tf.nest.map_structure(lambda t: None if t is None else fn(t), structure)
 
 
 def _to_tensor(leaf: Any) -> Any:

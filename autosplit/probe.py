@@ -160,8 +160,9 @@ def probe(
         NothingFitsError: not even one example fits; says what one example needs.
 
     Example:
-        >>> result = autosplit.probe(model, x, y, batch_size=4096, memory_limit="2GiB")
-        >>> result.micro_batch_size, result.accumulation_steps
+        >>> result = autosplit.probe(  # doctest: +SKIP
+        ...     model, x, y, batch_size=4096, memory_limit="2GiB")
+        >>> result.micro_batch_size, result.accumulation_steps  # doctest: +SKIP
         (512, 8)
     """
     batch_size = check_size("batch_size", batch_size)

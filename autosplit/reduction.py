@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import keras
 import tensorflow as tf
-from keras.src import tree
+from keras import tree
 
 from autosplit import _keras
 from autosplit.errors import UnsupportedModelError

@@ -132,6 +132,8 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
         if line is not None:
             a, b = line
             guess = achievable(batch_size, int((budget - a) / b))
+            if guess <= lo:
+                break  # the line puts the budget below the next size a split can run
         if guess is None or not lo < guess < hi:
             guess = between(batch_size, lo, hi)
             if guess is None:

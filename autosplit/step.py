@@ -34,19 +34,20 @@ import keras
 import tensorflow as tf
 
 from autosplit import _keras
-from autosplit.accumulate import (
+from autosplit.distribute import layout
+from autosplit.inputs import HOST
+from autosplit.piece import (
     LossPlan,
     Piece,
     Totals,
-    _empty_to_none,
     combine,
     compute_piece,
+    empty_to_none,
     loss_plan,
     update_metrics,
 )
-from autosplit.distribute import layout
-from autosplit.inputs import HOST
 from autosplit.reduction import check_reduction
+from autosplit.sums import Stash, Sums, after
 from autosplit.validation import check_trainable
 
 __all__ = ["TrainStep", "build_for", "has_batch_norm", "train_step"]
@@ -57,30 +58,6 @@ _STEPS_ATTR = "_autosplit_train_steps"
 def has_batch_norm(model: keras.Model) -> bool:
     return any(isinstance(layer, keras.layers.BatchNormalization)
                for layer in _keras.flatten_layers(model))
-
-
-def _after(ops: list) -> tf.Tensor:
-    """A token that exists once ``ops`` have run."""
-    with tf.control_dependencies(ops):
-        return tf.constant(True)
-
-
-def kwargs_bool(kwargs: dict) -> dict:
-    """Per-replica flags: ON_READ like the sums, but a bool cannot be summed."""
-    if not kwargs:
-        return {}
-    return dict(synchronization=kwargs["synchronization"],
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-
-
-def _zero_from(variable) -> tf.Tensor:
-    """Zeros computed from a variable's value (0 even where it holds inf or NaN): unlike
-    ``tf.zeros_like``, nothing constant folding could turn into a weight-sized constant."""
-    return tf.math.multiply_no_nan(variable.read_value(), 0.0)
-
-
-def _zeros_like_spec(spec: tf.TensorSpec) -> tf.Tensor:
-    return tf.zeros([d or 1 for d in spec.shape.as_list()], spec.dtype)
 
 
 class TrainStep:
@@ -113,10 +90,9 @@ class TrainStep:
             check_reduction(flat.loss)
         self._functions: dict = {}
         self._template: Any = None
-        self.sums = None
+        self.sums: Sums | None = None
+        self.stash: Stash | None = None
         self.rebind(element_spec)
-        self._build_sums()
-        self._build_stash()
 
     # ------------------------------------------------------------ set-up
 
@@ -127,74 +103,24 @@ class TrainStep:
             x, y, w, valid = tf.nest.map_structure(
                 lambda s: tf.TensorSpec(s.shape[1:], s.dtype), (x, y, w, valid))
         self.element_spec = element_spec
-        self.piece_spec = (x, y, _empty_to_none(w), valid)
+        self.piece_spec = (x, y, empty_to_none(w), valid)
         self.rows = int(valid.shape[0])
         self.plan: LossPlan = loss_plan(self.model, self.piece_spec[:3])
-        # Another input structure (sample weights or not) can change the loss groups.
-        if getattr(self, "sums", None) is not None and self._sums_groups != self.plan.groups:
-            self._functions.clear()  # they captured the old variables
-            self._build_sums()
-        if getattr(self, "_stash", None) is not None and not self._stash_fits():
+        # Another input structure (sample weights or not) can change the loss groups,
+        # or what is stashed; compiled functions captured the old variables.
+        if self.sums is None or self.sums.groups != self.plan.groups:
             self._functions.clear()
-            self._build_stash()
-
-    def _build_sums(self) -> None:
-        variables = self.model.trainable_variables
-        kwargs = {}
-        if self.replicas > 1:
-            kwargs = dict(synchronization=tf.VariableSynchronization.ON_READ,
-                          aggregation=tf.VariableAggregation.SUM)
-
-        def var(shape, name):
-            return tf.Variable(tf.zeros(shape, tf.float32), trainable=False,
-                               name=f"autosplit_{name}", **kwargs)
-
-        self._sums_groups = self.plan.groups
-        with self.strategy.scope():
-            self.sums = [[var(v.shape, "sum") if has else None
-                          for v, has in zip(variables, self.plan.has_grad, strict=True)]
-                         for _ in self.plan.groups]
-            n = len(self.plan.kinds)
-            self.numerators = [var([], "numerator") for _ in range(n)]
-            self.denominators = [var([], "denominator") for _ in range(n)]
-            self.in_call = var([], "in_call")
-            self.real_rows = var([], "rows")
-            # The gradient sums are not zeroed after an apply: the first commit of the
-            # next large batch overwrites them. A zeroing assign would be a constant of
-            # the variable's shape, which TensorFlow's constant folding materialises when
-            # it instantiates the function, and under a tight cap that allocation can fail
-            # inside the folding pass, which does not survive it.
-            self.fresh = tf.Variable(True, trainable=False, name="autosplit_fresh",
-                                     **kwargs_bool(kwargs))
-
-    def _build_stash(self) -> None:
-        self._stash = None
-        with tf.device(HOST):
-            self.pulled = tf.Variable(0, dtype=tf.int64, trainable=False)
-            self.exhausted = tf.Variable(False, trainable=False)
-            self.pending = tf.Variable(False, trainable=False)
-            self.done_rows = tf.Variable(0, dtype=tf.int32, trainable=False)
-            # A host copy of the element in flight (one micro-batch of inputs), so that
-            # an out-of-memory error can be resumed exactly (run_local(resume=True)).
-            self._stash = tf.nest.map_structure(
-                lambda s: tf.Variable(_zeros_like_spec(s), trainable=False,
-                                      shape=tf.TensorShape(None)),
-                self.element_spec)
-
-    def _stash_fits(self) -> bool:
-        try:
-            tf.nest.assert_same_structure(self._stash, self.element_spec)
-        except (ValueError, TypeError):
-            return False
-        return all(v.dtype == s.dtype for v, s in zip(
-            tf.nest.flatten(self._stash), tf.nest.flatten(self.element_spec), strict=True))
+            self.sums = Sums(self.model, self.plan, self.strategy)
+        if self.stash is None or not self.stash.fits(element_spec):
+            self._functions.clear()
+            self.stash = Stash(element_spec)
 
     # ------------------------------------------------------------ one micro-batch
 
     def _compute(self, x, y, w, valid):
         """Per replica: one piece's gradients and terms, flattened (None entries dropped)."""
         scale = tf.cast(self.model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
-        piece = compute_piece(self.model, self.plan, x, y, _empty_to_none(w), valid,
+        piece = compute_piece(self.model, self.plan, x, y, empty_to_none(w), valid,
                               batch_size=self.batch_size, scale=scale)
         flat = tf.nest.flatten(piece)
         self._template = (piece, [t is not None for t in flat])
@@ -214,33 +140,13 @@ class TrainStep:
         dependencies do not reach, so the ordering travels as data.
         """
         with tf.control_dependencies([] if ready is None else [ready]):
-            return self._add_to_sums(list(values))
-
-    def _add_to_sums(self, values):
-        piece = self._unflatten(values)
-        pairs = [(s, g) for sums, grads in zip(self.sums, piece.gradients, strict=True)
-                 for s, g in zip(sums, grads, strict=True) if s is not None]
-
-        def overwrite():
-            return _after([s.assign(_zero_from(s) if g is None else g) for s, g in pairs])
-
-        def add():
-            return _after([s.assign_add(g) for s, g in pairs if g is not None])
-
-        ops = [tf.cond(self.fresh.read_value(), overwrite, add)]
-        with tf.control_dependencies(ops):
-            ops.append(self.fresh.assign(False))
-        ops += [v.assign_add(t) for v, t in zip(self.numerators, piece.numerators, strict=True)]
-        ops += [v.assign_add(t) for v, t in
-                zip(self.denominators, piece.denominators, strict=True)]
-        ops += [self.in_call.assign_add(piece.forward), self.real_rows.assign_add(piece.rows)]
-        return _after(ops)
+            return self.sums.add(self._unflatten(list(values)))
 
     def _commit_metrics(self, values, w, valid, ready=None):
         """Per replica: update the compiled metrics from one piece (after ``ready``)."""
         piece = self._unflatten(list(values))
         with tf.control_dependencies([] if ready is None else [ready]):
-            update_metrics(self.model, piece.y, piece.y_pred, _empty_to_none(w), valid,
+            update_metrics(self.model, piece.y, piece.y_pred, empty_to_none(w), valid,
                            piece.masks)
             return tf.constant(True)
 
@@ -275,16 +181,15 @@ class TrainStep:
             values = self.strategy.run(compute, args=args)
             everything = [t for out in self.strategy.experimental_local_results(values)
                           for t in tf.nest.flatten(out)]
-            ready = _after(everything)
-            summed = _after(self.strategy.experimental_local_results(
+            ready = after(everything)
+            summed = after(self.strategy.experimental_local_results(
                 self.strategy.run(self._commit_sums, args=(values, ready))))
         with tf.control_dependencies([summed]):
-            recorded = _after([self.done_rows.assign(end_row),
-                               self.pending.assign(end_row < self.rows)])
+            recorded = self.stash.record(end_row, self.rows)
         if self.replicas == 1:
             with tf.control_dependencies([recorded]):
                 return self._commit_metrics(values, w, valid)
-        return _after(self.strategy.experimental_local_results(self.strategy.run(
+        return after(self.strategy.experimental_local_results(self.strategy.run(
             self._commit_metrics, args=(values, args[2], args[3], recorded))))
 
     # ------------------------------------------------------------ one element
@@ -316,21 +221,20 @@ class TrainStep:
 
         start = tf.constant(0) if first_row is None else first_row // size
         loop = tf.while_loop(lambda p: p < pieces, body, [start], parallel_iterations=1)
-        return _after([loop])
+        return after([loop])
 
     # ------------------------------------------------------------ the loop
 
     def _local(self, iterator, count, resume: bool = False, pieces: int = 1):
         """Pull up to ``count`` elements and commit them; no collective communication."""
-        ops = [self.pulled.assign(0), self.exhausted.assign(False)]
-        if resume and self._stash is not None:
+        stash = self.stash
+        ops = [stash.pulled.assign(0), stash.exhausted.assign(False)]
+        if resume:
             with tf.control_dependencies(ops):
-                stashed = tf.nest.map_structure(
-                    lambda v, s: tf.ensure_shape(v.read_value(), s.shape), self._stash,
-                    self.element_spec)
-                ops = [tf.cond(self.pending.read_value(),
+                stashed = stash.get(self.element_spec)
+                ops = [tf.cond(stash.pending.read_value(),
                                lambda: self._process(stashed, pieces,
-                                                     self.done_rows.read_value()),
+                                                     stash.done_rows.read_value()),
                                lambda: tf.constant(True))]
 
         def cond(i, stop):
@@ -344,12 +248,7 @@ class TrainStep:
             def one():
                 with tf.device(HOST):
                     element = optional.get_value()
-                    marks = [self.pulled.assign_add(1), self.done_rows.assign(0),
-                             self.pending.assign(True)]
-                    if self._stash is not None:
-                        marks += [v.assign(t) for v, t in
-                                  zip(tf.nest.flatten(self._stash), tf.nest.flatten(element),
-                                      strict=True)]
+                    marks = stash.put(element)
                 with tf.control_dependencies(marks):
                     element = tf.nest.map_structure(tf.identity, element)
                 done = self._process(element, pieces)
@@ -357,7 +256,7 @@ class TrainStep:
                     return i + 1, tf.constant(False)
 
             def end():
-                with tf.control_dependencies([self.exhausted.assign(True)]):
+                with tf.control_dependencies([stash.exhausted.assign(True)]):
                     return i, tf.constant(True)
 
             return tf.cond(has, one, end)
@@ -366,7 +265,7 @@ class TrainStep:
             start = tf.constant(0, count.dtype if hasattr(count, "dtype") else tf.int32)
         loop = tf.while_loop(cond, body, [start, tf.constant(False)], parallel_iterations=1)
         with tf.control_dependencies(loop):
-            return self.pulled.read_value()
+            return stash.pulled.read_value()
 
     # ------------------------------------------------------------ after the loop
 
@@ -382,15 +281,8 @@ class TrainStep:
     def _apply_sums(self):
         model = self.model
         context = tf.distribute.get_replica_context()
-        local_rows = self.real_rows.read_value()
-        # Sums still "fresh" hold the last batch: nothing was committed on this replica
-        # (a worker whose share of a short last batch is empty). They count as zero.
-        keep = 1.0 - tf.cast(self.fresh.read_value(), tf.float32)
-        totals = Totals([[None if s is None else tf.math.multiply_no_nan(s.read_value(), keep)
-                          for s in sums] for sums in self.sums],
-                        [v.read_value() for v in self.numerators],
-                        [v.read_value() for v in self.denominators],
-                        self.in_call.read_value(), local_rows)
+        totals = self.sums.read()
+        local_rows = totals.rows
         if self.replicas > 1:
             numerators, denominators, in_call, rows = context.all_reduce(
                 tf.distribute.ReduceOp.SUM,
@@ -415,13 +307,8 @@ class TrainStep:
             updates.append(metric.update_state(value, sample_weight=local_rows))
         with tf.control_dependencies([g for g, _ in pairs] + [loss]
                                      + [u for u in updates if u is not None]):
-            self._zero()
+            self.sums.zero()
         return loss
-
-    def _zero(self):
-        self.fresh.assign(True)
-        for v in [*self.numerators, *self.denominators, self.in_call, self.real_rows]:
-            v.assign(0.0)
 
     def _finish(self, ready=None):
         if self.replicas == 1:
@@ -489,25 +376,27 @@ class TrainStep:
 
     def local_rows(self) -> float:
         """Real rows committed on this worker since the last finish."""
-        values = self.strategy.experimental_local_results(self.real_rows)
+        values = self.strategy.experimental_local_results(self.sums.rows)
         return float(sum(float(v) for v in values))
 
     def progress(self) -> tuple[int, bool, bool]:
         """(elements pulled by the last call, stash holds an unfinished element, input ended)."""
-        return int(self.pulled.numpy()), bool(self.pending.numpy()), bool(self.exhausted.numpy())
+        stash = self.stash
+        return (int(stash.pulled.numpy()), bool(stash.pending.numpy()),
+                bool(stash.exhausted.numpy()))
 
     def discard(self) -> None:
         """Forget a partial large batch: zero the sums and the stash mark."""
         if getattr(self, "_dirty", False):
             self._function("zero", self._zero_function)()
             self._dirty = False
-        self.pending.assign(False)
+        self.stash.pending.assign(False)
 
     def _zero_function(self):
         if self.replicas == 1:
-            self._zero()
+            self.sums.zero()
         else:
-            self.strategy.run(self._zero)
+            self.strategy.run(self.sums.zero)
         return tf.constant(0)
 
     def graph(self, iterator) -> tf.Graph:
@@ -572,5 +461,5 @@ def build_for(model: keras.Model, element_spec: Any, local_replicas: int = 1) ->
     if local_replicas > 1:
         x, y, w = tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), (x, y, w))
     with model.distribute_strategy.scope():
-        _keras.symbolic_build(model, (x, y, _empty_to_none(w)))
+        _keras.symbolic_build(model, (x, y, empty_to_none(w)))
     check_trainable(model)

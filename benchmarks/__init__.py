@@ -5,3 +5,7 @@
 ``probe_search`` and ``gpu_check``. Run a script as ``python -m benchmarks.<name>``
 from the repository root; see ``benchmarks/README.md``.
 """
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

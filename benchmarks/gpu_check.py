@@ -43,13 +43,8 @@ files only with ``--out DIR``.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # python benchmarks/gpu_check.py
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 if __name__ == "__main__":
     # Without a GPU, read TensorFlow's CPU allocator (set before TensorFlow loads).
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
@@ -204,9 +199,7 @@ def markdown(report: dict[str, Any]) -> str:
               *harness.md_table(*table(report["points"], "step_peak_mib", ".1f"))]
     lines += ["", "## Samples/s (single epochs)", "",
               *harness.md_table(*table(report["points"], "samples_per_s", ",.0f"))]
-    lines += ["", "## Checks", "", *harness.check_lines(report["checks"]),
-              "", "![gpu check](gpu_check.png)"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + harness.report_tail(report, "gpu_check.png")
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

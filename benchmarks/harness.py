@@ -299,6 +299,16 @@ def check_lines(checks: Sequence[Mapping[str, Any]]) -> list[str]:
     return [f"- ({c['id']}) **{c['status']}**: {c['summary']}" for c in checks]
 
 
+def report_tail(report: Mapping[str, Any], image: str | None = None) -> str:
+    """The end of every Markdown report: checks, notes, the plot; the whole text."""
+    lines = ["", "## Checks", "", *check_lines(report["checks"])]
+    if report.get("notes"):
+        lines += ["", "## Notes", "", *(f"- {n}" for n in report["notes"])]
+    if image:
+        lines += ["", f"![{image.rsplit('.', 1)[0].replace('_', ' ')}]({image})"]
+    return "\n".join(lines) + "\n"
+
+
 def conclude(out: Path | None, name: str, report: Mapping[str, Any], markdown: str,
              plot: Callable[[Path], None] | None = None) -> list[Path]:
     """Print the report's checks, notes and total time, then :func:`write_report`."""

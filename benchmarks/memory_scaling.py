@@ -44,17 +44,9 @@ writes files only with ``--out DIR``.
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # python benchmarks/memory_scaling.py
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
@@ -293,11 +285,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += harness.md_table(*table(model, "peak_mib", ".1f"))
         lines += ["", "Throughput, samples/s:", ""]
         lines += harness.md_table(*table(model, "samples_per_s", ",.0f"))
-    lines += ["", "## Checks", "", *harness.check_lines(report["checks"])]
-    if report["notes"]:
-        lines += ["", "## Notes", "", *(f"- {n}" for n in report["notes"])]
-    lines += ["", "![memory scaling](memory_scaling.png)"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + harness.report_tail(report, "memory_scaling.png")
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

@@ -42,21 +42,13 @@ only with ``--out DIR``.
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # python benchmarks/overhead.py
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
 import cProfile
 import io
 import pstats
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -262,8 +254,7 @@ def markdown(report: dict[str, Any]) -> str:
                   f"m={case['micro_batch_size']} (k={case['accumulation_steps']})", "",
                   f"{case['rows']} synthetic examples, Adam lr 1e-3.", ""]
         lines += harness.md_table(HEADER, rows(case))
-    lines += ["", "## Checks", "", *harness.check_lines(report["checks"])]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + harness.report_tail(report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,20 +41,12 @@ writes files only with ``--out DIR``.
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # python benchmarks/probe_search.py
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
 import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
@@ -165,7 +157,7 @@ def run_method(task: dict[str, Any]) -> dict[str, Any]:
 
     import autosplit
     from autosplit.caps import PeakMeter
-    from autosplit.device import is_tf_bfc_capped
+    from autosplit.host import is_tf_bfc_capped
     from benchmarks import workloads
 
     s = Settings(**{**task["settings"], "hidden": tuple(task["settings"]["hidden"]),
@@ -378,11 +370,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", f"## The probe's seconds against B (cap {s['series_limit_mib']} MiB, "
               "10% headroom)", ""]
     lines += harness.md_table(SERIES_HEADER, series_rows(report["series"]))
-    lines += ["", "## Checks", "", *harness.check_lines(report["checks"])]
-    if report["notes"]:
-        lines += ["", "## Notes", "", *(f"- {n}" for n in report["notes"])]
-    lines += ["", "![probe seconds against B](probe_search.png)"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + harness.report_tail(report, "probe_search.png")
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

@@ -21,6 +21,24 @@ def _seed():
     keras.backend.clear_session()
 
 
+def classifier(features, hidden, classes, optimizer=None, metrics=("accuracy",)):
+    """The small model most tests train: Dense(hidden, relu) -> Dense(classes) logits."""
+    model = keras.Sequential([keras.Input((features,)),
+                              keras.layers.Dense(hidden, activation="relu"),
+                              keras.layers.Dense(classes)])
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=list(metrics))
+    return model
+
+
+def labelled(n, features, classes, seed=0):
+    """Normal inputs and uniform integer labels, from a fixed seed."""
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, features)).astype("float32"),
+            rng.integers(0, classes, size=(n,)).astype("int32"))
+
+
 def twin(make_model, sample):
     """Two identical compiled models (same initial weights), built on ``sample``."""
     reference, candidate = make_model(), make_model()

@@ -11,12 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
-from pathlib import Path
-
-# pytest puts tests/ on sys.path, not the repository root that holds benchmarks/.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import keras
 import numpy as np

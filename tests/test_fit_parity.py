@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 import tensorflow as tf
-from conftest import assert_weights_close
+from conftest import assert_weights_close, classifier
 
 import autosplit
 
@@ -28,12 +28,7 @@ def data(n=N, seed=0):
 
 
 def mlp(optimizer=None):
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(3)])
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
+    return classifier(6, 16, 3, optimizer or keras.optimizers.SGD(0.1, momentum=0.9))
 
 
 def pair(make):

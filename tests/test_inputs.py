@@ -210,7 +210,7 @@ def test_the_traced_step_holds_no_tensor_of_b_rows_and_reads_input_on_the_host(k
     step = train_step(model, batch, spec)
     iterator = iter(pipeline.dataset())
     assert "CPU" in iterator._iterator_resource.device
-    assert all("CPU" in v.device for v in tf.nest.flatten(step._stash))
+    assert all("CPU" in v.device for v in tf.nest.flatten(step.stash.values))
     graph = step.graph(iterator)
     operations = [op for g in walk(graph) for op in g.get_operations()]
     assert len(operations) > 100

@@ -16,22 +16,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from autosplit import device as memory
+from autosplit import device
+from autosplit import host as host_readings
 from autosplit.caps import PeakMeter, capped_cpu_env, is_noise, run_capped
-from autosplit.device import (
-    DeviceInfo,
-    budget_bytes,
-    is_tf_bfc_capped,
-    read_cpu,
-    read_device,
-    read_gpu,
-)
+from autosplit.device import DeviceInfo, budget_bytes, read_device, read_gpu
 from autosplit.errors import MemoryLimitError
+from autosplit.host import is_tf_bfc_capped, read_cpu
 from autosplit.units import format_bytes, parse_memory
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 # The children import the same autosplit as this process.
-PACKAGE_PARENT = Path(memory.__file__).absolute().parents[1]
+PACKAGE_PARENT = Path(device.__file__).absolute().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -136,10 +131,10 @@ def test_device_info_from_dict_rejects_bad_dicts(data, match):
 @pytest.fixture
 def host(monkeypatch):
     """Fixed RAM (64 GiB, 48 GiB available), no RLIMIT_AS and no BFC cap."""
-    monkeypatch.setattr(memory.psutil, "virtual_memory",
+    monkeypatch.setattr(host_readings.psutil, "virtual_memory",
                         lambda: SimpleNamespace(total=64 * GiB, available=48 * GiB))
-    infinity = memory.resource.RLIM_INFINITY
-    monkeypatch.setattr(memory.resource, "getrlimit", lambda which: (infinity, infinity))
+    infinity = host_readings.resource.RLIM_INFINITY
+    monkeypatch.setattr(host_readings.resource, "getrlimit", lambda which: (infinity, infinity))
     monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
     monkeypatch.delenv("TF_CPU_BFC_MEM_LIMIT_IN_MB", raising=False)
     return monkeypatch
@@ -209,7 +204,8 @@ def test_read_cpu_fake_cgroup_trees(host, tmp_path, case):
 
 
 def test_read_cpu_rlimit_as_is_smallest(host, tmp_path):
-    host.setattr(memory.resource, "getrlimit", lambda which: (GiB, memory.resource.RLIM_INFINITY))
+    infinity = host_readings.resource.RLIM_INFINITY
+    host.setattr(host_readings.resource, "getrlimit", lambda which: (GiB, infinity))
     _write_tree(tmp_path, {"proc/self/status": f"Name:\tpython\nVmSize:\t{900 * 1024} kB",
                            "cg/memory.max": 200 * MiB, "cg/memory.current": 0})
     info = read_cpu(cgroup_root=tmp_path / "cg", proc_root=tmp_path / "proc")
@@ -233,7 +229,7 @@ def test_read_cpu_tf_bfc_cap_is_smallest(host, tmp_path):
 
 def test_read_cpu_real_machine():
     info = read_cpu()
-    assert info.kind == "CPU" and info.limit_source in memory.LIMIT_SOURCES
+    assert info.kind == "CPU" and info.limit_source in device.LIMIT_SOURCES
     assert 0 < info.available_bytes <= info.total_bytes
     assert info.identity.startswith("cpu:") and info.name
     assert DeviceInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
@@ -391,7 +387,7 @@ def test_read_gpu_standin_missing_device_and_bad_names(no_cuda_env):
     "00000000:3B:00.0", "0000:3b:00.0", "0000:3B:00.0", "3b:00.0", " 00000000:3b:00.0 ",
 ])
 def test_bus_ids_of_nvml_and_tf_normalise_alike(bus_id):
-    assert memory._normalize_bus_id(bus_id) == "0000:3b:00.0"
+    assert device._normalize_bus_id(bus_id) == "0000:3b:00.0"
 
 
 # ---------------------------------------------------------------------- budgets
@@ -516,7 +512,7 @@ _PEAK_SCRIPT = """
 import json
 import tensorflow as tf
 from autosplit.caps import PeakMeter
-from autosplit.device import read_cpu
+from autosplit.host import read_cpu
 
 meter = PeakMeter("CPU:0")
 meter.reset()

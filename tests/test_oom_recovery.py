@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_weights_close, twin
+from conftest import assert_weights_close, classifier, labelled, twin
 from test_probe import run_child
 
 import autosplit
@@ -16,18 +16,11 @@ from autosplit.testing import inject_oom, train_on_large_batch
 def make():
     # No Dropout: its masks depend on how a batch is cut, so a run that changed its
     # micro-batch cannot match one that did not.
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(3)])
-    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
+    return classifier(6, 16, 3, keras.optimizers.SGD(0.1, momentum=0.9))
 
 
 def data(n=256):
-    rng = np.random.default_rng(0)
-    return (rng.normal(size=(n, 6)).astype("float32"),
-            rng.integers(0, 3, size=(n,)).astype("int32"))
+    return labelled(n, 6, 3)
 
 
 def test_injected_oom_redoes_the_same_batch_exactly():

@@ -8,6 +8,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+from conftest import classifier, labelled
 
 import autosplit
 from autosplit.caps import PeakMeter, run_capped
@@ -18,18 +19,11 @@ HERE = Path(__file__).parent
 
 
 def small_model():
-    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
-                              keras.layers.Dense(4)])
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
+    return classifier(16, 64, 4, keras.optimizers.Adam(1e-3))
 
 
 def data(n=512):
-    rng = np.random.default_rng(0)
-    return (rng.normal(size=(n, 16)).astype("float32"),
-            rng.integers(0, 4, size=(n,)).astype("int32"))
+    return labelled(n, 16, 4)
 
 
 @pytest.fixture

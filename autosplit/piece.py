@@ -1,0 +1,297 @@
+"""One micro-batch's contribution to a large batch, and how the contributions combine.
+
+One micro-batch (:func:`compute_piece`) gives, for every compiled loss, the numerator
+of Keras's reduction (``autosplit.reduction``) and the gradients of those numerators,
+grouped by what they will be divided by:
+
+- ``"count"``: losses averaged over examples (``sum_over_batch_size`` without a Keras
+  mask) and the losses added in ``call()``. Their denominator is the large batch's
+  real rows, known only at its end when the input is a stream; the loop scales them by
+  the planned batch B and :func:`combine` multiplies by ``B / n`` once (exactly 1.0 for
+  every full batch).
+- ``"sum"``: ``reduction="sum"`` losses, divided by nothing.
+- ``("deferred", j)``: a loss whose denominator the model decides (unmasked tokens,
+  the sum of sample weights): its gradient is summed on its own and divided once.
+
+:func:`combine` turns the sums into the full-batch loss and gradients. Graph code only:
+where the sums live (loop-carried tensors in ``autosplit.accumulate``, variables in
+``autosplit.step``) is the caller's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import keras
+import tensorflow as tf
+
+from autosplit import _keras
+from autosplit.reduction import COUNT, SUM, output_terms, row_weight
+
+__all__ = [
+    "COUNT_GROUP",
+    "SUM_GROUP",
+    "LossPlan",
+    "Piece",
+    "Totals",
+    "align_targets",
+    "combine",
+    "compute_piece",
+    "empty_to_none",
+    "forward",
+    "loss_plan",
+    "map_present",
+    "none_to_empty",
+    "update_metrics",
+    "weight_regularization",
+]
+
+COUNT_GROUP, SUM_GROUP = "count", "sum"
+
+
+@dataclass(frozen=True)
+class LossPlan:
+    """Static facts about a model's loss, learned from one throwaway trace."""
+
+    kinds: tuple[str, ...]  # per compiled loss: SUM, COUNT or WEIGHT
+    per_row: tuple[int | None, ...]  # loss elements per example
+    folded: tuple[bool, ...]  # per compiled loss: in the "count" or "sum" group
+    forward_losses: bool  # losses added in call() (activity regularizers, add_loss)
+    has_grad: tuple[bool, ...]  # per trainable variable
+    groups: tuple  # "count", "sum", ("deferred", j): one gradient sum each
+    weights: tuple[float, ...]  # `loss_weights` per compiled loss
+
+
+def align_targets(model: keras.Model, y: Any, y_pred: Any) -> Any:
+    """Give ``y`` the structure of ``y_pred``, as ``CompileLoss`` does."""
+    if not keras.tree.is_nested(y) and not keras.tree.is_nested(y_pred):
+        return y
+    try:
+        keras.tree.assert_same_structure(y_pred, y)
+        return y
+    except (ValueError, TypeError):
+        pass
+    if isinstance(y_pred, (list, tuple)) and isinstance(y, dict):
+        return type(y_pred)(y[name] for name in model.output_names)
+    if not keras.tree.is_nested(y) and isinstance(y_pred, (list, tuple)) and len(y_pred) == 1:
+        return type(y_pred)([y])
+    return keras.tree.pack_sequence_as(y_pred, keras.tree.flatten(y))
+
+
+def weight_regularization(model: keras.Model) -> tf.Tensor:
+    """Sum of the weight regularizers: depends on the weights only, counted once."""
+    losses = [tf.cast(v.regularizer(v), tf.float32) for v in model.trainable_variables
+              if getattr(v, "regularizer", None) is not None]
+    return tf.add_n(losses) if losses else tf.constant(0.0, tf.float32)
+
+
+def _n_weight_regularizers(model: keras.Model) -> int:
+    return sum(1 for v in model.trainable_variables if getattr(v, "regularizer", None))
+
+
+def forward(model, x, y, sample_weight, valid, *, training=True):
+    """One micro-batch forward pass: targets, predictions, loss terms, forward losses."""
+    y_pred = model(x, training=training) if _keras.call_has_training_arg(model) else model(x)
+    y = align_targets(model, y, y_pred)
+    terms = []
+    for flat in _keras.flat_losses(model):
+        y_t = _keras.resolve_path(flat.path, y)
+        y_p = _keras.resolve_path(flat.path, y_pred)
+        s_w = sample_weight
+        if sample_weight is not None and keras.tree.is_nested(sample_weight):
+            s_w = _keras.resolve_path(flat.path, sample_weight)
+        terms.append(output_terms(flat.loss, y_t, y_p, s_w, valid))
+    losses = list(model.losses)
+    in_call = losses[: len(losses) - _n_weight_regularizers(model)]
+    return y, y_pred, terms, [tf.cast(loss, tf.float32) for loss in in_call]
+
+
+_PLAN_CACHE_ATTR = "_autosplit_loss_plans"
+
+
+@tf.autograph.experimental.do_not_convert
+def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
+    """Trace one micro-batch of ``specs`` = (x, y, sample_weight) specs; nothing runs."""
+    key = repr(specs)
+    cache = model.__dict__.setdefault(_PLAN_CACHE_ATTR, {})
+    if key in cache:
+        return cache[key]
+    facts: dict[str, Any] = {}
+
+    def trace(x, y, sample_weight):
+        valid = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.float32)
+        with tf.GradientTape() as tape:
+            _, _, terms, in_call = forward(model, x, y, sample_weight, valid)
+            total = tf.add_n([t.numerator for t in terms] + in_call)
+        grads = tape.gradient(total, model.trainable_variables)
+        facts.update(terms=terms, forward=bool(in_call),
+                     has_grad=tuple(g is not None for g in grads))
+        return total
+
+    tf.function(trace, autograph=False).get_concrete_function(*specs)
+    terms = facts["terms"]
+    folded = tuple(t.kind == SUM or (t.kind == COUNT and not t.masked and t.per_row is not None)
+                   for t in terms)
+    kinds = tuple(t.kind for t in terms)
+    groups: list = []
+    if facts["forward"] or any(f and k == COUNT for f, k in zip(folded, kinds, strict=True)):
+        groups.append(COUNT_GROUP)
+    if any(k == SUM for k in kinds):
+        groups.append(SUM_GROUP)
+    groups += [("deferred", j) for j, f in enumerate(folded) if not f]
+    plan = LossPlan(
+        kinds=kinds, per_row=tuple(t.per_row for t in terms), folded=folded,
+        forward_losses=facts["forward"], has_grad=facts["has_grad"], groups=tuple(groups),
+        weights=tuple(1.0 if f.weight is None else float(f.weight)
+                      for f in _keras.flat_losses(model)),
+    )
+    cache[key] = plan
+    return plan
+
+
+class Piece(NamedTuple):
+    """One micro-batch's contribution (per replica)."""
+
+    gradients: list  # per group: one float32 tensor per trainable variable (None: no grad)
+    numerators: list  # per compiled loss, float32 scalars
+    denominators: list
+    forward: tf.Tensor  # sum of the call() losses times the piece's real rows
+    rows: tf.Tensor  # real rows in the piece
+    y: Any  # targets aligned to y_pred, for the metrics
+    y_pred: Any
+    masks: Any  # Keras masks of y_pred (lost when y_pred leaves an XLA function)
+
+
+def _dense_f32(g) -> tf.Tensor | None:
+    # An Embedding yields IndexedSlices with repeated indices; densifying sums the
+    # duplicates, which is the true gradient of the summed loss.
+    return None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
+
+
+def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_size: int,
+                  scale) -> Piece:
+    """Forward and backward of one micro-batch; changes no variable but the model's own
+    (BatchNormalization statistics, seed generators)."""
+    variables = model.trainable_variables
+    with tf.GradientTape(persistent=len(plan.groups) > 1) as tape:
+        y, y_pred, terms, in_call = forward(model, x, y, sample_weight, valid)
+        rows = tf.reduce_sum(valid)
+        in_call_sum = tf.add_n(in_call) if in_call else tf.constant(0.0)
+        objectives = []
+        for group in plan.groups:
+            if group == COUNT_GROUP:
+                parts = [terms[j].numerator * (plan.weights[j] / (batch_size * plan.per_row[j]))
+                         for j in range(len(terms)) if plan.folded[j] and plan.kinds[j] == COUNT]
+                if in_call:
+                    parts.append(in_call_sum * rows / batch_size)
+            elif group == SUM_GROUP:
+                parts = [terms[j].numerator * plan.weights[j]
+                         for j in range(len(terms)) if plan.kinds[j] == SUM]
+            else:
+                j = group[1]
+                parts = [terms[j].numerator * plan.weights[j]]
+            objectives.append(tf.add_n(parts) * scale)
+    gradients = [[_dense_f32(g) for g in tape.gradient(objective, variables)]
+                 for objective in objectives]
+    del tape
+    masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
+    return Piece(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
+                 in_call_sum * rows, rows, y, y_pred, masks)
+
+
+class Totals(NamedTuple):
+    """Sums over the micro-batches of one large batch (per replica, or all-reduced)."""
+
+    gradients: list  # per group, per variable (None: no gradient)
+    numerators: list
+    denominators: list
+    forward: tf.Tensor
+    rows: tf.Tensor
+
+
+def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
+            replicas: int = 1) -> tuple[tf.Tensor, list, list]:
+    """(loss, gradients, per-output losses) of the large batch from its sums.
+
+    ``totals`` numerators, denominators, forward and rows must already be summed over
+    replicas; the gradients are this replica's (the optimizer all-reduces them).
+    ``batch_size`` is the global B the loop scaled by; ``scale`` the loss scale the
+    gradients carry (the weight regularizer's gradient gets it too).
+    """
+    variables = model.trainable_variables
+    n = totals.rows
+    with tf.GradientTape() as tape:
+        # Counted once per large batch: each replica adds its 1/replicas share.
+        regularization = weight_regularization(model) / replicas
+    reg_grads = tape.gradient(regularization, variables) if variables else []
+    per_output = [num if kind == SUM else tf.math.divide_no_nan(num, den)
+                  for num, den, kind in zip(totals.numerators, totals.denominators, plan.kinds,
+                                            strict=True)]
+    loss = regularization * replicas + tf.math.divide_no_nan(totals.forward, n)
+    for weight, value in zip(plan.weights, per_output, strict=True):
+        loss += weight * value
+    correction = tf.math.divide_no_nan(tf.constant(float(batch_size)), n)
+    gradients = []
+    for index, variable in enumerate(variables):
+        parts = []
+        for group, sums in zip(plan.groups, totals.gradients, strict=True):
+            g = sums[index]
+            if g is None:
+                continue
+            if group == COUNT_GROUP:
+                g = g * correction
+            elif group != SUM_GROUP:
+                g = tf.math.divide_no_nan(g, totals.denominators[group[1]])
+            parts.append(g)
+        reg = _dense_f32(reg_grads[index]) if reg_grads else None
+        if reg is not None:
+            parts.append(reg * scale)
+        gradients.append(tf.cast(tf.add_n(parts), variable.dtype) if parts else None)
+    return loss, gradients, per_output
+
+
+def update_metrics(model, y, y_pred, sample_weight, valid, masks=None) -> None:
+    """Update the compiled metrics from one micro-batch, padding rows weighted 0."""
+    if masks is not None:
+        for tensor, mask in zip(keras.tree.flatten(y_pred), keras.tree.flatten(masks),
+                                strict=False):
+            if mask is not None:
+                _keras.set_keras_mask(tensor, mask)
+    unweighted, weighted, flatten = _keras.metric_lists(model)
+    if not unweighted and not weighted:
+        return
+    y_flat, p_flat = flatten(y), flatten(y_pred)
+    for mls, y_t, y_p in zip(unweighted, y_flat, p_flat, strict=False):
+        if mls:
+            # Rank of a per-sample value (y_pred less its last axis), so that Keras
+            # broadcasts it against a (m, T) mask instead of refusing (m,) * (m, T).
+            rank = max(1, y_p.shape.rank - 1)
+            mls.update_state(y_t, y_p, sample_weight=tf.reshape(valid, [-1] + [1] * (rank - 1)))
+    if sample_weight is not None:
+        sw_flat = flatten(sample_weight)
+        if len(sw_flat) < len(y_flat):
+            sw_flat = [sw_flat[0]] * len(y_flat)
+    else:
+        sw_flat = [None] * len(y_flat)
+    for mls, y_t, y_p, s_w in zip(weighted, y_flat, p_flat, sw_flat, strict=False):
+        if mls:
+            if s_w is None:
+                rank = max(1, y_p.shape.rank - 1)
+                s_w = tf.reshape(valid, [-1] + [1] * (rank - 1))
+            else:
+                s_w = tf.cast(s_w, tf.float32) * row_weight(valid, tf.cast(s_w, tf.float32))
+            mls.update_state(y_t, y_p, sample_weight=s_w)
+
+
+def map_present(fn, structure):
+    """``tf.nest.map_structure`` that leaves ``None`` (no sample weight) alone."""
+    return tf.nest.map_structure(lambda t: None if t is None else fn(t), structure)
+
+
+def none_to_empty(w):
+    return () if w is None else w
+
+
+def empty_to_none(w):
+    return None if isinstance(w, tuple) and not w else w

@@ -1,0 +1,146 @@
+"""The state of one large batch in flight: its float32 sums, and the element being worked.
+
+:class:`Sums` holds, per replica, the gradient sums of each loss group and the scalar
+sums of every loss's numerator and denominator, of the losses added in ``call()`` and
+of the real rows (``autosplit.piece``). :class:`Stash` holds, on the host, a copy of the
+element being processed and how far it got, so that an out-of-memory error can resume
+exactly. Both live in variables, created once and reused for every large batch; only
+``autosplit.step`` changes them, inside its compiled functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from autosplit.inputs import HOST
+from autosplit.piece import LossPlan, Piece, Totals
+
+__all__ = ["Stash", "Sums", "after"]
+
+
+def after(ops: list) -> tf.Tensor:
+    """A token that exists once ``ops`` have run."""
+    with tf.control_dependencies(ops):
+        return tf.constant(True)
+
+
+def _zero_from(variable) -> tf.Tensor:
+    """Zeros computed from a variable's value (0 even where it holds inf or NaN): unlike
+    ``tf.zeros_like``, nothing constant folding could turn into a weight-sized constant."""
+    return tf.math.multiply_no_nan(variable.read_value(), 0.0)
+
+
+class Sums:
+    """Per-replica sums of the micro-batches committed since the last apply.
+
+    The gradient sums are never zeroed: after an apply ``fresh`` is set and the first
+    commit of the next large batch overwrites them. A zeroing assign would be a constant
+    of the variable's shape, which TensorFlow's constant folding materialises when it
+    instantiates the function, and under a tight cap that allocation can fail inside the
+    folding pass, which does not survive it.
+    """
+
+    def __init__(self, model: keras.Model, plan: LossPlan, strategy) -> None:
+        replicated = strategy.num_replicas_in_sync > 1
+        kwargs = dict(synchronization=tf.VariableSynchronization.ON_READ,
+                      aggregation=tf.VariableAggregation.SUM) if replicated else {}
+
+        def var(shape, name):
+            return tf.Variable(tf.zeros(shape, tf.float32), trainable=False,
+                               name=f"autosplit_{name}", **kwargs)
+
+        self.groups = plan.groups
+        with strategy.scope():
+            self.gradients = [[var(v.shape, "sum") if has else None
+                               for v, has in zip(model.trainable_variables, plan.has_grad,
+                                                 strict=True)]
+                              for _ in plan.groups]
+            self.numerators = [var([], "numerator") for _ in plan.kinds]
+            self.denominators = [var([], "denominator") for _ in plan.kinds]
+            self.in_call = var([], "in_call")
+            self.rows = var([], "rows")
+            flag = dict(kwargs, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            self.fresh = tf.Variable(True, trainable=False, name="autosplit_fresh",
+                                     **(flag if replicated else {}))
+
+    def add(self, piece: Piece) -> tf.Tensor:
+        """Per replica: add one piece; returns a token of the additions."""
+        pairs = [(s, g) for sums, grads in zip(self.gradients, piece.gradients, strict=True)
+                 for s, g in zip(sums, grads, strict=True) if s is not None]
+
+        def overwrite():
+            return after([s.assign(_zero_from(s) if g is None else g) for s, g in pairs])
+
+        def add():
+            return after([s.assign_add(g) for s, g in pairs if g is not None])
+
+        ops = [tf.cond(self.fresh.read_value(), overwrite, add)]
+        with tf.control_dependencies(ops):
+            ops.append(self.fresh.assign(False))
+        ops += [v.assign_add(t) for v, t in zip(self.numerators, piece.numerators, strict=True)]
+        ops += [v.assign_add(t) for v, t in
+                zip(self.denominators, piece.denominators, strict=True)]
+        ops += [self.in_call.assign_add(piece.forward), self.rows.assign_add(piece.rows)]
+        return after(ops)
+
+    def read(self) -> Totals:
+        """Per replica: what was summed. Gradient sums still ``fresh`` hold the last batch
+        (nothing was committed here: a worker whose share of a short last batch is
+        empty) and count as zero."""
+        keep = 1.0 - tf.cast(self.fresh.read_value(), tf.float32)
+        return Totals([[None if s is None else tf.math.multiply_no_nan(s.read_value(), keep)
+                        for s in sums] for sums in self.gradients],
+                      [v.read_value() for v in self.numerators],
+                      [v.read_value() for v in self.denominators],
+                      self.in_call.read_value(), self.rows.read_value())
+
+    def zero(self) -> None:
+        """Per replica: start the next large batch."""
+        self.fresh.assign(True)
+        for v in [*self.numerators, *self.denominators, self.in_call, self.rows]:
+            v.assign(0.0)
+
+
+class Stash:
+    """On the host: the element being processed, how many were pulled, how far it got."""
+
+    def __init__(self, element_spec: Any) -> None:
+        self.spec = element_spec
+        with tf.device(HOST):
+            self.pulled = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self.exhausted = tf.Variable(False, trainable=False)
+            self.pending = tf.Variable(False, trainable=False)
+            self.done_rows = tf.Variable(0, dtype=tf.int32, trainable=False)
+            # One micro-batch of inputs; the shape follows whatever size is in use.
+            self.values = tf.nest.map_structure(
+                lambda s: tf.Variable(tf.zeros([d or 1 for d in s.shape.as_list()], s.dtype),
+                                      trainable=False, shape=tf.TensorShape(None)),
+                element_spec)
+
+    def fits(self, element_spec: Any) -> bool:
+        """Whether elements of ``element_spec`` can be stashed here (same structure)."""
+        try:
+            tf.nest.assert_same_structure(self.values, element_spec)
+        except (ValueError, TypeError):
+            return False
+        return all(v.dtype == s.dtype for v, s in zip(
+            tf.nest.flatten(self.values), tf.nest.flatten(element_spec), strict=True))
+
+    def put(self, element: Any) -> list:
+        """Ops that record a newly pulled element (its rows not yet done)."""
+        return [self.pulled.assign_add(1), self.done_rows.assign(0),
+                self.pending.assign(True)] + [
+            v.assign(t) for v, t in zip(tf.nest.flatten(self.values),
+                                        tf.nest.flatten(element), strict=True)]
+
+    def get(self, element_spec: Any) -> Any:
+        """The stashed element, with the static shapes of ``element_spec``."""
+        return tf.nest.map_structure(lambda v, s: tf.ensure_shape(v.read_value(), s.shape),
+                                     self.values, element_spec)
+
+    def record(self, end_row, rows: int) -> tf.Tensor:
+        """The rows up to ``end_row`` of the element are in the sums."""
+        return after([self.done_rows.assign(end_row), self.pending.assign(end_row < rows)])

@@ -1,0 +1,154 @@
+"""The search, the shrink and the line fit as pure logic, driven by fake trials (after
+accelerate's tests of ``find_executable_batch_size``): exact sequences, milliseconds.
+
+Plus ``output_terms`` against ``keras.losses.Loss.__call__``: the numerator over the
+denominator is Keras's own reduction, for every reduction, mask and weight.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from autosplit import _keras
+from autosplit.recovery import shrink_micro_batch
+from autosplit.reduction import output_terms
+from autosplit.search import Trial, achievable, between, fit_line, run_search
+
+
+def linear(fixed, per_example, budget, limit=10**12):
+    """A device where m rows peak at fixed + per_example * m, run out of memory past
+    ``limit`` and fit when the peak is within ``budget``, as the probe's trials do."""
+    def trial(m):
+        peak = fixed + per_example * m
+        if peak > limit:
+            return Trial(m, False, True, None, 0.0)
+        return Trial(m, peak <= budget, False, peak, 0.0)
+    return trial
+
+
+def sizes(trials):
+    return [t.micro_batch_size for t in trials]
+
+
+def test_a_straight_line_is_predicted_in_one_guess():
+    # Budget 13000 = 1000 + 4 * 3000: the line through 64 and 1024 predicts 3000 rows; a
+    # balanced split of 4096 runs 2048 (k = 2), and 4096 (k = 1) is beyond the budget.
+    chosen, trials = run_search(4096, 13_000, linear(1000, 4, 13_000))
+    assert sizes(trials) == [64, 1024, 2048]
+    assert chosen == 2048
+
+
+def test_everything_fits_means_no_split():
+    chosen, trials = run_search(4096, 10**9, linear(1000, 4, 10**9))
+    assert (chosen, sizes(trials)) == (4096, [64, 1024, 4096])
+
+
+def test_an_oom_below_the_budget_then_bisection_by_micro_batch_count():
+    # The line says 4096 fits the budget, but the device runs out of memory past 2000.
+    chosen, trials = run_search(4096, 100_000, linear(1000, 4, 100_000, limit=9000))
+    assert sizes(trials) == [64, 1024, 4096, 1366, 2048, 1366]
+    assert [t.oom for t in trials] == [False, False, True, False, True, False]
+    assert chosen == 1366  # measured once more: the last trial was a failure
+
+
+def test_no_check_again_when_the_choice_was_the_last_trial():
+    chosen, trials = run_search(4096, 7000, linear(1000, 4, 7000))
+    assert (chosen, sizes(trials)) == (1366, [64, 1024, 1366])
+
+
+def test_nothing_fits_or_one_example_does():
+    chosen, trials = run_search(256, 10, linear(9, 1, 10))
+    assert (chosen, sizes(trials)) == (1, [8, 1, 2, 1])
+    chosen, trials = run_search(256, 5, linear(9, 1, 5))
+    assert (chosen, sizes(trials)) == (None, [8, 1])
+
+
+def test_small_batches_try_only_sizes_a_split_can_run():
+    chosen, trials = run_search(40, 1130, linear(1000, 10, 1130))
+    assert (chosen, sizes(trials)) == (10, [8, 20, 10])
+    assert all(achievable(40, m) == m for m in sizes(trials))
+
+
+def test_a_choice_that_fails_on_the_check_steps_down():
+    seen = {}
+
+    def tighter(m):  # 1366 fits the first time, not the second (memory got tighter)
+        seen[m] = seen.get(m, 0) + 1
+        fits = m <= 1024 or (m == 1366 and seen[m] == 1)
+        return Trial(m, fits, not fits, 1000 + m if fits else None, 0.0)
+
+    chosen, trials = run_search(4096, 10**6, tighter)
+    assert sizes(trials) == [64, 1024, 4096, 1366, 2048, 1366, 1024]
+    assert chosen == 1024
+
+
+@pytest.mark.parametrize(("batch", "bound", "expected"), [
+    (4096, 4096, 4096), (4096, 3000, 2048), (4096, 1366, 1366), (4096, 1365, 1024),
+    (10, 4, 4), (10, 3, 3), (7, 100, 7), (7, 0, 1)])
+def test_achievable_sizes(batch, bound, expected):
+    assert achievable(batch, bound) == expected
+
+
+def test_between_halves_the_micro_batch_count():
+    assert between(4096, 1024, 4096) == 1366  # k = 2 or 3: the middle one
+    assert between(4096, 2048, 4096) is None  # nothing runs between k = 1 and k = 2
+    assert between(4096, 1366, 4097) == 2048
+    assert between(100, 20, 34) == 25
+
+
+@pytest.mark.parametrize(("failed", "fits", "expected"), [
+    (512, (), 256), (100, (), 48), (15, (), 7), (9, (), 4), (2, (), 1), (1, (), 0),
+    (512, (96, 384, 640), 384), (512, (640,), 256)])
+def test_shrink_micro_batch(failed, fits, expected):
+    assert shrink_micro_batch(failed, fits) == expected
+
+
+def test_fit_line_is_least_squares_with_a_positive_slope():
+    assert fit_line([(8, 100), (32, 196)]) == (68.0, 4.0)
+    a, b = fit_line([(10, 1100), (20, 1210), (30, 1290)])
+    assert a == pytest.approx(1010.0) and b == pytest.approx(9.5)
+    assert fit_line([(8, 500), (32, 100)])[1] == 1.0  # never a negative slope
+    assert fit_line([(8, 100)]) is None
+
+
+LOSSES = [
+    keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                               reduction="mean_with_sample_weight"),
+    keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"),
+]
+
+
+@pytest.mark.parametrize("loss", LOSSES, ids=lambda loss: loss.reduction)
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "weights"])
+@pytest.mark.parametrize("masked", [False, True], ids=["", "mask"])
+def test_output_terms_recombine_to_keras_loss(loss, weighted, masked):
+    r = np.random.default_rng(0)
+    y_true = tf.constant(r.integers(0, 4, size=(6, 5)).astype("int32"))
+    y_pred = tf.constant(r.normal(size=(6, 5, 4)).astype("float32"))
+    weight = tf.constant(r.uniform(0.2, 2.0, size=(6, 5)).astype("float32")) if weighted else None
+    if masked:
+        mask = tf.constant(r.uniform(size=(6, 5)) > 0.3)
+        _keras.set_keras_mask(y_pred, mask)
+    # Split into micro-batches of 4 and 2 rows, the last with a padding row of weight 0.
+    numerator = denominator = 0.0
+    for rows, valid in ((slice(0, 4), [1.0, 1, 1, 1]), (slice(4, 6), [1.0, 0])):
+        p = y_pred[rows]
+        if masked:
+            _keras.set_keras_mask(p, mask[rows])
+        terms = output_terms(loss, y_true[rows], p, None if weight is None else weight[rows],
+                             tf.constant(valid))
+        numerator += float(terms.numerator)
+        denominator += float(terms.denominator)
+    # The padding row (row 5) must count for nothing: recompute Keras on rows 0-4.
+    if masked:
+        kept = y_pred[:5]
+        _keras.set_keras_mask(kept, mask[:5])
+    else:
+        kept = y_pred[:5]
+    expected = float(loss(y_true[:5], kept, None if weight is None else weight[:5]))
+    got = numerator if loss.reduction == "sum" else numerator / denominator
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
