@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import random
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -234,6 +235,7 @@ class _Plan:
     step: TrainStep
     probe: Any  # ProbeResult or None
     reason: str
+    shuffle_seed: int | None = None  # shared by every worker of a multi-worker job
 
 
 def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom, cache,
@@ -268,7 +270,22 @@ def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom, c
     build_for(model, spec, where.local_replicas)
     step = train_step(model, args.batch_size, spec, jit_compile=jit_compile)
     step.warn_if_inexact(split.accumulation_steps)
-    return _Plan(split, where, pipeline, step, probe_result, reason)
+    return _Plan(split, where, pipeline, step, probe_result, reason,
+                 _shared_seed(step, where))
+
+
+def _shared_seed(step: TrainStep, where: Layout) -> int | None:
+    """One shuffle seed for every worker (worker 0 draws it; one all-reduce shares it).
+
+    Each worker reads the whole input and keeps its share of every large batch, so all
+    of them must see the rows in the same order; alone, TensorFlow's own seeding is
+    used (``keras.utils.set_random_seed`` makes it reproducible).
+    """
+    if not where.multi_worker:
+        return None
+    drawn = random.SystemRandom().randrange(1, 2**24) if where.worker == 0 else 0
+    _, seed = step.agree(True, float(drawn))
+    return int(seed)
 
 
 # ---------------------------------------------------------------- the epoch loop
@@ -325,7 +342,8 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
             if recovery.pieces > 1 and adapter.reiterable:
                 pipeline = _rebuild(plan, recovery)
             iterator = None  # let the last epoch's prefetch buffers go first
-            iterator = iter(pipeline.dataset())
+            seed = None if plan.shuffle_seed is None else plan.shuffle_seed + epoch
+            iterator = iter(pipeline.dataset(shuffle_seed=seed))
         ran = 0
         for index in _steps(epoch_steps):
             count = pipeline.elements(index) if args.steps_per_epoch is None else (

@@ -172,9 +172,19 @@ class ArrayInput(InputAdapter):
         self.has_weights = sample_weight is not None or class_weight is not None
 
     def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
-        index = tf.data.Dataset.range(self.rows)
-        if self.shuffle:
-            index = index.shuffle(self.rows, seed=shuffle_seed, reshuffle_each_iteration=True)
+        """Row numbers, shuffled per iteration; with ``shuffle_seed`` the order depends on
+        that seed alone (stateless), so processes seeded differently agree on it."""
+        rows = self.rows
+        if self.shuffle and shuffle_seed is not None:
+            def permutation(_):
+                return tf.random.experimental.stateless_shuffle(
+                    tf.range(rows, dtype=tf.int64), seed=[shuffle_seed, 0])
+
+            index = tf.data.Dataset.from_tensors(0).map(permutation).unbatch()
+        else:
+            index = tf.data.Dataset.range(rows)
+            if self.shuffle:
+                index = index.shuffle(rows, reshuffle_each_iteration=True)
         return index.batch(_EXAMPLE_CHUNK)
 
     def materialize(self, rows: Any) -> tuple:

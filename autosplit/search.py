@@ -72,7 +72,7 @@ def _steps(batch_size: int, rows: int) -> int:
 def between(batch_size: int, lo: int, hi: int) -> int | None:
     """The achievable size halfway (in micro-batch count) strictly between ``lo`` and ``hi``.
 
-    >>> between(4096, 1366, 4096), between(4096, 2048, 4096)
+    >>> between(4096, 1024, 4096), between(4096, 2048, 4096)
     (2048, None)
     """
     if hi <= lo + 1:
@@ -82,7 +82,9 @@ def between(batch_size: int, lo: int, hi: int) -> int | None:
     candidates = [k for k in range(k_small, k_large + 1) if lo < math.ceil(batch_size / k) < hi]
     if not candidates:
         return None
-    return math.ceil(batch_size / candidates[len(candidates) // 2])
+    # The middle count, rounded towards fewer (larger) micro-batches: the search wants the
+    # largest size that fits, and between k = 2 and k = 3 it should try k = 2 first.
+    return math.ceil(batch_size / candidates[(len(candidates) - 1) // 2])
 
 
 Request = tuple[int, bool]  # (micro-batch size, measure again even if tried before)
@@ -94,12 +96,13 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
     Every size asked is achievable: a balanced split of B runs ceil(B / k) rows, so the
     search moves over those values only. The two measured sizes are about B/64 and B/4
     (at least 8 and 32): nearby small sizes differ by less than the allocator's noise.
-    Each later guess comes from the line through the two largest sizes that fit; a
-    guess outside the open interval (largest fit, smallest failure) is replaced by the
-    size halfway between them in micro-batch count, so a bad line costs one failed
-    trial. Trials leave lasting allocations behind (kernel caches, scratch buffers),
-    so the choice is measured once more at the end unless it was the last trial, and
-    stepped down until it fits.
+    Each later guess comes from the line through the largest size that fit and the
+    largest one at most half of it; a guess outside the open interval (largest fit,
+    smallest failure), or no such pair, means the size halfway between them in
+    micro-batch count (rounded to the larger size), so a bad line costs one trial.
+    Trials leave lasting allocations behind (kernel caches, scratch buffers), so the
+    choice is measured once more at the end unless it was the last trial, and stepped
+    down until it fits.
     """
     trials: list[Trial] = []
 
@@ -126,8 +129,7 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
     for _ in range(12):
         if lo == 0 or lo == batch_size or hi - lo <= max(1, TOLERANCE * lo):
             break
-        fitted = sorted((t.micro_batch_size, t.peak_bytes) for t in trials if t.fits)[-2:]
-        line = fit_line(fitted)
+        line = fit_line(_far_pair(trials))
         guess = None
         if line is not None:
             a, b = line
@@ -163,6 +165,18 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
             smaller = achievable(batch_size, chosen - 1) if chosen > 1 else 0
         chosen = smaller or None
     return chosen
+
+
+def _far_pair(trials: Sequence[Trial]) -> list[tuple[int, int]]:
+    """The largest fitting size and the largest fitting one at most half of it: sizes
+    closer than 2x differ by little more than the allocator's noise, and a slope
+    through them would be a guess."""
+    fits = sorted((t.micro_batch_size, t.peak_bytes) for t in trials if t.fits)
+    if not fits:
+        return []
+    top = fits[-1]
+    below = [p for p in fits if 2 * p[0] <= top[0]]
+    return [below[-1], top] if below else [top]
 
 
 def run_search(batch_size: int, budget: int, trial: Callable[[int], Trial]

@@ -301,7 +301,7 @@ def check_lines(checks: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def report_tail(report: Mapping[str, Any], image: str | None = None) -> str:
     """The end of every Markdown report: checks, notes, the plot; the whole text."""
-    lines = ["", "## Checks", "", *check_lines(report["checks"])]
+    lines = ["", "", "## Checks", "", *check_lines(report["checks"])]
     if report.get("notes"):
         lines += ["", "## Notes", "", *(f"- {n}" for n in report["notes"])]
     if image:

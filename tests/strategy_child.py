@@ -152,6 +152,16 @@ def worker(out):
                           ("micro_batch_size", "micro_batch_reason", "workers")}
         report["auto_error"] = relative_error(reference_weights("adam", 40, 2),
                                               auto.get_weights())
+        # Shuffled: one large batch of all 100 rows per epoch, so any order gives the
+        # full-batch step, but only if both workers cut the same permutation.
+        with strategy.scope():
+            shuffled = make(OPTIMIZERS["adam"])
+        # Seeded differently, as two processes are when nobody seeds them.
+        tf.random.set_seed(1000 + json.loads(os.environ["TF_CONFIG"])["task"]["index"])
+        autosplit.fit_large_batch(shuffled, (x, y, w), batch_size=100, micro_batch_size=6,
+                                  epochs=2, shuffle=True, verbose=0)
+        report["shuffled_error"] = relative_error(reference_weights("adam", 100, 2),
+                                                  shuffled.get_weights())
     try:
         autosplit.fit_large_batch(model, (x, y, w), batch_size=40, micro_batch_size=6,
                                   epochs=2, shuffle=False, verbose=0, callbacks=[Die()])

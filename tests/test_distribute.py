@@ -95,6 +95,7 @@ def test_multi_worker_mirrored_two_processes(tmp_path):
         assert report["auto_error"] <= 1e-4, report
         assert report["auto"]["workers"] == 2
         assert report["auto"]["micro_batch_reason"].startswith("worker ")
+        assert report["shuffled_error"] <= 1e-4, report  # the workers shuffled alike
 
 
 def test_a_dead_worker_makes_the_other_fail_clearly_and_soon(tmp_path):

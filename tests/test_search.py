@@ -49,9 +49,17 @@ def test_everything_fits_means_no_split():
 def test_an_oom_below_the_budget_then_bisection_by_micro_batch_count():
     # The line says 4096 fits the budget, but the device runs out of memory past 2000.
     chosen, trials = run_search(4096, 100_000, linear(1000, 4, 100_000, limit=9000))
-    assert sizes(trials) == [64, 1024, 4096, 1366, 2048, 1366]
-    assert [t.oom for t in trials] == [False, False, True, False, True, False]
-    assert chosen == 1366  # measured once more: the last trial was a failure
+    # Between k = 1 (failed) and k = 4 (fits), k = 2 first: the larger size.
+    assert sizes(trials) == [64, 1024, 4096, 2048, 1366]
+    assert [t.oom for t in trials] == [False, False, True, True, False]
+    assert chosen == 1366
+
+
+def test_the_choice_is_measured_again_when_a_failure_came_after_it():
+    # Past 187 rows the device runs out: the line is far off, bisection converges.
+    chosen, trials = run_search(4096, 10**6, linear(1000, 4, 10**6, limit=1750))
+    assert sizes(trials) == [64, 1024, 121, 216, 158, 187, 205, 196, 187]
+    assert chosen == 187
 
 
 def test_no_check_again_when_the_choice_was_the_last_trial():
@@ -68,21 +76,22 @@ def test_nothing_fits_or_one_example_does():
 
 def test_small_batches_try_only_sizes_a_split_can_run():
     chosen, trials = run_search(40, 1130, linear(1000, 10, 1130))
-    assert (chosen, sizes(trials)) == (10, [8, 20, 10])
+    assert (chosen, sizes(trials)) == (10, [8, 20, 14, 10])
     assert all(achievable(40, m) == m for m in sizes(trials))
 
 
 def test_a_choice_that_fails_on_the_check_steps_down():
     seen = {}
 
-    def tighter(m):  # 1366 fits the first time, not the second (memory got tighter)
+    def tighter(m):  # as above, but 187 fits the first time only (memory got tighter)
         seen[m] = seen.get(m, 0) + 1
-        fits = m <= 1024 or (m == 1366 and seen[m] == 1)
-        return Trial(m, fits, not fits, 1000 + m if fits else None, 0.0)
+        fits = m <= 186 or (m == 187 and seen[m] == 1)
+        return Trial(m, fits, not fits, 1000 + 4 * m if fits else None, 0.0)
 
     chosen, trials = run_search(4096, 10**6, tighter)
-    assert sizes(trials) == [64, 1024, 4096, 1366, 2048, 1366, 1024]
-    assert chosen == 1024
+    # 187 fails on the check: about 10% less, the size a split can run (k = 25).
+    assert sizes(trials)[-3:] == [196, 187, 164]
+    assert chosen == 164
 
 
 @pytest.mark.parametrize(("batch", "bound", "expected"), [
@@ -93,9 +102,9 @@ def test_achievable_sizes(batch, bound, expected):
 
 
 def test_between_halves_the_micro_batch_count():
-    assert between(4096, 1024, 4096) == 1366  # k = 2 or 3: the middle one
+    assert between(4096, 1024, 4096) == 2048  # k = 2 or 3: the larger size first
     assert between(4096, 2048, 4096) is None  # nothing runs between k = 1 and k = 2
-    assert between(4096, 1366, 4097) == 2048
+    assert between(4096, 1366, 4097) == 4096  # nothing failed yet: k = 1 first
     assert between(100, 20, 34) == 25
 
 
