@@ -26,7 +26,7 @@ doctest: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q --doctest-modules autosplit
 
 test: lint doctest
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -ra
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -ra -n 2
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead

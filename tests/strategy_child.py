@@ -16,8 +16,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 import tensorflow as tf
 
-SCENARIO = sys.argv[1]
-if SCENARIO == "mirrored":
+# Run as a script, the scenario is argv[1]; imported (the tests borrow demo_mlp and
+# demo_data), there is none and no device is configured.
+SCENARIO = sys.argv[1] if __name__ == "__main__" else None
+if SCENARIO == "mirrored":  # before anything initialises the devices
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
