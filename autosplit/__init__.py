@@ -7,8 +7,6 @@ The names below are imported on first use, so that ``import autosplit`` (and the
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
@@ -17,8 +15,8 @@ _EXPORTS = {
     "Accumulated": "autosplit.accumulate",
     "accumulate_gradients": "autosplit.accumulate",
     "accumulate_iterator": "autosplit.accumulate",
-    "CheckReport": "autosplit.check",
-    "check": "autosplit.check",
+    "CheckReport": "autosplit.equivalence",
+    "check": "autosplit.equivalence",
     "AutosplitError": "autosplit.errors",
     "BatchSizeError": "autosplit.errors",
     "DatasetError": "autosplit.errors",
@@ -28,8 +26,8 @@ _EXPORTS = {
     "UnsupportedModelError": "autosplit.errors",
     "WorkerLostError": "autosplit.errors",
     "fit_large_batch": "autosplit.fit",
-    "ProbeResult": "autosplit.probe",
-    "probe": "autosplit.probe",
+    "ProbeResult": "autosplit.trials",
+    "probe": "autosplit.trials",
     "Trial": "autosplit.search",
     "Split": "autosplit.split",
     "split_batch": "autosplit.split",
@@ -73,23 +71,9 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-class _Package(types.ModuleType):
-    """``autosplit.check`` and ``autosplit.probe`` are functions, though modules of the
-    same names exist: importing a submodule sets the package attribute to the module,
-    so these two names are resolved on every access."""
-
-    def __getattribute__(self, name: str) -> Any:
-        if name in ("check", "probe"):
-            return getattr(importlib.import_module(f"autosplit.{name}"), name)
-        return super().__getattribute__(name)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from autosplit.accumulate import Accumulated, accumulate_gradients, accumulate_iterator
-    from autosplit.check import CheckReport, check
+    from autosplit.equivalence import CheckReport, check
     from autosplit.errors import (
         AutosplitError,
         BatchSizeError,
@@ -101,7 +85,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         WorkerLostError,
     )
     from autosplit.fit import fit_large_batch
-    from autosplit.probe import ProbeResult, probe
     from autosplit.search import Trial
     from autosplit.split import Split, split_batch
     from autosplit.step import TrainStep
+    from autosplit.trials import ProbeResult, probe

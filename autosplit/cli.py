@@ -153,7 +153,7 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
     _configure_gpu_cap()
     from autosplit.errors import AutosplitError, NothingFitsError
     from autosplit.models import load_model, parse_shape
-    from autosplit.probe import probe
+    from autosplit.trials import probe
 
     shape = parse_shape(args.input_shape)
     try:
@@ -165,7 +165,7 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
     progress = sys.stderr if args.json else sys.stdout
 
     def on_trial(trial, budget):
-        from autosplit.probe import format_trial
+        from autosplit.trials import format_trial
 
         if not on_trial.started:
             print(f"probing {args.model} for batch {args.batch_size} "
@@ -208,7 +208,7 @@ def _synthetic_batch(shape: tuple[int, ...], batch_size: int, classes: int) -> t
 
 
 def _check(args: argparse.Namespace) -> int:
-    from autosplit.check import check
+    from autosplit.equivalence import check
     from autosplit.errors import AutosplitError
     from autosplit.models import load_model, parse_shape
 

@@ -252,7 +252,7 @@ def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom, c
             f"{args.batch_size - args.batch_size % where.replicas or where.replicas}.")
     probe_result = None
     if args.micro_batch_size is None:
-        from autosplit.probe import search_micro_batch
+        from autosplit.trials import search_micro_batch
 
         probe_result = search_micro_batch(
             model, adapter, args.batch_size, memory_limit=memory_limit, headroom=headroom,
@@ -314,7 +314,7 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
 
     def on_shrink(*_):
         if plan.probe is not None:  # an OOM proved the cached answer wrong
-            from autosplit.probe import invalidate_cache
+            from autosplit.trials import invalidate_cache
 
             invalidate_cache(plan.probe)
         _publish(callback_list, info, recovery, args, plan)

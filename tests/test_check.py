@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import autosplit
-from autosplit.check import BATCH_NORM, HINT, RANDOM, CheckReport, check
 from autosplit.cli import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, main
+from autosplit.equivalence import BATCH_NORM, HINT, RANDOM, CheckReport, check
 from autosplit.errors import BatchSizeError, ModelNotReadyError
 
 rng = np.random.default_rng

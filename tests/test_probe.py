@@ -13,7 +13,7 @@ from conftest import classifier, labelled
 import autosplit
 from autosplit.caps import PeakMeter, run_capped
 from autosplit.errors import MemoryLimitError
-from autosplit.probe import ProbeResult, invalidate_cache, probe
+from autosplit.trials import ProbeResult, invalidate_cache, probe
 
 HERE = Path(__file__).parent
 
