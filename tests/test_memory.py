@@ -571,6 +571,7 @@ def test_real_resource_exhausted_under_bfc_cap_and_process_survives():
     assert out["current"] < 1 * MiB
 
 
+@pytest.mark.slow
 def test_run_capped_hands_back_json_and_hides_tensorflow_start_up_lines():
     """The CLI, the tests and the benchmarks start capped children this one way."""
     script = ("import sys, tensorflow as tf\n"
