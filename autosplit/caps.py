@@ -81,11 +81,17 @@ class PeakMeter:
         self.baseline_bytes = self.current_bytes()
 
     def peak_bytes(self) -> int:
-        """The most bytes in use since the last :meth:`reset`."""
+        """The most bytes in use since the last :meth:`reset`.
+
+        Never below :attr:`baseline_bytes` or what is in use now. The kernel keeps a
+        thread's RSS changes in a per-CPU cache, so ``VmHWM`` can trail ``VmRSS`` by
+        a few pages; taken raw, a step could seem to peak below what it started with.
+        """
         if self.source == "tf-allocator":
-            return int(self._tf_info()["peak"])
-        peak = status_bytes(self._proc_root, "VmHWM")
-        return peak if peak is not None else self.current_bytes()
+            peak = int(self._tf_info()["peak"])
+        else:
+            peak = status_bytes(self._proc_root, "VmHWM") or 0
+        return max(peak, self.baseline_bytes, self.current_bytes())
 
     def current_bytes(self) -> int:
         """The bytes in use now."""
