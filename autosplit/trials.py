@@ -87,15 +87,23 @@ class ProbeResult:
         where = f"worker {self.worker} of {self.workers}: " if self.workers > 1 else ""
         if self.from_cache:
             return f"{where}cached probe result ({self.cache_key[:8]})"
+        peak, budget = format_bytes(self.measured_peak_bytes or 0), format_bytes(self.budget_bytes)
+        if self.micro_batch_size >= self.batch_size:
+            return f"{where}the whole batch fits: peak {peak} within the budget of {budget}"
         smallest_failure = min((t.micro_batch_size for t in self.trials if not t.fits),
                                default=None)
-        if self.micro_batch_size >= self.batch_size or smallest_failure is None:
-            peak = format_bytes(self.measured_peak_bytes or 0)
-            return (f"{where}the whole batch fits: peak {peak} within the budget of "
-                    f"{format_bytes(self.budget_bytes)}")
-        return (f"{where}largest size that fit the budget of {format_bytes(self.budget_bytes)} "
-                f"(peak {format_bytes(self.measured_peak_bytes or 0)}); {smallest_failure} "
-                f"did not; {len(self.trials)} trials, {self.ooms} out of memory")
+        if smallest_failure is None:
+            # The search stopped without a larger trial: the peak was within a few percent
+            # of the budget, or the line put the next size a split can run over it.
+            larger = math.ceil(self.batch_size / (self.accumulation_steps - 1))
+            predicted = self.predict_peak(larger)
+            why = ("" if predicted is None
+                   else f" (the memory model predicts {format_bytes(predicted)})")
+            return (f"{where}largest size tried, with peak {peak} of the budget of {budget}; "
+                    f"the next size a split can run, {larger}, was not tried{why}; "
+                    f"{len(self.trials)} trials, {self.ooms} out of memory")
+        return (f"{where}largest size that fit the budget of {budget} (peak {peak}); "
+                f"{smallest_failure} did not; {len(self.trials)} trials, {self.ooms} out of memory")
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -161,3 +161,34 @@ def test_output_terms_recombine_to_keras_loss(loss, weighted, masked):
     expected = float(loss(y_true[:5], kept, None if weight is None else weight[:5]))
     got = numerator if loss.reduction == "sum" else numerator / denominator
     np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def _result(m, trials, **kw):
+    from autosplit.trials import ProbeResult
+
+    fields = dict(batch_size=4096, micro_batch_size=m, accumulation_steps=-(-4096 // m),
+                  trials=tuple(trials), device={}, budget_bytes=72 * 2**20,
+                  memory_limit_bytes=None, headroom=0.1, fixed_bytes=30 * 2**20,
+                  per_example_bytes=20_000.0, predicted_peak_bytes=None,
+                  measured_peak_bytes=70 * 2**20, peak_source="tf-allocator", ooms=0,
+                  seconds=1.0, cache_key="k" * 16)
+    fields.update(kw)
+    return ProbeResult(**fields)
+
+
+def test_reason_says_what_decided_the_size():
+    fit = [Trial(64, True, False, 31 * 2**20, 0.0), Trial(2048, True, False, 70 * 2**20, 0.0)]
+    whole = _result(4096, [*fit, Trial(4096, True, False, 70 * 2**20, 0.0)])
+    assert whole.reason().startswith("the whole batch fits: peak 70.00 MiB")
+    failed = _result(2048, [*fit, Trial(4096, False, True, None, 0.0)], ooms=1)
+    assert failed.reason().startswith("largest size that fit the budget of 72.00 MiB")
+    assert "4096 did not; 3 trials, 1 out of memory" in failed.reason()
+    # Stopped near the budget with no larger trial: not "the whole batch fits" (it did
+    # say so, for a choice of 2048 of 4096).
+    near = _result(2048, fit).reason()
+    assert "whole batch" not in near
+    assert near.startswith("largest size tried, with peak 70.00 MiB of the budget of 72.00 MiB")
+    assert "the next size a split can run, 4096, was not tried (the memory model " \
+           "predicts 108.12 MiB)" in near
+    assert "the next size a split can run, 2048, was not tried; 2 trials" in _result(
+        1366, fit, fixed_bytes=None).reason()
