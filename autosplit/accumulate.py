@@ -104,13 +104,14 @@ def _finish(model, plan, totals: Totals, batch_size: int, scale) -> Accumulated:
     """All-reduce the scalar sums across replicas (one call), then combine."""
     context, replicas = _replicas()
     if replicas > 1:
-        numerators, denominators, in_call, rows = context.all_reduce(
-            tf.distribute.ReduceOp.SUM,
-            (totals.numerators, totals.denominators, totals.forward, totals.rows))
-        totals = Totals(totals.gradients, numerators, denominators, in_call, rows)
+        totals = totals.summed_over_replicas(context)
     loss, gradients, _ = combine(model, plan, totals, batch_size=batch_size, scale=scale,
                                  replicas=replicas)
     return Accumulated(loss, gradients)
+
+
+def _as_scale(loss_scale) -> tf.Tensor:
+    return tf.constant(1.0) if loss_scale is None else tf.cast(loss_scale, tf.float32)
 
 
 def _prepare(model, specs) -> LossPlan:
@@ -178,7 +179,7 @@ def accumulate_gradients(
     specs = map_present(lambda t: tf.TensorSpec([split.micro_batch_size, *t.shape[1:]], t.dtype),
                  (x, y, sample_weight))
     plan = _prepare(model, specs)
-    scale = tf.constant(1.0) if loss_scale is None else tf.cast(loss_scale, tf.float32)
+    scale = _as_scale(loss_scale)
     # Under a strategy B is this replica's batch; the loss divides by the global one.
     global_batch = batch * _replicas()[1]
     totals = _sum_pieces(model, plan, take, split.accumulation_steps, batch_size=global_batch,
@@ -238,7 +239,7 @@ def accumulate_iterator(
 
     w_spec = spec[2] if len(spec) > 2 else None
     plan = _prepare(model, (spec[0], spec[1], w_spec))
-    scale = tf.constant(1.0) if loss_scale is None else tf.cast(loss_scale, tf.float32)
+    scale = _as_scale(loss_scale)
     totals = _sum_pieces(model, plan, take, steps, batch_size=batch_size, scale=scale,
                          update_metrics_too=update_metrics)
     return _finish(model, plan, totals, batch_size, scale)

@@ -209,6 +209,14 @@ class Totals(NamedTuple):
     forward: tf.Tensor
     rows: tf.Tensor
 
+    def summed_over_replicas(self, context) -> Totals:
+        """The scalar sums added up over every replica in one all-reduce; the gradients
+        stay this replica's (the optimizer all-reduces those)."""
+        numerators, denominators, forward, rows = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, (self.numerators, self.denominators, self.forward,
+                                         self.rows))
+        return Totals(self.gradients, numerators, denominators, forward, rows)
+
 
 def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
             replicas: int = 1) -> tuple[tf.Tensor, list, list]:

@@ -86,6 +86,7 @@ class Recovery:
         self.fault_hook = fault_hook
         self.pieces = 1
         self.records: list[dict] = []
+        self._hooked = False  # the fault hook is running (it raised before any step ran)
 
     @property
     def rows(self) -> int:
@@ -122,7 +123,7 @@ class Recovery:
                 self.step.run_local(iterator, remaining, resume=resume, pieces=self.pieces)
                 break
             except tf.errors.ResourceExhaustedError as error:
-                remaining -= self._pulled(resume)
+                remaining -= self._pulled()
                 self._shrink(error, step_number)
                 resume = True
         if self.step.local_rows() == 0:
@@ -142,7 +143,7 @@ class Recovery:
                 remaining = 0
             except tf.errors.ResourceExhaustedError as error:
                 ok = False
-                remaining -= self._pulled(resume)
+                remaining -= self._pulled()
                 self._shrink(error, step_number)
             # The only collectives of a step come after the local loop: first this
             # agreement, then (only if every worker succeeded) the apply.
@@ -157,14 +158,14 @@ class Recovery:
     # ------------------------------------------------------------ shrinking
 
     def _hook(self, step_number: int) -> None:
-        self._hooked = False
         if self.fault_hook is not None:
             self._hooked = True
             self.fault_hook(step_number, self.rows)
             self._hooked = False
 
-    def _pulled(self, resume: bool) -> int:
-        if getattr(self, "_hooked", False):  # the fault hook raised before anything ran
+    def _pulled(self) -> int:
+        """Elements the failed attempt pulled from the iterator."""
+        if self._hooked:  # the fault hook raised before anything ran
             self._hooked = False
             return 0
         pulled, _, _ = self.step.progress()

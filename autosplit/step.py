@@ -39,7 +39,6 @@ from autosplit.inputs import HOST
 from autosplit.piece import (
     LossPlan,
     Piece,
-    Totals,
     combine,
     compute_piece,
     empty_to_none,
@@ -53,6 +52,11 @@ from autosplit.validation import check_trainable
 __all__ = ["TrainStep", "build_for", "has_batch_norm", "train_step"]
 
 _STEPS_ATTR = "_autosplit_train_steps"
+
+
+def _without_replica_axis(specs: Any) -> Any:
+    """Per-replica specs of elements that carry a leading local-replica axis."""
+    return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), specs)
 
 
 def has_batch_norm(model: keras.Model) -> bool:
@@ -90,6 +94,7 @@ class TrainStep:
             check_reduction(flat.loss)
         self._functions: dict = {}
         self._template: Any = None
+        self._dirty = False  # the sums may hold a partial large batch
         self.sums: Sums | None = None
         self.stash: Stash | None = None
         self.rebind(element_spec)
@@ -100,8 +105,7 @@ class TrainStep:
         """Use elements of ``element_spec`` (another micro-batch size) from now on."""
         x, y, w, valid = element_spec
         if self.local_replicas > 1:
-            x, y, w, valid = tf.nest.map_structure(
-                lambda s: tf.TensorSpec(s.shape[1:], s.dtype), (x, y, w, valid))
+            x, y, w, valid = _without_replica_axis((x, y, w, valid))
         self.element_spec = element_spec
         self.piece_spec = (x, y, empty_to_none(w), valid)
         self.rows = int(valid.shape[0])
@@ -117,11 +121,14 @@ class TrainStep:
 
     # ------------------------------------------------------------ one micro-batch
 
+    def _loss_scale(self) -> tf.Tensor:
+        """The factor the optimizer's loss scaling puts on gradients (1 without it)."""
+        return tf.cast(self.model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
+
     def _compute(self, x, y, w, valid):
         """Per replica: one piece's gradients and terms, flattened (None entries dropped)."""
-        scale = tf.cast(self.model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         piece = compute_piece(self.model, self.plan, x, y, empty_to_none(w), valid,
-                              batch_size=self.batch_size, scale=scale)
+                              batch_size=self.batch_size, scale=self._loss_scale())
         flat = tf.nest.flatten(piece)
         self._template = (piece, [t is not None for t in flat])
         return [t for t in flat if t is not None]
@@ -273,25 +280,17 @@ class TrainStep:
         """Per replica: all-reduce the scalar sums, combine, apply once, zero the sums.
 
         ``ready``: a token of the loop's end (control dependencies of the caller do not
-        reach a strategy's replica threads).
+        reach a strategy's replica threads); everything after reads the sums.
         """
-        with tf.control_dependencies([] if ready is None else [ready]):
-            return self._apply_sums()
-
-    def _apply_sums(self):
         model = self.model
-        context = tf.distribute.get_replica_context()
-        totals = self.sums.read()
+        with tf.control_dependencies([] if ready is None else [ready]):
+            totals = self.sums.read()
         local_rows = totals.rows
         if self.replicas > 1:
-            numerators, denominators, in_call, rows = context.all_reduce(
-                tf.distribute.ReduceOp.SUM,
-                (totals.numerators, totals.denominators, totals.forward, totals.rows))
-            totals = Totals(totals.gradients, numerators, denominators, in_call, rows)
-        scale = tf.cast(model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
+            totals = totals.summed_over_replicas(tf.distribute.get_replica_context())
         loss, gradients, per_output = combine(model, self.plan, totals,
-                                              batch_size=self.batch_size, scale=scale,
-                                              replicas=self.replicas)
+                                              batch_size=self.batch_size,
+                                              scale=self._loss_scale(), replicas=self.replicas)
         pairs = [(g, v) for g, v in zip(gradients, model.trainable_variables, strict=True)
                  if g is not None]
         # One loss scale for the whole large batch: a LossScaleOptimizer unscales,
@@ -312,8 +311,7 @@ class TrainStep:
 
     def _finish(self, ready=None):
         if self.replicas == 1:
-            with tf.control_dependencies([] if ready is None else [ready]):
-                loss = self._finish_replica()
+            loss = self._finish_replica(ready)
         else:
             loss = self.strategy.run(self._finish_replica, args=(ready,))
         with tf.control_dependencies(tf.nest.flatten(
@@ -387,7 +385,7 @@ class TrainStep:
 
     def discard(self) -> None:
         """Forget a partial large batch: zero the sums and the stash mark."""
-        if getattr(self, "_dirty", False):
+        if self._dirty:
             self._function("zero", self._zero_function)()
             self._dirty = False
         self.stash.pending.assign(False)
@@ -459,7 +457,7 @@ def build_for(model: keras.Model, element_spec: Any, local_replicas: int = 1) ->
     """Build the model (symbolically, as ``model.fit`` does) for pipeline elements."""
     x, y, w, _ = element_spec
     if local_replicas > 1:
-        x, y, w = tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), (x, y, w))
+        x, y, w = _without_replica_axis((x, y, w))
     with model.distribute_strategy.scope():
         _keras.symbolic_build(model, (x, y, empty_to_none(w)))
     check_trainable(model)
