@@ -153,7 +153,8 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
     _configure_gpu_cap()
     from autosplit.errors import AutosplitError, NothingFitsError
     from autosplit.models import load_model, parse_shape
-    from autosplit.trials import probe
+    from autosplit.trials import format_trial, probe
+    from autosplit.units import format_bytes
 
     shape = parse_shape(args.input_shape)
     try:
@@ -164,17 +165,15 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
     x, y = _synthetic_batch(shape, args.batch_size, args.classes)
     progress = sys.stderr if args.json else sys.stdout
 
-    def on_trial(trial, budget):
-        from autosplit.trials import format_trial
+    started = False
 
-        if not on_trial.started:
+    def on_trial(trial, budget):
+        nonlocal started
+        if not started:
             print(f"probing {args.model} for batch {args.batch_size} "
                   f"(budget {format_bytes(budget)}):", file=progress, flush=True)
-            on_trial.started = True
+            started = True
         print(format_trial(trial, budget), file=progress, flush=True)
-
-    on_trial.started = False
-    from autosplit.units import format_bytes
 
     try:
         result = probe(model, x, y, batch_size=args.batch_size, memory_limit=limit,

@@ -25,11 +25,6 @@ from typing import Any
 from autosplit.errors import MemoryLimitError
 from autosplit.units import parse_memory
 
-try:
-    import resource
-except ImportError:  # Windows has no RLIMIT_AS.
-    resource = None  # type: ignore[assignment]
-
 __all__ = [
     "LIMIT_SOURCES",
     "DeviceInfo",

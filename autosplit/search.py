@@ -21,6 +21,8 @@ from collections.abc import Callable, Generator, Sequence
 
 import numpy as np
 
+from autosplit.split import split_batch
+
 __all__ = ["Trial", "achievable", "between", "fit_line", "run_search", "search"]
 
 TOLERANCE = 0.05  # stop bisecting when the gap is within 5% of the best fit
@@ -61,8 +63,7 @@ def achievable(batch_size: int, m: int) -> int:
     >>> [achievable(4096, m) for m in (4096, 3000, 2048, 1500, 1366)]
     [4096, 2048, 2048, 1366, 1366]
     """
-    m = max(1, min(m, batch_size))
-    return math.ceil(batch_size / math.ceil(batch_size / m))
+    return split_batch(batch_size, max(1, m)).micro_batch_size
 
 
 def _steps(batch_size: int, rows: int) -> int:

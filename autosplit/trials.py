@@ -201,7 +201,7 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     meter_device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
     meter = PeakMeter(meter_device)
     meter.reset()
-    baseline = meter.current_bytes()
+    baseline = meter.baseline_bytes
     device = read_device(meter_device)
     # What this process may hold in all, in the meter's units: NVML's figure already
     # counts our own allocations; the CPU readings are what is still free.
@@ -212,10 +212,7 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
             f"({format_bytes(baseline)}: weights, optimizer state"
             f"{', runtime' if meter.source == 'rss-hwm' else ''}). Received: "
             f"memory_limit={format_bytes(limit)}. Raise the limit or use a smaller model.")
-    budget_bytes(device, None, headroom)  # validates the reading
-    if limit is not None:
-        ceiling = min(ceiling, limit)
-    budget = math.floor(ceiling * (1 - headroom))
+    budget = budget_bytes(dataclasses.replace(device, available_bytes=ceiling), limit, headroom)
     jit = bool(model.jit_compile if jit_compile is None else jit_compile)
     # The live budget moves with whatever else holds memory right now; the key uses
     # what defines it: the device's total, the user's limit and the headroom.
@@ -224,11 +221,11 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
         jit_compile=jit, memory_limit=limit, batch_size=batch_size, headroom=headroom,
         replicas=where.replicas)
     stored = _cache.load(key) if cache else None
-    step = train_step(model, batch_size, spec, jit_compile=jit)
     if where.multi_worker:
         # Every worker searches, or none: one that skipped the search on a cache hit
         # would leave the others waiting in the trials' collectives.
-        hit, _ = step.agree(stored is not None, 0.0)
+        agreement = train_step(model, batch_size, spec, jit_compile=jit)
+        hit, _ = agreement.agree(stored is not None, 0.0)
         stored = stored if hit else None
     if stored is not None:
         try:
@@ -236,6 +233,7 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
         except (TypeError, KeyError):
             pass
 
+    step = train_step(model, batch_size, spec, jit_compile=jit)
     trials_runner = _Trials(step, Snapshot(model), meter, budget, trial_input, batch_size,
                             where, _reporter(verbose, on_trial, budget))
     try:
@@ -279,8 +277,9 @@ class _Trials:
                 rows = split_batch(self.batch_size // where.replicas, m).micro_batch_size
                 cut = MicroBatches(self.data, self.batch_size, rows, workers=where.workers,
                                    worker=where.worker, local_replicas=where.local_replicas)
-                self.step.rebind(cut.element_spec())
-                iterator = iter(cut.dataset(repeat=True))
+                data = cut.dataset(repeat=True)
+                self.step.rebind(data.element_spec)
+                iterator = iter(data)
                 count = min(_TRIAL_MICRO_BATCHES, cut.per_batch)
             # The first step traces and makes one-time allocations (kernel caches,
             # scratch buffers) that stay; the steady-state peak is what training sees.
