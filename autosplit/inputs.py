@@ -56,14 +56,13 @@ class InputAdapter:
     Attributes:
         kind: what the user passed, for messages and ``history.autosplit``.
         rows: examples in one epoch, or None when only the end of the data tells.
-        has_weights: elements carry a sample weight (the user's or from ``class_weight``).
         reiterable: a second pass reads the data again (generators: no).
     """
 
     kind = "input"
     rows: int | None = None
-    has_weights = False
     reiterable = True
+    _class_weight: Any = None  # (y, sample_weight) -> sample_weight, from ``class_weight``
 
     def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
         """One epoch as ``tf.data`` batches of rows (leading dimension = rows)."""
@@ -72,7 +71,11 @@ class InputAdapter:
     def materialize(self, rows: Any) -> tuple:
         """A cut piece of ``rows_dataset`` elements -> ``(x, y, sample_weight_or_None)``."""
         x, y, *w = rows
-        return x, y, (w[0] if w else None)
+        return self._weighted(x, y, w[0] if w else None)
+
+    def _weighted(self, x: Any, y: Any, w: Any) -> tuple:
+        """``(x, y, w)`` with ``class_weight`` applied to ``w``, where one was given."""
+        return x, y, (w if self._class_weight is None else self._class_weight(y, w))
 
     def sample(self, n: int) -> tuple:
         """Up to ``n`` leading examples as ``(x, y, sample_weight_or_None)`` tensors."""
@@ -80,17 +83,6 @@ class InputAdapter:
         for batch in ds:
             return self.materialize(batch)
         raise DatasetError(f"Expected a non-empty {self.kind}. Received: one with no example.")
-
-    def bytes_per_row(self) -> int:
-        """Bytes of one example's inputs, targets and weights (unknown dims counted as 1)."""
-        spec = self.materialize_spec()
-        return sum(int(s.dtype.size) * int(np.prod([d or 1 for d in s.shape.as_list()[1:]]))
-                   for s in tf.nest.flatten(spec) if s is not None)
-
-    def materialize_spec(self) -> Any:
-        x, y, w = self.sample(1)
-        return tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype),
-                                     (x, y, w))
 
     def on_epoch_begin(self) -> None:
         pass
@@ -169,7 +161,6 @@ class ArrayInput(InputAdapter):
         self.arrays = arrays
         self.shuffle = bool(shuffle)
         self._class_weight = class_weight_fn(class_weight) if class_weight else None
-        self.has_weights = sample_weight is not None or class_weight is not None
 
     def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
         """Row numbers, shuffled per iteration; with ``shuffle_seed`` the order depends on
@@ -189,16 +180,10 @@ class ArrayInput(InputAdapter):
 
     def materialize(self, rows: Any) -> tuple:
         # The gather runs in the host pipeline: only the micro-batch's rows are copied.
-        x, y, w = map_present(lambda t: tf.gather(t, rows), self.arrays)
-        if self._class_weight is not None:
-            w = self._class_weight(y, w)
-        return x, y, w
+        return self._weighted(*map_present(lambda t: tf.gather(t, rows), self.arrays))
 
     def sample(self, n: int) -> tuple:
-        x, y, w = map_present(lambda t: t[:n], self.arrays)
-        if self._class_weight is not None:
-            w = self._class_weight(y, w)
-        return x, y, w
+        return self._weighted(*map_present(lambda t: t[:n], self.arrays))
 
 
 def _to_tensor(leaf: Any) -> Any:
@@ -246,7 +231,6 @@ class DatasetInput(InputAdapter):
         self.infinite = cardinality == tf.data.INFINITE_CARDINALITY
         self.rows = cardinality if (cardinality > 0 and not self.batched) else None
         _check_class_weight_alone(class_weight, len(spec) == 3)
-        self.has_weights = len(spec) == 3 or class_weight is not None
         self._class_weight = class_weight_fn(class_weight) if class_weight else None
         self.dataset = dataset
         if not self.batched and any(
@@ -260,12 +244,6 @@ class DatasetInput(InputAdapter):
         if self.batched:
             return self.dataset
         return self.dataset.batch(_EXAMPLE_CHUNK)
-
-    def materialize(self, rows: Any) -> tuple:
-        x, y, w = super().materialize(rows)
-        if self._class_weight is not None:
-            w = self._class_weight(y, w)
-        return x, y, w
 
 
 class KerasInput(InputAdapter):
@@ -291,7 +269,6 @@ class KerasInput(InputAdapter):
             raise DatasetError(
                 f"Expected the {self.kind} to yield (x, y) or (x, y, sample_weight). "
                 f"Received: batches of {spec}.")
-        self.has_weights = len(spec) == 3
 
     def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
         if self.generator:
