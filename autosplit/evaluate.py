@@ -24,8 +24,14 @@ import numpy as np
 import tensorflow as tf
 
 from autosplit import _keras
-from autosplit.inputs import HOST, InputAdapter
-from autosplit.piece import empty_to_none, forward, update_metrics, weight_regularization
+from autosplit.inputs import HOST, InputAdapter, get_input
+from autosplit.piece import (
+    empty_to_none,
+    forward,
+    update_loss_trackers,
+    update_metrics,
+    weight_regularization,
+)
 from autosplit.pipeline import MicroBatches
 from autosplit.reduction import SUM
 
@@ -83,11 +89,9 @@ class Evaluator:
                 fn, reduce_retracing=True)
         return self._functions[key]
 
-    def __call__(self, adapter: InputAdapter, *, rows: int, batch_size: int,
-                 steps: int | None = None) -> dict[str, float]:
-        """Logs over the validation data (``steps`` batches of ``batch_size`` at most)."""
-        model = self.model
-        pipeline = MicroBatches(adapter, batch_size, min(rows, batch_size))
+    def __call__(self, pipeline: MicroBatches, *, steps: int | None = None) -> dict[str, float]:
+        """Logs over the validation data in ``pipeline`` (``steps`` large batches at most)."""
+        model, adapter = self.model, pipeline.adapter
         fn = self._function(pipeline.element_spec())
         limit = None if steps is None else steps * pipeline.per_batch
         kinds = [getattr(f.loss, "reduction", None) for f in _keras.flat_losses(model)]
@@ -116,19 +120,14 @@ class Evaluator:
                       for num, den, kind in zip(numerators, denominators, kinds, strict=True)]
         loss = float(weight_regularization(model)) + (in_call / rows_seen if rows_seen else 0.0)
         loss += sum(w * v for w, v in zip(weights, per_output, strict=True))
-        tracker = _keras.loss_tracker(model)
-        if tracker is not None and rows_seen:
-            tracker.update_state(loss, sample_weight=rows_seen)
-        for metric, value in zip(_keras.output_loss_trackers(model), per_output, strict=False):
-            metric.update_state(value, sample_weight=rows_seen)
+        if rows_seen:
+            update_loss_trackers(model, loss, per_output, rows_seen)
         return {name: float(value) for name, value in model.get_metrics_result().items()}
 
 
 def validation_input(data: Any) -> InputAdapter:
     """The adapter for ``validation_data`` (any input ``fit_large_batch`` takes)."""
-    from autosplit.inputs import get_input
-
-    if isinstance(data, (tuple, list)) and not isinstance(data, tf.data.Dataset):
+    if isinstance(data, (tuple, list)):
         if len(data) not in (2, 3):
             raise ValueError(
                 "Expected `validation_data` to be (x, y) or (x, y, sample_weight), a "

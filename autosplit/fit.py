@@ -133,7 +133,7 @@ def fit_large_batch(
     _check_input(adapter, args)
     validation = _Validation.make(validation_data, args)
     plan = _plan(model, adapter, args, jit_compile=jit_compile, memory_limit=memory_limit,
-                 headroom=headroom, cache=cache, verbose=args.verbose)
+                 headroom=headroom, cache=cache)
     return _train(model, adapter, plan, validation, args, callbacks)
 
 
@@ -208,6 +208,7 @@ class _Validation:
     def __init__(self, data: Any, args: _Args) -> None:
         self.adapter = validation_input(data)
         self.args = args
+        self._pipeline: MicroBatches | None = None
 
     @classmethod
     def make(cls, data: Any, args: _Args) -> _Validation | None:
@@ -218,9 +219,13 @@ class _Validation:
         evaluator = model.__dict__.get(self._ATTR)
         if evaluator is None:
             evaluator = model.__dict__[self._ATTR] = Evaluator(model)
-        logs = evaluator(self.adapter, rows=rows,
-                         batch_size=self.args.validation_batch_size or self.args.batch_size,
-                         steps=self.args.validation_steps)
+        # One pipeline for the call (its tf.data functions traced once), rebuilt only
+        # when an out-of-memory recovery changed the rows.
+        batch_size = self.args.validation_batch_size or self.args.batch_size
+        rows = min(rows, batch_size)
+        if self._pipeline is None or self._pipeline.rows != rows:
+            self._pipeline = MicroBatches(self.adapter, batch_size, rows)
+        logs = evaluator(self._pipeline, steps=self.args.validation_steps)
         return {f"val_{name}": value for name, value in logs.items()}
 
 
@@ -238,8 +243,8 @@ class _Plan:
     shuffle_seed: int | None = None  # shared by every worker of a multi-worker job
 
 
-def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom, cache,
-          verbose) -> _Plan:
+def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom,
+          cache) -> _Plan:
     # Functions traced for an earlier call's tf.data pipeline hold its arrays in
     # reference cycles; free them before this call allocates (it matters under a cap).
     gc.collect()
@@ -256,7 +261,7 @@ def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom, c
 
         probe_result = search_micro_batch(
             model, adapter, args.batch_size, memory_limit=memory_limit, headroom=headroom,
-            cache=cache, jit_compile=jit_compile, verbose=verbose)
+            cache=cache, jit_compile=jit_compile, verbose=args.verbose)
         micro = probe_result.micro_batch_size
         reason = probe_result.reason()
     else:
@@ -369,11 +374,11 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
         if ran == 0:
             adapter.on_epoch_end()
             break  # no epoch to report: a 0.0 loss would mislead EarlyStopping and co.
-        if epoch_steps is None and ran:
+        if epoch_steps is None:
             epoch_steps = ran  # learnt from the first epoch, as model.fit does
             _publish(callback_list, info, recovery, args, plan, steps=epoch_steps)
         epoch_logs = {name: float(v) for name, v in model.get_metrics_result().items()}
-        if validation is not None and (epoch + 1) % args.validation_freq == 0 and ran:
+        if validation is not None and (epoch + 1) % args.validation_freq == 0:
             epoch_logs.update(validation(model, recovery.rows))
         adapter.on_epoch_end()
         info["micro_batch_sizes"].append(recovery.rows)
@@ -408,7 +413,7 @@ def _publish(callback_list, info, recovery: Recovery, args: _Args, plan: _Plan,
              steps: int | None = None) -> None:
     """Tell callbacks and ``history.autosplit`` how batches are split right now."""
     rows = recovery.rows
-    k = -(-plan.split.batch_size // rows)
+    k = split_batch(plan.split.batch_size, rows).accumulation_steps
     params = dict(callback_list.params or {})
     params.update(micro_batch_size=rows, accumulation_steps=k, batch_size=args.batch_size)
     if steps is not None:

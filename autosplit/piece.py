@@ -43,6 +43,7 @@ __all__ = [
     "loss_plan",
     "map_present",
     "none_to_empty",
+    "update_loss_trackers",
     "update_metrics",
     "weight_regularization",
 ]
@@ -257,6 +258,16 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
             parts.append(reg * scale)
         gradients.append(tf.cast(tf.add_n(parts), variable.dtype) if parts else None)
     return loss, gradients, per_output
+
+
+def update_loss_trackers(model, loss, per_output, rows) -> list:
+    """Record a large batch's loss and per-output losses, weighted by its ``rows``, in
+    Keras's loss trackers; returns the update ops (graph mode)."""
+    tracker = _keras.loss_tracker(model)
+    updates = [] if tracker is None else [tracker.update_state(loss, sample_weight=rows)]
+    for metric, value in zip(_keras.output_loss_trackers(model), per_output, strict=False):
+        updates.append(metric.update_state(value, sample_weight=rows))
+    return [u for u in updates if u is not None]
 
 
 def update_metrics(model, y, y_pred, sample_weight, valid, masks=None) -> None:

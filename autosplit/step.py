@@ -43,6 +43,7 @@ from autosplit.piece import (
     compute_piece,
     empty_to_none,
     loss_plan,
+    update_loss_trackers,
     update_metrics,
 )
 from autosplit.reduction import check_reduction
@@ -298,14 +299,8 @@ class TrainStep:
         # Under a strategy Keras's optimizer all-reduces these gradients: once.
         with tf.control_dependencies([loss] + [g for g, _ in pairs]):
             model.optimizer.apply_gradients(pairs)
-        tracker = _keras.loss_tracker(model)
-        updates = []
-        if tracker is not None:
-            updates.append(tracker.update_state(loss, sample_weight=local_rows))
-        for metric, value in zip(_keras.output_loss_trackers(model), per_output, strict=False):
-            updates.append(metric.update_state(value, sample_weight=local_rows))
-        with tf.control_dependencies([g for g, _ in pairs] + [loss]
-                                     + [u for u in updates if u is not None]):
+        updates = update_loss_trackers(model, loss, per_output, local_rows)
+        with tf.control_dependencies([g for g, _ in pairs] + [loss] + updates):
             self.sums.zero()
         return loss
 
