@@ -154,13 +154,9 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     for method in ("autosplit_examples", "autosplit_arrays"):
         a, b = (p["methods"][method]["step_peak_mib"] for p in (lo, hi))
         c = harness.growth_check(*(v if isinstance(v, float) else None for v in (a, b)),
-                                 batch_mib)
-        c.update(id=f"a-{method.removeprefix('autosplit_')}", method=method, summary=(
-            f"{SHORT[method]}: no peak at both B" if c["status"] == "N/A" else
-            f"{SHORT[method]}: {a:.1f} MiB at B={lo['batch_size']} -> {b:.1f} MiB at "
-            f"B={hi['batch_size']}: {c['growth_in_batches']:.2f} large batches of inputs "
-            f"({batch_mib:.1f} MiB); bound {c['allowed_mib']:.1f} MiB; target <= 0.25 batch "
-            f"{'met' if c['target_met'] else 'missed'}"))
+                                 batch_mib, label=SHORT[method],
+                                 from_batch_size=lo["batch_size"], to_batch_size=hi["batch_size"])
+        c.update(id=f"a-{method.removeprefix('autosplit_')}", method=method)
         out.append(c)
     ratio = report["speed"]["methods"]["autosplit_arrays"]["ratio"]
     out.append({"id": "speed", "ratio": ratio, "status": harness.status(ratio >= 0.95),

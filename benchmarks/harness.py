@@ -37,9 +37,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from autosplit.units import MIB
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-MIB = 2**20
 OOM = "OOM"
 
 Log = Callable[[str], None]
@@ -78,6 +79,14 @@ def at_least(name: str, value: int | None, minimum: int = 1) -> None:
     if value is not None and value < minimum:
         raise SystemExit(f"Expected `--{name.replace('_', '-')}` >= {minimum}. "
                          f"Received: {value}.")
+
+
+def subset(name: str, text: str, known: Sequence[str]) -> list[str]:
+    """The comma-separated names of ``--name``, each one of ``known``, in order."""
+    wanted = [w.strip() for w in text.split(",") if w.strip()]
+    if not wanted or any(w not in known for w in wanted):
+        raise SystemExit(f"Expected `--{name}` from {list(known)}. Received: {text!r}.")
+    return wanted
 
 
 def out_dir(args: argparse.Namespace) -> Path | None:
@@ -246,20 +255,29 @@ def speed_summary(runs: Mapping[str, Sequence[Mapping[str, Any]]], baseline: str
 
 
 def growth_check(peak_from_mib: float | None, peak_to_mib: float | None, batch_mib: float, *,
-                 slack: float = 0.10, target: float = 0.25) -> dict[str, Any]:
+                 slack: float = 0.10, target: float = 0.25, label: str = "peak",
+                 from_batch_size: int | None = None, to_batch_size: int | None = None
+                 ) -> dict[str, Any]:
     """How much a peak grew from the smallest to the largest batch, in large batches.
 
     The bound: one large batch of inputs (``batch_mib``) plus ``slack`` of the first
-    peak; the target: ``target`` of one large batch. ``N/A`` without both peaks.
+    peak; the target: ``target`` of one large batch. ``N/A`` without both peaks. The
+    ``summary`` line names ``label`` and the two batch sizes.
     """
     if peak_from_mib is None or peak_to_mib is None:
-        return {"status": "N/A", "target_met": None}
+        return {"status": "N/A", "target_met": None, "summary": f"{label}: no peak at both B"}
     growth = peak_to_mib - peak_from_mib
     allowed = batch_mib + slack * peak_from_mib
+    met = growth <= target * batch_mib
+    summary = (
+        f"{label}: {peak_from_mib:.1f} MiB at B={from_batch_size} -> {peak_to_mib:.1f} MiB at "
+        f"B={to_batch_size}, growth {growth:+.1f} MiB = {growth / batch_mib:.2f} large batches "
+        f"of inputs ({batch_mib:.1f} MiB); bound 1 batch + {slack:.0%} = {allowed:.1f} MiB; "
+        f"target <= {target:g} batch {'met' if met else 'missed'}")
     return {"peak_from_mib": peak_from_mib, "peak_to_mib": peak_to_mib, "growth_mib": growth,
             "input_batch_mib": batch_mib, "growth_in_batches": growth / batch_mib,
             "allowed_mib": allowed, "status": "PASS" if growth <= allowed else "MISS",
-            "target_batches": target, "target_met": growth <= target * batch_mib}
+            "target_batches": target, "target_met": met, "summary": summary}
 
 
 def status(passed: bool | None) -> str:
@@ -347,7 +365,6 @@ class Series:
     ys: Sequence[float]
     color: str | None = None
     marker: str = "o"
-    style: str = "-"
     failed: Sequence[float] = ()
     failed_y: float | None = None
 
@@ -383,7 +400,7 @@ def line_plot(path: Path, rows: Sequence[Sequence[Panel]], title: str) -> None:
                 continue
             panel = panels[c]
             for s in panel.series:
-                (line,) = ax.plot(s.xs, s.ys, linestyle=s.style, marker=s.marker, color=s.color,
+                (line,) = ax.plot(s.xs, s.ys, linestyle="-", marker=s.marker, color=s.color,
                                   markersize=5, linewidth=1.5, label=s.label)
                 handles.setdefault(s.label, line)
                 if s.failed and s.failed_y is not None:

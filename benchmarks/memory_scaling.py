@@ -185,18 +185,11 @@ def checks_for(key: str, model: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for kind, label in KINDS.items():
         method = f"autosplit_{kind}"
-        c = harness.growth_check(_peak(lo, method), _peak(hi, method), batch_mib)
+        c = harness.growth_check(_peak(lo, method), _peak(hi, method), batch_mib,
+                                 label=f"{key}, autosplit from {label}",
+                                 from_batch_size=lo["batch_size"], to_batch_size=hi["batch_size"])
         c.update(id=f"a-{kind}", model=key, method=method, from_batch_size=lo["batch_size"],
                  to_batch_size=hi["batch_size"])
-        if c["status"] == "N/A":
-            c["summary"] = f"{key}, autosplit from {label}: no peak at both B"
-        else:
-            c["summary"] = (
-                f"{key}, autosplit from {label}: {c['peak_from_mib']:.1f} MiB at "
-                f"B={lo['batch_size']} -> {c['peak_to_mib']:.1f} MiB at B={hi['batch_size']}, "
-                f"growth {c['growth_mib']:+.1f} MiB = {c['growth_in_batches']:.2f} large batches "
-                f"of inputs ({batch_mib:.1f} MiB); bound 1 batch + 10% = {c['allowed_mib']:.1f} "
-                f"MiB; target <= 0.25 batch {'met' if c['target_met'] else 'missed'}")
         out.append(c)
     for kind, label in KINDS.items():
         method = f"autosplit_{kind}"
@@ -328,11 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats is not None:
         s = replace(s, repeats=args.repeats)
     if args.methods:
-        wanted = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-        if not wanted or any(m not in METHODS for m in wanted):
-            raise SystemExit(f"Expected `--methods` from {list(METHODS)}. "
-                             f"Received: {args.methods!r}.")
-        s = replace(s, methods=wanted)
+        s = replace(s, methods=tuple(harness.subset("methods", args.methods, list(METHODS))))
 
     clock, info = harness.wall_clock(), harness.machine_info()
     harness.log(f"# {harness.machine_line(info)}")

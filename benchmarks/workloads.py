@@ -45,19 +45,18 @@ class ModelSpec:
     hidden: tuple[int, ...] = (1024, 1024)  # the MLP's widths
 
 
-MLP = ModelSpec("mlp", "MLP 128-1024-1024-10", (128,))
-TRANSFORMER = ModelSpec("transformer", "Transformer encoder (16, 16), 2 layers, 4 heads", (16, 16))
-MODELS = {spec.key: spec for spec in (MLP, TRANSFORMER)}
-
-
 def mlp_spec(features: int, hidden: Sequence[int]) -> ModelSpec:
     label = f"MLP {features}-{'-'.join(map(str, hidden))}-{CLASSES}"
     return ModelSpec("mlp", label, (features,), tuple(hidden))
 
 
-def build_model(spec: ModelSpec, *, seed: int = 0, learning_rate: float = 1e-3,
-                jit_compile: bool = False, weights: Sequence[np.ndarray] | None = None,
-                **adam: Any) -> keras.Model:
+MLP = mlp_spec(128, (1024, 1024))
+TRANSFORMER = ModelSpec("transformer", "Transformer encoder (16, 16), 2 layers, 4 heads", (16, 16))
+MODELS = {spec.key: spec for spec in (MLP, TRANSFORMER)}
+
+
+def build_model(spec: ModelSpec, *, seed: int = 0, jit_compile: bool = False,
+                weights: Sequence[np.ndarray] | None = None, **adam: Any) -> keras.Model:
     """A compiled model of ``spec``, seeded (or given ``weights``); ``adam`` goes to Adam."""
     keras.utils.set_random_seed(seed)
     if spec.key == "mlp":
@@ -71,7 +70,7 @@ def build_model(spec: ModelSpec, *, seed: int = 0, learning_rate: float = 1e-3,
         model = models.MODELS[spec.key](spec.input_shape, CLASSES)
     if weights is not None:
         model.set_weights(weights)
-    model.compile(optimizer=keras.optimizers.Adam(learning_rate, **adam),
+    model.compile(optimizer=keras.optimizers.Adam(1e-3, **adam),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=jit_compile)
     return model
