@@ -16,6 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
+from common import labelled
 
 import autosplit
 from autosplit.caps import PeakMeter, write_result
@@ -37,9 +38,7 @@ def demo_mlp(optimizer):
 
 
 def data(n):
-    rng = np.random.default_rng(0)
-    return (rng.normal(size=(n, 128)).astype("float32"),
-            rng.integers(0, 10, size=(n,)).astype("int32"))
+    return labelled(n, 128, 10)
 
 
 def probe_then_check(folder):

@@ -10,8 +10,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from common import labelled, tensor_relative_error
 
 from autosplit import _keras
+
+__all__ = ["assert_weights_close", "classifier", "dense_reference_step", "labelled", "twin"]
 
 
 @pytest.fixture(autouse=True)
@@ -30,13 +33,6 @@ def classifier(features, hidden, classes, optimizer=None, metrics=("accuracy",))
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=list(metrics))
     return model
-
-
-def labelled(n, features, classes, seed=0):
-    """Normal inputs and uniform integer labels, from a fixed seed."""
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(n, features)).astype("float32"),
-            rng.integers(0, classes, size=(n,)).astype("int32"))
 
 
 def twin(make_model, sample):
@@ -69,7 +65,6 @@ def assert_weights_close(expected, actual, rtol):
     """Every weight tensor equal to ``rtol`` relative to the tensor's largest entry."""
     assert len(expected) == len(actual)
     for index, (e, a) in enumerate(zip(expected, actual, strict=True)):
-        e, a = np.asarray(e, np.float64), np.asarray(a, np.float64)
-        scale = max(float(np.max(np.abs(e))), 1e-12)
-        err = float(np.max(np.abs(e - a))) / scale if e.size else 0.0
-        assert err <= rtol, f"weight {index} {e.shape}: relative error {err:.2e} > {rtol:.0e}"
+        err = tensor_relative_error(e, a)
+        assert err <= rtol, (f"weight {index} {np.shape(e)}: relative error {err:.2e} > "
+                             f"{rtol:.0e}")

@@ -25,6 +25,7 @@ if SCENARIO == "mirrored":  # before anything initialises the devices
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras  # noqa: E402
+from common import labelled, relative_error  # noqa: E402
 
 import autosplit  # noqa: E402
 from autosplit.inputs import get_input  # noqa: E402
@@ -66,11 +67,6 @@ def reference_weights(optimizer, batch, epochs):
     return model.get_weights()
 
 
-def relative_error(expected, actual) -> float:
-    return max(float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
-               for a, b in zip(expected, actual, strict=True))
-
-
 def count_all_reduces(graph_def) -> dict:
     ops = ("CollectiveReduce", "CollectiveReduceV2", "NcclAllReduce", "CollectiveAllReduce")
     found = {"main": 0, "loop_body": 0}
@@ -94,9 +90,7 @@ def mirrored(out):
         history = autosplit.fit_large_batch(model, (x, y, w), batch_size=40, micro_batch_size=6,
                                             epochs=2, shuffle=False, verbose=0)
         expected = reference_weights(optimizer, 40, 2)
-        report[optimizer] = max(
-            float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
-            for a, b in zip(expected, model.get_weights(), strict=True))
+        report[optimizer] = relative_error(expected, model.get_weights())
         report[f"{optimizer}_iterations"] = int(model.optimizer.iterations.numpy())
         report[f"{optimizer}_info"] = {k: history.autosplit[k] for k in
                                        ("micro_batch_size", "accumulation_steps")}
@@ -187,9 +181,7 @@ def demo_mlp():
 
 
 def demo_data(n=8192):
-    r = np.random.default_rng(0)
-    return (r.normal(size=(n, 128)).astype("float32"),
-            r.integers(0, 10, size=(n,)).astype("int32"))
+    return labelled(n, 128, 10)
 
 
 def capped_worker(out):
