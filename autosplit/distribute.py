@@ -27,6 +27,9 @@ class Layout(NamedTuple):
         return self.workers > 1
 
 
+ALONE = Layout(workers=1, worker=0, local_replicas=1, replicas=1)  # no strategy
+
+
 def layout(strategy: tf.distribute.Strategy) -> Layout:
     replicas = strategy.num_replicas_in_sync
     resolver = getattr(strategy, "cluster_resolver", None)

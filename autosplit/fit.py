@@ -268,9 +268,7 @@ def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom,
         micro = args.micro_batch_size
         reason = "given"
     split = split_batch(args.batch_size // where.replicas, micro)
-    pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size,
-                            workers=where.workers, worker=where.worker,
-                            local_replicas=where.local_replicas)
+    pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where)
     spec = pipeline.element_spec()
     build_for(model, spec, where.local_replicas)
     step = train_step(model, args.batch_size, spec, jit_compile=jit_compile)
@@ -401,9 +399,7 @@ def _rebuild(plan: _Plan, recovery: Recovery) -> MicroBatches:
     rows = recovery.rows
     split = split_batch(plan.split.batch_size, rows)
     pipeline = MicroBatches(plan.pipeline.adapter, plan.pipeline.batch_size,
-                            split.micro_batch_size, workers=plan.layout.workers,
-                            worker=plan.layout.worker,
-                            local_replicas=plan.layout.local_replicas)
+                            split.micro_batch_size, plan.layout)
     recovery.rebind(pipeline.element_spec())
     plan.pipeline, plan.split = pipeline, split
     return pipeline

@@ -23,6 +23,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from autosplit.distribute import ALONE, Layout
 from autosplit.inputs import HOST, InputAdapter
 from autosplit.split import Piece, piece_pattern
 
@@ -91,17 +92,17 @@ class MicroBatches:
         adapter: the input.
         batch_size: B, the global large batch.
         rows: rows per micro-batch on this worker.
-        workers, worker, local_replicas: the ``tf.distribute`` layout (1, 0, 1 alone).
+        where: the ``tf.distribute`` layout of this process (``autosplit.distribute``).
     """
 
-    def __init__(self, adapter: InputAdapter, batch_size: int, rows: int, *, workers: int = 1,
-                 worker: int = 0, local_replicas: int = 1) -> None:
+    def __init__(self, adapter: InputAdapter, batch_size: int, rows: int,
+                 where: Layout = ALONE) -> None:
         self.adapter = adapter
         self.batch_size = batch_size
         self.rows = rows
-        self.local_replicas = local_replicas
-        self.pattern = piece_pattern(batch_size, rows, workers=workers, worker=worker,
-                                     local_replicas=local_replicas)
+        self.local_replicas = local_replicas = where.local_replicas
+        self.pattern = piece_pattern(batch_size, rows, workers=where.workers,
+                                     worker=where.worker, local_replicas=local_replicas)
         self.per_batch = elements_per_batch(self.pattern, batch_size, local_replicas)
         self._datasets: dict = {}
 

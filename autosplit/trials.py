@@ -193,9 +193,7 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     local_batch = batch_size // where.replicas
     trial_input = adapter if adapter.reiterable else ArrayInput(
         *adapter.sample(local_batch), shuffle=False)
-    pipeline = MicroBatches(trial_input, batch_size, min(local_batch, 8),
-                            workers=where.workers, worker=where.worker,
-                            local_replicas=where.local_replicas)
+    pipeline = MicroBatches(trial_input, batch_size, min(local_batch, 8), where)
     spec = pipeline.element_spec()
     build_for(model, spec, where.local_replicas)
     meter_device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
@@ -273,10 +271,8 @@ class _Trials:
         try:
             count = 0
             if m is not None:
-                where = self.where
-                rows = split_batch(self.batch_size // where.replicas, m).micro_batch_size
-                cut = MicroBatches(self.data, self.batch_size, rows, workers=where.workers,
-                                   worker=where.worker, local_replicas=where.local_replicas)
+                rows = split_batch(self.batch_size // self.where.replicas, m).micro_batch_size
+                cut = MicroBatches(self.data, self.batch_size, rows, self.where)
                 data = cut.dataset(repeat=True)
                 self.step.rebind(data.element_spec)
                 iterator = iter(data)

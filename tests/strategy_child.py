@@ -28,6 +28,7 @@ import keras  # noqa: E402
 from common import labelled, relative_error  # noqa: E402
 
 import autosplit  # noqa: E402
+from autosplit.distribute import Layout  # noqa: E402
 from autosplit.inputs import get_input  # noqa: E402
 from autosplit.pipeline import MicroBatches  # noqa: E402
 from autosplit.split import split_batch  # noqa: E402
@@ -106,7 +107,7 @@ def mirrored(out):
             model = make(OPTIMIZERS["sgd"])
         split = split_batch(40 // 2, micro)
         pipeline = MicroBatches(get_input(x, y, w, shuffle=False), 40, split.micro_batch_size,
-                                local_replicas=2)
+                                Layout(workers=1, worker=0, local_replicas=2, replicas=2))
         spec = pipeline.element_spec()
         build_for(model, spec, 2)
         step = train_step(model, 40, spec)
