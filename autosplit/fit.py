@@ -26,6 +26,7 @@ from autosplit.distribute import Layout, layout
 from autosplit.errors import BatchSizeError, DatasetError, describe
 from autosplit.evaluate import Evaluator, validation_input
 from autosplit.inputs import InputAdapter, get_input
+from autosplit.model_state import model_state
 from autosplit.pipeline import MicroBatches
 from autosplit.recovery import Recovery
 from autosplit.split import Split, split_batch
@@ -203,8 +204,6 @@ def _check_input(adapter: InputAdapter, args: _Args) -> None:
 class _Validation:
     """Validation logs after an epoch, in micro-batches (``autosplit.evaluate``)."""
 
-    _ATTR = "_autosplit_evaluator"
-
     def __init__(self, data: Any, args: _Args) -> None:
         self.adapter = validation_input(data)
         self.args = args
@@ -215,10 +214,12 @@ class _Validation:
         return None if data is None else cls(data, args)
 
     def __call__(self, model: keras.Model, rows: int) -> dict:
-        # One evaluator per model, like the train step: a second fit traces nothing new.
-        evaluator = model.__dict__.get(self._ATTR)
-        if evaluator is None:
-            evaluator = model.__dict__[self._ATTR] = Evaluator(model)
+        # One evaluator per compiled model, like the train step: a second fit traces
+        # nothing new, a compile() in between gives a fresh one.
+        state = model_state(model)
+        if state.evaluator is None:
+            state.evaluator = Evaluator(model)
+        evaluator = state.evaluator
         # One pipeline for the call (its tf.data functions traced once), rebuilt only
         # when an out-of-memory recovery changed the rows.
         batch_size = self.args.validation_batch_size or self.args.batch_size

@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from autosplit import _keras
+from autosplit.model_state import model_state
 from autosplit.reduction import COUNT, SUM, output_terms, row_weight
 
 __all__ = [
@@ -108,14 +109,11 @@ def forward(model, x, y, sample_weight, valid, *, training=True):
     return y, y_pred, terms, [tf.cast(loss, tf.float32) for loss in in_call]
 
 
-_PLAN_CACHE_ATTR = "_autosplit_loss_plans"
-
-
 @tf.autograph.experimental.do_not_convert
 def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
     """Trace one micro-batch of ``specs`` = (x, y, sample_weight) specs; nothing runs."""
     key = repr(specs)
-    cache = model.__dict__.setdefault(_PLAN_CACHE_ATTR, {})
+    cache = model_state(model).plans
     if key in cache:
         return cache[key]
     facts: dict[str, Any] = {}

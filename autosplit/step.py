@@ -36,6 +36,7 @@ import tensorflow as tf
 from autosplit import _keras
 from autosplit.distribute import layout
 from autosplit.inputs import HOST
+from autosplit.model_state import model_state, step_key
 from autosplit.piece import (
     LossPlan,
     Piece,
@@ -52,16 +53,14 @@ from autosplit.validation import check_trainable
 
 __all__ = ["TrainStep", "build_for", "has_batch_norm", "train_step"]
 
-_STEPS_ATTR = "_autosplit_train_steps"
-
-
 def _without_replica_axis(specs: Any) -> Any:
     """Per-replica specs of elements that carry a leading local-replica axis."""
     return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), specs)
 
 
 def has_batch_norm(model: keras.Model) -> bool:
-    return any(isinstance(layer, keras.layers.BatchNormalization)
+    """Whether a BatchNormalization layer may train (a frozen one runs in inference mode)."""
+    return any(isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
                for layer in _keras.flatten_layers(model))
 
 
@@ -425,23 +424,22 @@ def train_step(model: keras.Model, batch_size: int, element_spec: Any, *,
     """The model's ``TrainStep`` for this batch size, built once and reused by every call.
 
     As Keras keeps ``model.train_function``, a second ``fit_large_batch`` on the same
-    model reuses the compiled step (no new trace, no new variables) while the model,
-    optimizer, batch size and compile options are the same.
+    model reuses the compiled step (no new trace, no new variables) while its compile
+    state (``autosplit.model_state``), the batch size and the compile options are the
+    same; a ``compile()`` or a change of ``trainable`` in between gives a fresh step.
     """
-    key = (batch_size, id(model.optimizer),
-           bool(model.jit_compile if jit_compile is None else jit_compile),
-           bool(model.run_eagerly if run_eagerly is None else run_eagerly))
-    steps = model.__dict__.setdefault(_STEPS_ATTR, {})
-    step = steps.get(key)
+    state = model_state(model)
+    key = step_key(model, batch_size, jit_compile=jit_compile, run_eagerly=run_eagerly)
+    step = state.steps.get(key)
     if step is None:
-        if steps:
-            # An older batch size or optimizer: free its sums before allocating new ones
-            # (its compiled functions hold it in a reference cycle).
-            steps.clear()
+        if state.steps:
+            # An older batch size: free its sums before allocating new ones (its
+            # compiled functions hold it in a reference cycle).
+            state.steps.clear()
             gc.collect()
         step = TrainStep(model, batch_size, element_spec, jit_compile=jit_compile,
                          run_eagerly=run_eagerly)
-        steps[key] = step
+        state.steps[key] = step
     else:
         step.rebind(element_spec)
         step.discard()
