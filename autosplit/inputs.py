@@ -48,6 +48,42 @@ _HINT = ("Pass arrays (x, y[, sample_weight]), a tf.data.Dataset of (x, y[, samp
 _EXAMPLE_CHUNK = 256  # examples per host batch before the cut; any size gives the same rows
 
 HOST = "/device:CPU:0"
+_PARTS = ("x", "y", "sample_weight")
+
+
+def _leading_rows(parts: tuple) -> dict[str, int | None]:
+    """``{"x[0]": rows, "y": rows, ...}``: the leading dimension of every leaf."""
+    counts: dict[str, int | None] = {}
+    for name, part in zip(_PARTS, parts, strict=False):
+        for path, leaf in keras.tree.flatten_with_path(part):
+            if leaf is None:
+                continue
+            shape = tf.TensorShape(getattr(leaf, "shape", None))
+            label = name + "".join(f"[{p!r}]" for p in path)
+            counts[label] = None if shape.rank in (None, 0) else shape[0]
+    return counts
+
+
+def check_shared_rows(parts: tuple, what: str) -> None:
+    """Refuse a batch (or spec) whose leaves do not share one number of rows."""
+    counts = _leading_rows(parts)
+    if len({n for n in counts.values() if n is not None}) > 1:
+        raise DatasetError(
+            f"Expected every part of a batch of {what} to have the same number of rows "
+            f"(one row per example). Received: rows {counts}. Inputs whose parts do not "
+            "share a row count (a merged graph of atoms and bonds, say) cannot be split "
+            "into micro-batches by rows: train them with model.fit.")
+
+
+def _assert_shared_rows(*element: Any) -> Any:
+    """In the host pipeline: every later batch has one row count too."""
+    leaves = [t for t in tf.nest.flatten(element) if t is not None and t.shape.rank]
+    rows = tf.stack([tf.shape(t, out_type=tf.int64)[0] for t in leaves])
+    check = tf.debugging.assert_equal(
+        rows, rows[0], message="autosplit: the parts of a batch do not share a row count "
+        "(one row per example is needed to cut micro-batches)")
+    with tf.control_dependencies([check]):
+        return tf.nest.map_structure(tf.identity, element[0] if len(element) == 1 else element)
 
 
 class InputAdapter:
@@ -136,6 +172,9 @@ class ArrayInput(InputAdapter):
                  class_weight: dict | None = None, name: str = "x") -> None:
         if y is None:
             raise DatasetError(f"Expected targets `y` next to `{name}`. Received: y=None.")
+        # As Keras's adapters do: a list of inputs is a structure, never one array to
+        # stack (tf.data would turn a list into one tensor).
+        x, y, sample_weight = keras.tree.lists_to_tuples((x, y, sample_weight))
         with tf.device(HOST):
             arrays = tf.nest.map_structure(_to_tensor, (x, y, sample_weight))
         lengths = {}
@@ -233,6 +272,11 @@ class DatasetInput(InputAdapter):
         _check_class_weight_alone(class_weight, len(spec) == 3)
         self._class_weight = class_weight_fn(class_weight) if class_weight else None
         self.dataset = dataset
+        if self.batched:
+            check_shared_rows(spec, f"`{name}`")
+            if None in _leading_rows(spec).values():
+                for first in dataset.take(1):  # dynamic row counts: look at one batch
+                    check_shared_rows(first, f"`{name}`")
         if not self.batched and any(
                 None in s.shape.as_list() for s in tf.nest.flatten(spec) if s.shape.rank):
             raise DatasetError(
@@ -242,7 +286,7 @@ class DatasetInput(InputAdapter):
 
     def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
         if self.batched:
-            return self.dataset
+            return self.dataset.map(_assert_shared_rows)
         return self.dataset.batch(_EXAMPLE_CHUNK)
 
 
@@ -269,14 +313,18 @@ class KerasInput(InputAdapter):
             raise DatasetError(
                 f"Expected the {self.kind} to yield (x, y) or (x, y, sample_weight). "
                 f"Received: batches of {spec}.")
+        first = (_keras.peeked_batches(self.adapter)[:1] if self.generator
+                 else [data[0]] if len(data) else [])
+        for batch in first:
+            check_shared_rows(tuple(batch), f"the {self.kind}")
 
     def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
         if self.generator:
             # One pass only: the same dataset object, so a second epoch ends at once.
             if self._dataset is None:
-                self._dataset = self.adapter.get_tf_dataset()
+                self._dataset = self.adapter.get_tf_dataset().map(_assert_shared_rows)
             return self._dataset
-        return self.adapter.get_tf_dataset()
+        return self.adapter.get_tf_dataset().map(_assert_shared_rows)
 
     def sample(self, n: int) -> tuple:
         if self.generator:  # peeked batches, put back by Keras's adapter
@@ -302,8 +350,11 @@ def _with_y_check(generator):
             "Expected the generator to yield (x, y) or (x, y, sample_weight) tuples. "
             f"Received: {describe(first)}.")
     def restored():
-        yield first
-        yield from generator
+        # Lists of inputs as tuples, as for arrays (Keras's generator adapter would
+        # refuse a list in its output signature).
+        yield keras.tree.lists_to_tuples(first)
+        for batch in generator:
+            yield keras.tree.lists_to_tuples(batch)
 
     return restored()
 
