@@ -51,7 +51,8 @@ def read_cpu(
     ``memory.max - memory.current``; cgroup v1 ``memory.limit_in_bytes -
     memory.usage_in_bytes``; ``RLIMIT_AS`` minus the current ``VmSize``; and, when
     TensorFlow's CPU allocator is a capped BFC allocator (:func:`is_tf_bfc_capped`),
-    that cap minus TF's current bytes. Cgroup limits are read at this process's own
+    that cap minus TF's current bytes (not when TensorFlow shows its allocator was
+    made before the variables were set). Cgroup limits are read at this process's own
     cgroup and every ancestor up to the root (a parent's limit binds its children);
     reclaimable page cache (``inactive_file``) is not counted as used, as in
     ``docker stats``. ``"max"`` and v1's huge "no limit" values are unlimited.
@@ -146,16 +147,26 @@ def _rlimit_as_bound(proc_root: Path) -> _Bound | None:
 
 
 def _tf_bfc_bound() -> _Bound | None:
+    """The BFC cap the environment names, less what TF's CPU allocator holds.
+
+    TensorFlow reads ``TF_CPU_ALLOCATOR_USE_BFC`` once, when it creates its CPU
+    allocator; the environment may have been changed since. Before TensorFlow is
+    imported nothing is allocated and the variables still decide. Once it is, a BFC
+    allocator always keeps stats: when TensorFlow has none for ``CPU:0``, its allocator
+    was created without BFC, so the variables came too late and no cap binds this
+    process. Stats alone do not prove BFC (oneDNN's allocator keeps them too); then
+    the cap is taken as in force.
+    """
     cap = is_tf_bfc_capped()
     if cap is None:
         return None
-    used = 0
-    tf = sys.modules.get("tensorflow")  # Nothing is allocated before TF is imported.
-    if tf is not None:
-        try:
-            used = int(tf.config.experimental.get_memory_info("CPU:0")["current"])
-        except (ValueError, KeyError, AttributeError):
-            used = 0
+    tf = sys.modules.get("tensorflow")
+    if tf is None:
+        return _Bound(cap, cap, "tf-bfc-cap")
+    try:
+        used = int(tf.config.experimental.get_memory_info("CPU:0")["current"])
+    except ValueError:  # "Allocator stats not available": not a BFC allocator
+        return None
     return _Bound(max(cap - used, 0), cap, "tf-bfc-cap")
 
 

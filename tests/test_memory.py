@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -214,17 +215,78 @@ def test_read_cpu_rlimit_as_is_smallest(host, tmp_path):
         124 * MiB, 200 * MiB, "rlimit-as")
 
 
-def test_read_cpu_tf_bfc_cap_is_smallest(host, tmp_path):
+class _StandinTF:
+    """What read_cpu asks of a loaded TensorFlow: its CPU allocator's stats.
+
+    ``current=None`` is an allocator without stats (TensorFlow raises ValueError), as
+    TensorFlow's plain CPU allocator is when it was created before the BFC variables
+    were set. A stand-in, so the state does not depend on what ran before in this process.
+    """
+
+    def __init__(self, current):
+        def get_memory_info(tf_device):
+            assert tf_device == "CPU:0"
+            if current is None:
+                raise ValueError(f"Allocator stats not available for device '{tf_device}'")
+            return {"current": current, "peak": current}
+
+        self.config = SimpleNamespace(
+            experimental=SimpleNamespace(get_memory_info=get_memory_info))
+
+
+@pytest.mark.parametrize(("tf_state", "expected"), [
+    ("not-imported", (16 * MiB, 16 * MiB, "tf-bfc-cap")),  # the cap holds once TF loads
+    ("bfc-3MiB-used", (13 * MiB, 16 * MiB, "tf-bfc-cap")),
+    # The allocator predates the variables: no cap binds, the cgroup does.
+    ("allocator-without-stats", (200 * MiB, 200 * MiB, "cgroup-v2")),
+])
+def test_read_cpu_tf_bfc_cap(host, tmp_path, tf_state, expected):
     host.setenv("TF_CPU_ALLOCATOR_USE_BFC", "true")
     host.setenv("TF_CPU_BFC_MEM_LIMIT_IN_MB", "16")
+    if tf_state == "not-imported":
+        host.delitem(sys.modules, "tensorflow", raising=False)
+    else:
+        current = 3 * MiB if tf_state == "bfc-3MiB-used" else None
+        host.setitem(sys.modules, "tensorflow", _StandinTF(current))
     _write_tree(tmp_path, {"cg/memory.max": 200 * MiB, "cg/memory.current": 0})
     info = read_cpu(cgroup_root=tmp_path / "cg", proc_root=tmp_path / "proc")
-    # Available is the cap less what TF's CPU allocator reports in use, which depends
-    # on what this process ran before (0 in a fresh one): read it the same way.
-    assert (info.total_bytes, info.limit_source) == (16 * MiB, "tf-bfc-cap")
-    tf = sys.modules.get("tensorflow")
-    used = int(tf.config.experimental.get_memory_info("CPU:0")["current"]) if tf else 0
-    assert info.available_bytes == max(16 * MiB - used, 0)
+    assert (info.available_bytes, info.total_bytes, info.limit_source) == expected
+
+
+_LATE_BFC_SCRIPT = """
+import json, os
+import tensorflow as tf
+from autosplit.host import read_cpu
+
+tf.constant(1.0) + 1  # TensorFlow creates its CPU allocator, without BFC
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = "16"
+try:
+    tf.config.experimental.get_memory_info("CPU:0")
+    stats = True
+except ValueError:
+    stats = False
+x = tf.fill([10_000_000], 1.0)  # 40 MB: more than the 16 MiB the variables name
+print(json.dumps(dict(stats=stats, size=int(tf.size(x)), source=read_cpu().limit_source)))
+"""
+
+
+@pytest.mark.slow
+def test_read_cpu_when_bfc_is_set_after_tensorflow_made_its_allocator():
+    """A fresh child: BFC variables set after TF's first op bind nothing, and read_cpu says so.
+
+    oneDNN off, because its allocator keeps stats without being BFC: TensorFlow's plain
+    CPU allocator is the one whose missing stats tell read_cpu the cap is not in force.
+    """
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE_PARENT), "TF_ENABLE_ONEDNN_OPTS": "0"}
+    for name in ("TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB"):
+        env.pop(name, None)
+    run = subprocess.run([sys.executable, "-c", _LATE_BFC_SCRIPT], env=env, timeout=180,
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert (out["stats"], out["size"]) == (False, 10_000_000)  # not BFC: 40 MB fit
+    assert out["source"] in ("psutil", "cgroup-v2", "cgroup-v1", "rlimit-as")
 
 
 def test_read_cpu_real_machine():
