@@ -25,6 +25,7 @@ __all__ = [
     "flatten_layers",
     "get_keras_mask",
     "gpu_pci_bus_id",
+    "has_compiled_loss",
     "loss_tracker",
     "metric_lists",
     "output_loss_trackers",
@@ -70,6 +71,11 @@ def symbolic_build(model: keras.Model, data_batch: tuple) -> None:
     model._symbolic_build(data_batch=data_batch)
     if model.optimizer is not None and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
+
+
+def has_compiled_loss(model: keras.Model) -> bool:
+    """Whether ``model.compile`` was given a ``loss`` (``Trainer._compile_loss``)."""
+    return getattr(model, "_compile_loss", None) is not None
 
 
 def compile_loss_built(model: keras.Model) -> bool:

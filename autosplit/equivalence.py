@@ -29,7 +29,7 @@ from keras import tree
 
 from autosplit import _keras
 from autosplit.accumulate import accumulate_gradients, piece_rows
-from autosplit.piece import align_targets
+from autosplit.piece import align_targets, loss_plan
 from autosplit.reduction import SUM, output_terms
 from autosplit.split import split_batch
 from autosplit.state import Snapshot
@@ -45,9 +45,9 @@ BATCH_NORM = "normalises each micro-batch with its own statistics (ghost batch n
 RANDOM = "draws random numbers per micro-batch: the split equals the full batch in " \
     "distribution, not bitwise"
 MIXES = "mixes examples across the batch, and draws random numbers per micro-batch"
-ACTIVITY = "has an activity regulariser: Keras divides it by each call's batch size, so a " \
-    "micro-batch holding padding rows (B not divisible by m, or the short last batch " \
-    "of an epoch) counts them"
+ADDED = "losses added in call() (add_loss): the split is exact for a mean over the " \
+    "micro-batch's examples (padding rows never reach the model), not for a loss summed " \
+    "over the batch or one that mixes examples"
 HINT = "The split differs from the full batch but no known layer explains it: a layer " \
     "mixes examples across the batch, e.g. attention over the batch axis or a custom " \
     "layer calling reduce_* over axis 0 (batch statistics, a batch-wise softmax)."
@@ -181,9 +181,7 @@ def check(
         _keras.symbolic_build(model, sample)
 
     culprits = _layer_culprits(model)
-    # An activity regulariser only differs when a micro-batch holds padding rows.
-    explains = any(c.reason != ACTIVITY for c in culprits) or (
-        split.padded_rows > 0 and bool(culprits))
+    explains = bool(culprits)
     if type(model).compute_loss is not keras.Model.compute_loss:
         culprits.append(Culprit(
             model.name, type(model).__name__,
@@ -218,8 +216,11 @@ def check(
     decomposition, loss_culprits = _loss_culprits(model, full, tolerance)
     culprits += loss_culprits
     decomposes = all(full.per_example) and decomposition <= tolerance
-    explains = explains or not decomposes
     exact = worst <= tolerance
+    if not exact and not explains and _adds_losses(model, x, y, sample_weight, split):
+        culprits.append(Culprit(model.name, type(model).__name__, ADDED))
+        explains = True
+    explains = explains or not decomposes
     return CheckReport(
         batch_size=split.batch_size,
         micro_batch_size=split.micro_batch_size,
@@ -258,9 +259,16 @@ def _layer_culprits(model: keras.Model) -> list[Culprit]:
                 found.append(Culprit(name, cls, RANDOM))
         elif any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values()):
             found.append(Culprit(name, cls, RANDOM))
-        if getattr(layer, "activity_regularizer", None) is not None:
-            found.append(Culprit(name, cls, ACTIVITY))
     return found
+
+
+def _adds_losses(model, x, y, sample_weight, split) -> bool:
+    """Whether the model adds losses in call() (traced on one micro-batch, nothing runs)."""
+    specs = tree.map_structure(
+        lambda t: None if t is None else tf.TensorSpec([split.micro_batch_size,
+                                                        *t.shape[1:]], t.dtype),
+        (x, y, sample_weight))
+    return loss_plan(model, specs).forward_losses
 
 
 def _loss_culprits(model, full, tolerance) -> tuple[float, list[Culprit]]:

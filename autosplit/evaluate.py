@@ -28,9 +28,11 @@ from autosplit.inputs import HOST, InputAdapter, get_input
 from autosplit.piece import (
     empty_to_none,
     forward,
+    loss_plan,
     update_loss_trackers,
     update_metrics,
     weight_regularization,
+    without_padding,
 )
 from autosplit.pipeline import MicroBatches
 from autosplit.reduction import SUM
@@ -50,6 +52,8 @@ class Evaluator:
     def _loop(self, iterator, count):
         model = self.model
         n_terms = len(_keras.flat_losses(model))
+        x, y, w, _ = iterator.element_spec
+        plan = loss_plan(model, (x, empty_to_none(y), empty_to_none(w)))
 
         def body(i, numerators, denominators, in_call, rows, stop):
             with tf.device(HOST):
@@ -58,7 +62,8 @@ class Evaluator:
 
             def one():
                 x, y, w, valid = optional.get_value()
-                w = empty_to_none(w)
+                x, y, w, valid = without_padding(plan, x, empty_to_none(y), empty_to_none(w),
+                                                 valid)
                 y_al, y_pred, terms, losses = forward(model, x, y, w, valid, training=False)
                 update_metrics(model, y_al, y_pred, w, valid)
                 piece_rows = tf.reduce_sum(valid)
@@ -128,9 +133,9 @@ class Evaluator:
 def validation_input(data: Any) -> InputAdapter:
     """The adapter for ``validation_data`` (any input ``fit_large_batch`` takes)."""
     if isinstance(data, (tuple, list)):
-        if len(data) not in (2, 3):
+        if len(data) not in (1, 2, 3):
             raise ValueError(
-                "Expected `validation_data` to be (x, y) or (x, y, sample_weight), a "
+                "Expected `validation_data` to be (x, y), (x, y, sample_weight) or (x,), a "
                 "tf.data.Dataset, a keras.utils.PyDataset or a generator. Received: a "
                 f"{type(data).__name__} of {len(data)} items.")
         return get_input(*data, shuffle=False, name="validation_data")

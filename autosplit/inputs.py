@@ -99,13 +99,18 @@ class InputAdapter:
     rows: int | None = None
     reiterable = True
     _class_weight: Any = None  # (y, sample_weight) -> sample_weight, from ``class_weight``
+    _arity = 2  # elements (x, y) = 2, (x, y, w) = 3, x alone (no targets) = 0
 
     def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
         """One epoch as ``tf.data`` batches of rows (leading dimension = rows)."""
         raise NotImplementedError
 
     def materialize(self, rows: Any) -> tuple:
-        """A cut piece of ``rows_dataset`` elements -> ``(x, y, sample_weight_or_None)``."""
+        """A cut piece of ``rows_dataset`` elements -> ``(x, y_or_None, sample_weight_or_None)``."""
+        if self._arity == 0:
+            # x alone: a model whose loss comes from add_loss in call() (targets, if any,
+            # are among its inputs). A 1-tuple element reaches here unwrapped.
+            return rows, None, None
         x, y, *w = rows
         return self._weighted(x, y, w[0] if w else None)
 
@@ -156,6 +161,13 @@ def class_weight_fn(class_weight: dict) -> Any:
     return apply
 
 
+def arity(element: Any) -> int | None:
+    """How ``model.fit`` reads an element: (x, y) 2, (x, y, w) 3, x alone 0; else None."""
+    if not isinstance(element, tuple):
+        return 0
+    return {1: 0, 2: 2, 3: 3}.get(len(element))
+
+
 def _check_class_weight_alone(class_weight, has_weights):
     if class_weight is not None and has_weights:
         raise DatasetError(
@@ -170,8 +182,10 @@ class ArrayInput(InputAdapter):
 
     def __init__(self, x: Any, y: Any, sample_weight: Any = None, *, shuffle: bool = True,
                  class_weight: dict | None = None, name: str = "x") -> None:
-        if y is None:
-            raise DatasetError(f"Expected targets `y` next to `{name}`. Received: y=None.")
+        if y is None and sample_weight is not None:
+            raise DatasetError(f"Expected targets `y` next to `{name}` and `sample_weight`. "
+                               "Received: y=None.")
+        self._arity = 0 if y is None else 2
         # As Keras's adapters do: a list of inputs is a structure, never one array to
         # stack (tf.data would turn a list into one tensor).
         x, y, sample_weight = keras.tree.lists_to_tuples((x, y, sample_weight))
@@ -257,10 +271,11 @@ class DatasetInput(InputAdapter):
     def __init__(self, dataset: tf.data.Dataset, *, class_weight: dict | None = None,
                  name: str = "x") -> None:
         spec = dataset.element_spec
-        if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+        self._arity = arity(spec)
+        if self._arity is None:
             raise DatasetError(
-                f"Expected `{name}` elements to be (x, y) or (x, y, sample_weight). Received: "
-                f"element_spec={spec}. Map your dataset to such tuples, e.g. "
+                f"Expected `{name}` elements to be (x, y), (x, y, sample_weight) or x alone. "
+                f"Received: element_spec={spec}. Map your dataset to such tuples, e.g. "
                 "dataset.map(lambda e: (e['features'], e['label'])).")
         cardinality = int(dataset.cardinality())
         if cardinality == 0:
@@ -269,14 +284,18 @@ class DatasetInput(InputAdapter):
         self.kind = "batched tf.data.Dataset" if self.batched else "tf.data.Dataset of examples"
         self.infinite = cardinality == tf.data.INFINITE_CARDINALITY
         self.rows = cardinality if (cardinality > 0 and not self.batched) else None
-        _check_class_weight_alone(class_weight, len(spec) == 3)
+        _check_class_weight_alone(class_weight, self._arity == 3)
         self._class_weight = class_weight_fn(class_weight) if class_weight else None
         self.dataset = dataset
         if self.batched:
-            check_shared_rows(spec, f"`{name}`")
-            if None in _leading_rows(spec).values():
-                for first in dataset.take(1):  # dynamic row counts: look at one batch
-                    check_shared_rows(first, f"`{name}`")
+            parts = spec if self._arity else (spec,)
+            check_shared_rows(parts, f"`{name}`")
+            if len(_leading_rows(parts)) > 1 and None in _leading_rows(parts).values():
+                # Row counts only known at run time: look at one batch now (one batch
+                # read twice, as Keras peeks a generator); the host pipeline asserts on
+                # every later batch.
+                for first in dataset.take(1):
+                    check_shared_rows(first if self._arity else (first,), f"`{name}`")
         if not self.batched and any(
                 None in s.shape.as_list() for s in tf.nest.flatten(spec) if s.shape.rank):
             raise DatasetError(
@@ -309,14 +328,17 @@ class KerasInput(InputAdapter):
             raise DatasetError(f"Expected (x, y[, sample_weight]) batches. {exc}") from exc
         self._dataset = None
         spec = self.adapter.get_tf_dataset().element_spec
-        if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+        self._arity = arity(spec)
+        if self._arity is None:
             raise DatasetError(
-                f"Expected the {self.kind} to yield (x, y) or (x, y, sample_weight). "
-                f"Received: batches of {spec}.")
+                f"Expected the {self.kind} to yield (x, y), (x, y, sample_weight) or x "
+                f"alone. Received: batches of {spec}.")
         first = (_keras.peeked_batches(self.adapter)[:1] if self.generator
                  else [data[0]] if len(data) else [])
         for batch in first:
-            check_shared_rows(tuple(batch), f"the {self.kind}")
+            batch = keras.tree.lists_to_tuples(batch)
+            check_shared_rows(batch if isinstance(batch, tuple) else (batch,),
+                              f"the {self.kind}")
 
     def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
         if self.generator:
@@ -345,10 +367,10 @@ def _with_y_check(generator):
     first = next(generator, None)
     if first is None:
         raise DatasetError("Expected a generator that yields batches. Received: an empty one.")
-    if not isinstance(first, tuple) or len(first) not in (2, 3):
+    if isinstance(first, tuple) and len(first) not in (1, 2, 3):
         raise DatasetError(
-            "Expected the generator to yield (x, y) or (x, y, sample_weight) tuples. "
-            f"Received: {describe(first)}.")
+            "Expected the generator to yield (x, y) or (x, y, sample_weight) tuples, or x "
+            f"alone. Received: a tuple of {len(first)} items.")
     def restored():
         # Lists of inputs as tuples, as for arrays (Keras's generator adapter would
         # refuse a list in its output signature).

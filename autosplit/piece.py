@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from autosplit import _keras
+from autosplit.errors import ModelNotReadyError
 from autosplit.model_state import model_state
 from autosplit.reduction import COUNT, SUM, output_terms, row_weight
 
@@ -47,6 +48,7 @@ __all__ = [
     "update_loss_trackers",
     "update_metrics",
     "weight_regularization",
+    "without_padding",
 ]
 
 COUNT_GROUP, SUM_GROUP = "count", "sum"
@@ -122,7 +124,8 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
         valid = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.float32)
         with tf.GradientTape() as tape:
             _, _, terms, in_call = forward(model, x, y, sample_weight, valid)
-            total = tf.add_n([t.numerator for t in terms] + in_call)
+            parts = [t.numerator for t in terms] + in_call
+            total = tf.add_n(parts) if parts else tf.constant(0.0)
         grads = tape.gradient(total, model.trainable_variables)
         facts.update(terms=terms, forward=bool(in_call),
                      has_grad=tuple(g is not None for g in grads))
@@ -130,6 +133,11 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
 
     tf.function(trace, autograph=False).get_concrete_function(*specs)
     terms = facts["terms"]
+    if not terms and not facts["forward"]:
+        raise ModelNotReadyError(
+            "Expected a model compiled with a loss, or one that adds its loss in call() "
+            "(add_loss). Received: model.compile(loss=None) and no loss added in call(). "
+            "Pass `loss=` to `model.compile`.")
     folded = tuple(t.kind == SUM or (t.kind == COUNT and not t.masked and t.per_row is not None)
                    for t in terms)
     kinds = tuple(t.kind for t in terms)
@@ -299,6 +307,21 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None) -> None:
             else:
                 s_w = tf.cast(s_w, tf.float32) * row_weight(valid, tf.cast(s_w, tf.float32))
             mls.update_state(y_t, y_p, sample_weight=s_w)
+
+
+def without_padding(plan: LossPlan, x, y, sample_weight, valid) -> tuple:
+    """The real rows of a micro-batch alone, when the model adds losses in ``call()``.
+
+    A layer's own loss (``add_loss(mean(...))``, an endpoint layer's CTC) averages over
+    every row it sees; padding rows (copies of real ones) would enter that mean. Such
+    models get micro-batches of their real rows only (a dynamic row count: under XLA a
+    second compiled shape for the short micro-batch); others keep the static shape.
+    """
+    if not plan.forward_losses:
+        return x, y, sample_weight, valid
+    keep = valid > 0
+    x, y, sample_weight = map_present(lambda t: tf.boolean_mask(t, keep), (x, y, sample_weight))
+    return x, y, sample_weight, tf.boolean_mask(valid, keep)
 
 
 def map_present(fn, structure):

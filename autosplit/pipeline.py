@@ -10,7 +10,7 @@ micro-batch of each input is ever copied. All of it is pinned to the host CPU; t
 compiled step pulls one element per micro-step and only that element reaches the
 accelerator.
 
-An element is ``(x, y, sample_weight_or_(), valid)``: ``valid`` is float32 ``(rows,)``,
+An element is ``(x, y_or_(), sample_weight_or_(), valid)``: ``valid`` is float32 ``(rows,)``,
 1.0 for real rows and 0.0 for padding. With several local replicas every part gains
 a leading axis, one micro-batch per replica (missing ones are all padding).
 """
@@ -63,7 +63,7 @@ def _element(*piece: Any, materialize, rows: int) -> tuple:
     piece = piece[0] if len(piece) == 1 else piece
     padded, valid = _pad_rows(piece, rows)
     x, y, w = materialize(padded)
-    return x, y, (() if w is None else w), valid
+    return x, (() if y is None else y), (() if w is None else w), valid
 
 
 def _pad_replicas_of(*element: Any, replicas: int) -> Any:

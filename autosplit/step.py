@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from autosplit import _keras
 from autosplit.distribute import layout
+from autosplit.errors import DatasetError
 from autosplit.inputs import HOST
 from autosplit.model_state import model_state, step_key
 from autosplit.piece import (
@@ -46,6 +47,7 @@ from autosplit.piece import (
     loss_plan,
     update_loss_trackers,
     update_metrics,
+    without_padding,
 )
 from autosplit.reduction import check_reduction
 from autosplit.sums import Stash, Sums, after
@@ -107,7 +109,7 @@ class TrainStep:
         if self.local_replicas > 1:
             x, y, w, valid = _without_replica_axis((x, y, w, valid))
         self.element_spec = element_spec
-        self.piece_spec = (x, y, empty_to_none(w), valid)
+        self.piece_spec = (x, empty_to_none(y), empty_to_none(w), valid)
         self.rows = int(valid.shape[0])
         self.plan: LossPlan = loss_plan(self.model, self.piece_spec[:3])
         # Another input structure (sample weights or not) can change the loss groups,
@@ -127,7 +129,12 @@ class TrainStep:
 
     def _compute(self, x, y, w, valid):
         """Per replica: one piece's gradients and terms, flattened (None entries dropped)."""
-        piece = compute_piece(self.model, self.plan, x, y, empty_to_none(w), valid,
+        x, y, w, valid = without_padding(self.plan, x, empty_to_none(y), empty_to_none(w),
+                                         valid)
+        return self._piece_function()(x, y, w, valid)
+
+    def _piece(self, x, y, w, valid):
+        piece = compute_piece(self.model, self.plan, x, y, w, valid,
                               batch_size=self.batch_size, scale=self._loss_scale())
         flat = tf.nest.flatten(piece)
         self._template = (piece, [t is not None for t in flat])
@@ -152,19 +159,20 @@ class TrainStep:
     def _commit_metrics(self, values, w, valid, ready=None):
         """Per replica: update the compiled metrics from one piece (after ``ready``)."""
         piece = self._unflatten(list(values))
+        # The rows the piece was computed on (padding dropped for losses added in call()).
+        _, _, w, valid = without_padding(self.plan, (), None, empty_to_none(w), valid)
         with tf.control_dependencies([] if ready is None else [ready]):
-            update_metrics(self.model, piece.y, piece.y_pred, empty_to_none(w), valid,
-                           piece.masks)
+            update_metrics(self.model, piece.y, piece.y_pred, w, valid, piece.masks)
             return tf.constant(True)
 
-    def _compute_function(self):
+    def _piece_function(self):
         if self.jit_compile and not self.run_eagerly:
-            key = ("compute", repr(self.piece_spec))
+            key = ("piece", repr(self.piece_spec))
             if key not in self._functions:
-                self._functions[key] = tf.function(self._compute, jit_compile=True,
+                self._functions[key] = tf.function(self._piece, jit_compile=True,
                                                    reduce_retracing=True)
             return self._functions[key]
-        return self._compute
+        return self._piece
 
     def _run_piece(self, x, y, w, valid, end_row):
         """One micro-step on every local replica: compute, then (only once all of them
@@ -174,7 +182,7 @@ class TrainStep:
         Every op depends on the one before: an out-of-memory error anywhere before the
         record leaves the sums and the record as they were, one after it cannot undo it.
         """
-        compute = self._compute_function()
+        compute = self._compute
         args = (x, y, w, valid)
         if self.replicas == 1:
             values = compute(*args)
@@ -451,6 +459,11 @@ def build_for(model: keras.Model, element_spec: Any, local_replicas: int = 1) ->
     x, y, w, _ = element_spec
     if local_replicas > 1:
         x, y, w = _without_replica_axis((x, y, w))
+    if empty_to_none(y) is None and _keras.has_compiled_loss(model):
+        raise DatasetError(
+            "Expected targets `y` for the compiled loss. Received: inputs without targets. "
+            "Pass (x, y), as to model.fit, or compile with loss=None when the model adds "
+            "its loss in call().")
     with model.distribute_strategy.scope():
-        _keras.symbolic_build(model, (x, y, empty_to_none(w)))
+        _keras.symbolic_build(model, (x, empty_to_none(y), empty_to_none(w)))
     check_trainable(model)

@@ -80,10 +80,6 @@ def check_model(model: Any) -> None:
             "Expected a compiled model with an optimizer. Received: a model that "
             f"{'is not compiled' if not getattr(model, 'compiled', False) else 'has no optimizer'}"
             ". Call `model.compile(optimizer=..., loss=...)` first.")
-    if getattr(model, "_compile_loss", None) is None:
-        raise ModelNotReadyError(
-            "Expected a model compiled with a loss. Received: model.compile(loss=None). "
-            "Pass `loss=` to `model.compile` (autosplit splits the compiled loss).")
     for method in ("train_step", "compute_loss"):
         override = getattr(type(model), method, None)
         if override is not None and override is not getattr(keras.Model, method):
@@ -96,14 +92,15 @@ def check_model(model: Any) -> None:
 
 
 def check_compiled_loss(model: Any) -> None:
-    """For ``check``: a model compiled with a loss (no optimizer step runs)."""
+    """For ``check``: a compiled model (no optimizer step runs). A model compiled with
+    ``loss=None`` must add its loss in call(): the loss plan says so when it traces."""
     if not isinstance(model, keras.Model):
         raise ModelNotReadyError(
             f"Expected `model` to be a compiled keras.Model. Received: model={describe(model)}.")
-    if not getattr(model, "compiled", False) or getattr(model, "_compile_loss", None) is None:
+    if not getattr(model, "compiled", False):
         raise ModelNotReadyError(
-            "Expected a model compiled with a loss. Received: a model that is not compiled "
-            "or has loss=None. Call `model.compile(optimizer=..., loss=...)` first.")
+            "Expected a compiled model. Received: a model that is not compiled. Call "
+            "`model.compile(optimizer=..., loss=...)` first.")
 
 
 def check_trainable(model: keras.Model) -> None:

@@ -197,7 +197,9 @@ def test_unreduced_loss_cannot_be_split():
     json.loads(report.to_json())
 
 
-def test_activity_regularizer_is_noted():
+def test_activity_regularizer_is_exact_with_padding_rows():
+    """Keras divides an activity regulariser by each call's batch size: a per-example
+    mean, exact once padding rows never reach the model."""
     model = keras.Sequential([keras.Input((12,)),
                               keras.layers.Dense(16, activity_regularizer="l1"),
                               keras.layers.Dense(5)])
@@ -205,8 +207,32 @@ def test_activity_regularizer_is_noted():
     x, y, _ = data(48)
     assert check(model, x, y, micro_batch_size=16).exact  # 48 = 3*16: no padding rows
     report = check(model, x, y, micro_batch_size=10)  # 2 padding rows
-    assert "activity regulariser" in report.culprits[0].reason
-    assert report.hint is None
+    assert report.exact and not report.culprits, report.format()
+
+
+class _AddedLoss(keras.layers.Layer):
+    def __init__(self, reduce, **kwargs):
+        super().__init__(**kwargs)
+        self.reduce = reduce
+
+    def call(self, h):
+        self.add_loss(self.reduce(keras.ops.square(h)))
+        return h
+
+
+@pytest.mark.parametrize(("reduce", "exact"), [(keras.ops.mean, True), (keras.ops.sum, False)],
+                         ids=["mean", "sum"])
+def test_added_losses_alone_are_checked(reduce, exact):
+    """A model compiled with loss=None whose loss comes from add_loss: a mean over the
+    examples splits exactly, a sum over the batch does not, and is named."""
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(4), _AddedLoss(reduce)])
+    model.compile(optimizer="sgd")
+    x, _, _ = data(48)
+    report = check(model, x, None, micro_batch_size=10)
+    assert report.exact is exact, report.format()
+    assert bool(report.culprits) is not exact and report.hint is None
+    if not exact:
+        assert "add_loss" in report.culprits[0].reason
 
 
 def test_report_to_dict_is_json_and_format_reads():
