@@ -148,6 +148,7 @@ class CTCLayer(layers.Layer):
         return y_pred
 
 
+@pytest.mark.slow
 def test_endpoint_layer_with_add_loss_and_no_compiled_loss():
     img_width, img_height, max_length, characters = 32, 16, 3, 6
     n, batch, micro = 60, 30, 13

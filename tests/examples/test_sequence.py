@@ -27,6 +27,7 @@ import autosplit
 
 
 # bidirectional_lstm_imdb.py: 20000 words, 200 tokens, LSTM(64) twice, Adam, batch 32.
+@pytest.mark.slow
 def test_bidirectional_lstm():
     max_features, maxlen, n, batch, micro = 50, 12, 64, 32, 14
     rng = np.random.default_rng(0)
