@@ -48,6 +48,9 @@ MIXES = "mixes examples across the batch, and draws random numbers per micro-bat
 ADDED = "losses added in call() (add_loss): the split is exact for a mean over the " \
     "micro-batch's examples (padding rows never reach the model), not for a loss summed " \
     "over the batch or one that mixes examples"
+PER_BATCH = "returns one value per batch, not one per example: autosplit feeds it the " \
+    "real rows of each micro-batch and weighs each value by them, which is exact for a " \
+    "mean over the batch's examples, not for a loss that mixes them"
 HINT = "The split differs from the full batch but no known layer explains it: a layer " \
     "mixes examples across the batch, e.g. attention over the batch axis or a custom " \
     "layer calling reduce_* over axis 0 (batch statistics, a batch-wise softmax)."
@@ -182,12 +185,14 @@ def check(
 
     culprits = _layer_culprits(model)
     explains = bool(culprits)
-    if type(model).compute_loss is not keras.Model.compute_loss:
-        culprits.append(Culprit(
-            model.name, type(model).__name__,
-            "overrides `compute_loss`: the full-batch step uses it, the split step the "
-            "compiled loss (fit_large_batch refuses this model)"))
-        explains = True
+    for method in ("train_step", "compute_loss"):
+        if getattr(type(model), method) is not getattr(keras.Model, method):
+            culprits.append(Culprit(
+                model.name, type(model).__name__,
+                f"overrides `{method}`: this check compares the compiled loss; "
+                "fit_large_batch runs the model's own step per micro-batch, exact when its "
+                "loss is a mean over the micro-batch's examples"))
+            explains = True
     unreduced = [f for f in _keras.flat_losses(model)
                  if getattr(f.loss, "reduction", None) in (None, "none")]
     if unreduced:
@@ -217,6 +222,8 @@ def check(
     culprits += loss_culprits
     decomposes = all(full.per_example) and decomposition <= tolerance
     exact = worst <= tolerance
+    if exact:  # a per-batch mean over examples splits exactly: nothing to blame
+        culprits = [c for c in culprits if c.reason != PER_BATCH]
     if not exact and not explains and _adds_losses(model, x, y, sample_weight, split):
         culprits.append(Culprit(model.name, type(model).__name__, ADDED))
         explains = True
@@ -280,10 +287,7 @@ def _loss_culprits(model, full, tolerance) -> tuple[float, list[Culprit]]:
             strict=True):
         if not per_example:
             found.append(Culprit(
-                flat.loss.name, type(flat.loss).__name__,
-                "returns one value per batch, not one per example: autosplit cannot weight "
-                "out padding rows, so the split is exact only for a per-example mean over "
-                "micro-batches of equal size"))
+                flat.loss.name, type(flat.loss).__name__, PER_BATCH))
             continue
         difference = _relative(float(split_value) - float(full_value), float(full_value))
         decomposition = max(decomposition, difference)

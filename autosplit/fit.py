@@ -22,8 +22,9 @@ import keras
 import tensorflow as tf
 
 from autosplit import _keras
+from autosplit.custom_step import has_custom_step
 from autosplit.distribute import Layout, layout
-from autosplit.errors import BatchSizeError, DatasetError, describe
+from autosplit.errors import BatchSizeError, DatasetError, UnsupportedModelError, describe
 from autosplit.evaluate import Evaluator, validation_input
 from autosplit.inputs import InputAdapter, get_input
 from autosplit.model_state import model_state
@@ -178,6 +179,13 @@ def _validate(model: Any, given: dict) -> _Args:
         warnings.warn("Both `validation_split` and `validation_data` were given; "
                       "`validation_data` is used, as in model.fit.", stacklevel=3)
     check_model(model)
+    if (given["validation_data"] is not None or args.validation_split) and has_custom_step(
+            model):
+        raise UnsupportedModelError(
+            f"Expected no validation data for `{type(model).__name__}`, which overrides "
+            "train_step or compute_loss: autosplit validates with the compiled loss and "
+            "metrics, not with a custom test_step. Received: validation data. Evaluate with "
+            "model.evaluate(..., batch_size=<micro-batch size>) after training instead.")
     return args
 
 
@@ -356,7 +364,7 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
             result = recovery.run(iterator, count, global_step)
             if result is None:
                 break
-            logs = {name: float(value) for name, value in result.items()}
+            logs = step.flat_logs(result)
             callback_list.on_train_batch_end(index, logs)
             global_step += 1
             ran += 1
@@ -376,7 +384,7 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
         if epoch_steps is None:
             epoch_steps = ran  # learnt from the first epoch, as model.fit does
             _publish(callback_list, info, recovery, args, plan, steps=epoch_steps)
-        epoch_logs = {name: float(v) for name, v in model.get_metrics_result().items()}
+        epoch_logs = step.epoch_logs(logs)
         if validation is not None and (epoch + 1) % args.validation_freq == 0:
             epoch_logs.update(validation(model, recovery.rows))
         adapter.on_epoch_end()

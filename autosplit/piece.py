@@ -27,6 +27,13 @@ import keras
 import tensorflow as tf
 
 from autosplit import _keras
+from autosplit.custom_step import (
+    CustomFacts,
+    batch_data,
+    custom_facts,
+    has_custom_step,
+    intercept,
+)
 from autosplit.errors import ModelNotReadyError
 from autosplit.model_state import model_state
 from autosplit.reduction import COUNT, SUM, output_terms, row_weight
@@ -45,6 +52,7 @@ __all__ = [
     "loss_plan",
     "map_present",
     "none_to_empty",
+    "step_plan",
     "update_loss_trackers",
     "update_metrics",
     "weight_regularization",
@@ -65,6 +73,15 @@ class LossPlan:
     has_grad: tuple[bool, ...]  # per trainable variable
     groups: tuple  # "count", "sum", ("deferred", j): one gradient sum each
     weights: tuple[float, ...]  # `loss_weights` per compiled loss
+    custom: CustomFacts | None = None  # the model's own train_step runs per micro-batch
+    per_batch_losses: bool = False  # a compiled loss returns one value per batch
+
+    @property
+    def real_rows_only(self) -> bool:
+        """Micro-batches without padding rows: something computes a mean of its own (a
+        layer's added loss, a custom step, a loss that returns one value per batch), where
+        autosplit cannot weigh padding rows out."""
+        return self.forward_losses or self.custom is not None or self.per_batch_losses
 
 
 def align_targets(model: keras.Model, y: Any, y_pred: Any) -> Any:
@@ -152,9 +169,25 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
         forward_losses=facts["forward"], has_grad=facts["has_grad"], groups=tuple(groups),
         weights=tuple(1.0 if f.weight is None else float(f.weight)
                       for f in _keras.flat_losses(model)),
+        per_batch_losses=not all(t.per_example for t in terms),
     )
     cache[key] = plan
     return plan
+
+
+def step_plan(model: keras.Model, specs: tuple) -> LossPlan:
+    """The plan of the train step: the model's own ``train_step`` (or ``compute_loss``)
+    when it overrides one, else the compiled loss and the losses added in call()."""
+    if not has_custom_step(model):
+        return loss_plan(model, specs)
+    key = ("custom", repr(specs))
+    cache = model_state(model).plans
+    if key not in cache:
+        facts = custom_facts(model, specs)
+        cache[key] = LossPlan(kinds=(), per_row=(), folded=(), forward_losses=False,
+                              has_grad=facts.has_grad, groups=(COUNT_GROUP,), weights=(),
+                              custom=facts)
+    return cache[key]
 
 
 class Piece(NamedTuple):
@@ -168,6 +201,7 @@ class Piece(NamedTuple):
     y: Any  # targets aligned to y_pred, for the metrics
     y_pred: Any
     masks: Any  # Keras masks of y_pred (lost when y_pred leaves an XLA function)
+    logs: Any = None  # a custom train_step's return value
 
 
 def _dense_f32(g) -> tf.Tensor | None:
@@ -179,7 +213,9 @@ def _dense_f32(g) -> tf.Tensor | None:
 def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_size: int,
                   scale) -> Piece:
     """Forward and backward of one micro-batch; changes no variable but the model's own
-    (BatchNormalization statistics, seed generators)."""
+    (BatchNormalization statistics, seed generators; a custom step's metric trackers)."""
+    if plan.custom is not None:
+        return _custom_piece(model, x, y, sample_weight, valid, batch_size=batch_size)
     variables = model.trainable_variables
     with tf.GradientTape(persistent=len(plan.groups) > 1) as tape:
         y, y_pred, terms, in_call = forward(model, x, y, sample_weight, valid)
@@ -205,6 +241,17 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
     masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
     return Piece(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
                  in_call_sum * rows, rows, y, y_pred, masks)
+
+
+def _custom_piece(model, x, y, sample_weight, valid, *, batch_size: int) -> Piece:
+    """The model's own train_step on one micro-batch of real rows, its apply caught: the
+    gradients of its mean over n rows, weighed n / B (``autosplit.custom_step``)."""
+    rows = tf.reduce_sum(valid)
+    with intercept(model, rows, batch_size) as seen:
+        logs = model.train_step(batch_data(x, y, sample_weight))
+    share = rows / batch_size
+    gradients = [None if g is None else _dense_f32(g) * share for g in seen.gradients]
+    return Piece([gradients], [], [], tf.constant(0.0), rows, None, None, None, logs)
 
 
 class Totals(NamedTuple):
@@ -236,6 +283,12 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
     """
     variables = model.trainable_variables
     n = totals.rows
+    correction = tf.math.divide_no_nan(tf.constant(float(batch_size)), n)
+    if plan.custom is not None:
+        # The step's own loss (regularisation included, if it adds it) is in its gradients.
+        (sums,) = totals.gradients
+        return tf.constant(0.0), [None if g is None else tf.cast(g * correction, v.dtype)
+                                  for g, v in zip(sums, variables, strict=True)], []
     with tf.GradientTape() as tape:
         # Counted once per large batch: each replica adds its 1/replicas share.
         regularization = weight_regularization(model) / replicas
@@ -246,7 +299,6 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
     loss = regularization * replicas + tf.math.divide_no_nan(totals.forward, n)
     for weight, value in zip(plan.weights, per_output, strict=True):
         loss += weight * value
-    correction = tf.math.divide_no_nan(tf.constant(float(batch_size)), n)
     gradients = []
     for index, variable in enumerate(variables):
         parts = []
@@ -317,7 +369,7 @@ def without_padding(plan: LossPlan, x, y, sample_weight, valid) -> tuple:
     models get micro-batches of their real rows only (a dynamic row count: under XLA a
     second compiled shape for the short micro-batch); others keep the static shape.
     """
-    if not plan.forward_losses:
+    if not plan.real_rows_only:
         return x, y, sample_weight, valid
     keep = valid > 0
     x, y, sample_weight = map_present(lambda t: tf.boolean_mask(t, keep), (x, y, sample_weight))

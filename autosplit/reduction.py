@@ -43,6 +43,7 @@ class LossTerms(NamedTuple):
     masked: bool  # static: the denominator depends on a Keras mask from the model
     kind: str  # static: SUM, COUNT or WEIGHT
     per_row: int | None  # static: loss elements per example (None if not static)
+    per_example: bool = True  # static: False for a loss that returns one value per batch
 
 
 def row_weight(row_valid: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
@@ -115,19 +116,22 @@ def output_terms(loss: object, y_true, y_pred, sample_weight, row_valid) -> Loss
     numerator = tf.cast(tf.reduce_sum(weighted), tf.float32)
     dims = values.shape[1:].as_list()
     per_row = None if any(d is None for d in dims) else math.prod(dims)
+    per_example = values.shape.rank is None or values.shape.rank >= 1
 
     if reduction == "sum":
-        return LossTerms(numerator, tf.constant(1.0, tf.float32), False, SUM, per_row)
+        return LossTerms(numerator, tf.constant(1.0, tf.float32), False, SUM, per_row,
+                         per_example)
     if reduction == "mean_with_sample_weight" and weight is not None:
         denominator = tf.reduce_sum(weight * row_weight(row_valid, weight))
-        return LossTerms(
-            numerator, tf.cast(denominator, tf.float32), mask is not None, WEIGHT, per_row
-        )
+        return LossTerms(numerator, tf.cast(denominator, tf.float32), mask is not None, WEIGHT,
+                         per_row, per_example)
     if mask is not None and reduction in ("sum_over_batch_size", "mean"):
         denominator = tf.reduce_sum(valid_mask)
-        return LossTerms(numerator, tf.cast(denominator, tf.float32), True, COUNT, per_row)
+        return LossTerms(numerator, tf.cast(denominator, tf.float32), True, COUNT, per_row,
+                         per_example)
     denominator = tf.reduce_sum(tf.ones_like(values) * row_weight(row_valid, values))
-    return LossTerms(numerator, tf.cast(denominator, tf.float32), False, COUNT, per_row)
+    return LossTerms(numerator, tf.cast(denominator, tf.float32), False, COUNT, per_row,
+                     per_example)
 
 
 def squeeze(x1: tf.Tensor, x2: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:

@@ -34,8 +34,9 @@ import keras
 import tensorflow as tf
 
 from autosplit import _keras
+from autosplit.custom_step import has_custom_step
 from autosplit.distribute import layout
-from autosplit.errors import DatasetError
+from autosplit.errors import DatasetError, UnsupportedModelError
 from autosplit.inputs import HOST
 from autosplit.model_state import model_state, step_key
 from autosplit.piece import (
@@ -44,7 +45,7 @@ from autosplit.piece import (
     combine,
     compute_piece,
     empty_to_none,
-    loss_plan,
+    step_plan,
     update_loss_trackers,
     update_metrics,
     without_padding,
@@ -99,6 +100,7 @@ class TrainStep:
         self._dirty = False  # the sums may hold a partial large batch
         self.sums: Sums | None = None
         self.stash: Stash | None = None
+        self.logs: Any = None  # a custom train_step's logs, in variables
         self.rebind(element_spec)
 
     # ------------------------------------------------------------ set-up
@@ -111,7 +113,23 @@ class TrainStep:
         self.element_spec = element_spec
         self.piece_spec = (x, empty_to_none(y), empty_to_none(w), valid)
         self.rows = int(valid.shape[0])
-        self.plan: LossPlan = loss_plan(self.model, self.piece_spec[:3])
+        self.plan: LossPlan = step_plan(self.model, self.piece_spec[:3])
+        if not self.model.optimizer.built:  # a custom step's model, built by its trace
+            with self.strategy.scope():
+                self.model.optimizer.build(self.model.trainable_variables)
+            check_trainable(self.model)
+        if self.plan.custom is not None and self.replicas > 1:
+            raise UnsupportedModelError(
+                f"Expected one replica for a model with its own train_step. Received: "
+                f"{type(self.model).__name__} under {type(self.strategy).__name__} with "
+                f"{self.replicas} replicas; autosplit splits a custom train_step on one "
+                "device only (yet).")
+        if self.plan.custom is not None and self.logs is None:
+            # What the step returned for the last micro-batch: the large batch's logs.
+            self.logs = tf.nest.map_structure(
+                lambda s: tf.Variable(tf.zeros([d or 1 for d in s.shape.as_list()], s.dtype),
+                                      trainable=False, shape=tf.TensorShape(None)),
+                self.plan.custom.logs)
         # Another input structure (sample weights or not) can change the loss groups,
         # or what is stashed; compiled functions captured the old variables.
         if self.sums is None or self.sums.groups != self.plan.groups:
@@ -159,6 +177,10 @@ class TrainStep:
     def _commit_metrics(self, values, w, valid, ready=None):
         """Per replica: update the compiled metrics from one piece (after ``ready``)."""
         piece = self._unflatten(list(values))
+        if self.plan.custom is not None:  # the step updated its own metrics
+            with tf.control_dependencies([] if ready is None else [ready]):
+                return after([v.assign(t) for v, t in zip(
+                    tf.nest.flatten(self.logs), tf.nest.flatten(piece.logs), strict=True)])
         # The rows the piece was computed on (padding dropped for losses added in call()).
         _, _, w, valid = without_padding(self.plan, (), None, empty_to_none(w), valid)
         with tf.control_dependencies([] if ready is None else [ready]):
@@ -306,7 +328,8 @@ class TrainStep:
         # Under a strategy Keras's optimizer all-reduces these gradients: once.
         with tf.control_dependencies([loss] + [g for g, _ in pairs]):
             model.optimizer.apply_gradients(pairs)
-        updates = update_loss_trackers(model, loss, per_output, local_rows)
+        updates = [] if self.plan.custom is not None else update_loss_trackers(
+            model, loss, per_output, local_rows)
         with tf.control_dependencies([g for g, _ in pairs] + [loss] + updates):
             self.sums.zero()
         return loss
@@ -318,7 +341,29 @@ class TrainStep:
             loss = self.strategy.run(self._finish_replica, args=(ready,))
         with tf.control_dependencies(tf.nest.flatten(
                 self.strategy.experimental_local_results(loss))):
+            if self.plan.custom is not None:
+                return tf.nest.map_structure(lambda v: v.read_value(), self.logs)
             return self.model.get_metrics_result()
+
+    @staticmethod
+    def flat_logs(result: dict) -> dict[str, float]:
+        """Logs as floats, a nested dict's entries lifted (a custom step may return the
+        compiled metrics' ``result()``, a dict, as Keras's guide does)."""
+        logs: dict[str, float] = {}
+        for name, value in result.items():
+            if isinstance(value, dict):
+                logs.update(TrainStep.flat_logs(value))
+            else:
+                logs[name] = float(value)
+        return logs
+
+    def epoch_logs(self, last: dict) -> dict:
+        """The logs of an epoch, as ``model.fit`` picks them: the metrics' results, or
+        what a custom train_step returned last when it names other things."""
+        results = self.flat_logs(self.model.get_metrics_result())
+        if self.plan.custom is None or set(results) == set(last):
+            return results
+        return dict(last)
 
     def _fused(self, iterator, count):
         return self._finish(self._local(iterator, count))
@@ -459,11 +504,17 @@ def build_for(model: keras.Model, element_spec: Any, local_replicas: int = 1) ->
     x, y, w, _ = element_spec
     if local_replicas > 1:
         x, y, w = _without_replica_axis((x, y, w))
-    if empty_to_none(y) is None and _keras.has_compiled_loss(model):
+    custom = has_custom_step(model)
+    if empty_to_none(y) is None and _keras.has_compiled_loss(model) and not custom:
         raise DatasetError(
             "Expected targets `y` for the compiled loss. Received: inputs without targets. "
             "Pass (x, y), as to model.fit, or compile with loss=None when the model adds "
             "its loss in call().")
     with model.distribute_strategy.scope():
+        if custom and not model.built:
+            # As model.fit does without a strategy: a model whose train_step is its own
+            # (and may have no call(), as the Keras VAE) is built by tracing that step
+            # (the step plan's throwaway trace); its optimizer right after it.
+            return
         _keras.symbolic_build(model, (x, empty_to_none(y), empty_to_none(w)))
     check_trainable(model)

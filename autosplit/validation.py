@@ -11,6 +11,7 @@ from typing import Any
 
 import keras
 
+from autosplit.custom_step import has_custom_step
 from autosplit.errors import BatchSizeError, ModelNotReadyError, UnsupportedModelError, describe
 from autosplit.split import check_size
 
@@ -75,19 +76,17 @@ def check_model(model: Any) -> None:
     if not isinstance(model, keras.Model):
         raise ModelNotReadyError(
             f"Expected `model` to be a compiled keras.Model. Received: model={describe(model)}.")
+    if getattr(model, "compiled", False) and model.optimizer is None and has_custom_step(model):
+        raise UnsupportedModelError(
+            f"Expected `{type(model).__name__}` with a custom train_step to be compiled with "
+            "an optimizer, which autosplit applies once per large batch. Received: "
+            "model.optimizer=None. A step that applies optimizers of its own (a GAN's two) "
+            "has no exact split in one pass: train it with model.fit.")
     if not getattr(model, "compiled", False) or model.optimizer is None:
         raise ModelNotReadyError(
             "Expected a compiled model with an optimizer. Received: a model that "
             f"{'is not compiled' if not getattr(model, 'compiled', False) else 'has no optimizer'}"
             ". Call `model.compile(optimizer=..., loss=...)` first.")
-    for method in ("train_step", "compute_loss"):
-        override = getattr(type(model), method, None)
-        if override is not None and override is not getattr(keras.Model, method):
-            raise UnsupportedModelError(
-                f"Expected a model that uses Keras's own `{method}`. Received: "
-                f"{type(model).__name__} overrides `{method}`, which autosplit cannot split "
-                "into micro-batches exactly. Use `autosplit.accumulate_gradients` inside "
-                "your own training step instead.")
     check_trainable(model)
 
 

@@ -172,12 +172,16 @@ def test_multi_output_model_is_exact_and_its_loss_trackers_are_restored():
 
 
 def scalar_loss(y_true, y_pred):
-    return keras.ops.mean(keras.ops.square(y_pred))  # one value for the whole batch
+    return keras.ops.mean(keras.ops.square(y_pred))  # one value: a mean over examples
+
+
+def scalar_mixing_loss(y_true, y_pred):
+    return keras.ops.square(keras.ops.mean(y_pred))  # one value: mixes examples
 
 
 @pytest.mark.parametrize(("loss", "reason"), [
     (MixingLoss(), "is not a sum over examples"),
-    (scalar_loss, "one value per batch"),  # 50 = 3*16 + 2: the padding rows count
+    (scalar_mixing_loss, "one value per batch"),
 ], ids=["mixes-examples", "scalar"])
 def test_loss_that_is_not_a_per_example_sum(loss, reason):
     x, y, _ = data(50)
@@ -185,6 +189,14 @@ def test_loss_that_is_not_a_per_example_sum(loss, reason):
     assert not report.decomposes and not report.exact
     assert len(report.culprits) == 1 and reason in report.culprits[0].reason
     assert report.hint is None
+
+
+def test_loss_that_returns_a_batch_mean_splits_exactly_with_padding():
+    """One value per batch, a mean over its examples (the siamese example's contrastive
+    loss as written): exact, since padding rows never reach it (50 = 3 * 16 + 2)."""
+    x, y, _ = data(50)
+    report = check(mlp(loss=scalar_loss), x, y, micro_batch_size=16)
+    assert report.exact and not report.culprits, report.format()
 
 
 def test_unreduced_loss_cannot_be_split():

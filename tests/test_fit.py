@@ -225,16 +225,27 @@ def test_model_without_trainable_weights():
         autosplit.fit_large_batch(model, data(), batch_size=8, micro_batch_size=4, verbose=0)
 
 
-def test_custom_train_step_is_refused():
+def test_custom_train_step_calling_keras_own_equals_model_fit():
     class Custom(keras.Model):
         def train_step(self, data):
             return super().train_step(data)
 
-    inputs = keras.Input((6,))
-    model = Custom(inputs, keras.layers.Dense(3)(inputs))
-    model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(UnsupportedModelError, match="train_step"):
-        autosplit.fit_large_batch(model, data(), batch_size=8, micro_batch_size=4)
+    def make():
+        inputs = keras.Input((6,))
+        model = Custom(inputs, keras.layers.Dense(3)(inputs))
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        return model
+
+    x = np.random.default_rng(0).normal(size=(40, 6)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(40, 3)).astype("float32")
+    reference, model = make(), make()
+    model.set_weights(reference.get_weights())
+    expected = reference.fit(x, y, batch_size=20, shuffle=False, verbose=0)
+    got = autosplit.fit_large_batch(model, x, y, batch_size=20, micro_batch_size=8,
+                                    shuffle=False, verbose=0)
+    assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(got.history[name], values, rtol=1e-5, err_msg=name)
 
 
 def test_unreduced_loss_is_refused():

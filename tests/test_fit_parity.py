@@ -266,3 +266,26 @@ def test_calling_it_again_reuses_the_step_and_memory_stays_flat():
     gc.collect()
     growth = process.memory_info().rss - before
     assert growth < 4 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 30 calls"
+
+
+def test_loss_returning_one_value_per_batch_is_exact_with_padding_rows():
+    """A loss that returns the batch's mean itself (the siamese example's): each
+    micro-batch holds real rows only, so B=32, m=12 (3 of 11, one padding row) is exact."""
+    def mean_loss(y_true, y_pred):
+        return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+    def make():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=mean_loss)
+        return model
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = 2 * x[:, :1]
+    reference, candidate = make(), make()
+    candidate.set_weights(reference.get_weights())
+    expected = reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    got = autosplit.fit_large_batch(candidate, x, y, batch_size=32, micro_batch_size=12,
+                                    shuffle=False, verbose=0)
+    assert got.autosplit["padded_rows"] == 1
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+    np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)

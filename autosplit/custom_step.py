@@ -1,0 +1,185 @@
+"""Models with their own ``train_step`` (or ``compute_loss``): split by running that step
+once per micro-batch and catching its one ``apply_gradients``.
+
+Keras's guide teaches overriding ``train_step`` (VAEs, contrastive models, distillers);
+Keras's own ``gradient_accumulation_steps`` lives in the optimizer, so it works for
+them. autosplit does the same thing inside its loop, exactly:
+
+- Each micro-batch holds real rows only (no padding) and is passed to
+  ``model.train_step`` as ``model.fit`` passes a batch: ``x``, ``(x, y)`` or
+  ``(x, y, sample_weight)``.
+- While the step runs, ``model.optimizer.apply_gradients`` (and ``apply``) records the
+  gradients instead of applying them. A step's loss is a mean over its examples, so a
+  micro-batch of n rows weighs n / B in the sum; autosplit's loop applies the sum once
+  per large batch (times B / N for a short last batch of N rows, as for compiled losses).
+- A metric tracker updated with one scalar and no sample weight (``Mean`` of the step's
+  loss: ``self.loss_tracker.update_state(loss)``) is given the weight n / B, so that
+  after a full large batch it holds what ``model.fit`` leaves after one step of B rows.
+  Trackers updated per example (``y_true, y_pred``) or with their own weights add up
+  as they are.
+- The logs are what the step returned for the last micro-batch, read from the trackers
+  it updated: for a full large batch, ``model.fit``'s logs.
+
+A step that applies gradients more than once, or through another optimizer (a GAN's
+two), has no exact split in one pass: refused by :func:`custom_plan` with
+``UnsupportedModelError``, from a throwaway trace, before anything changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from autosplit.errors import UnsupportedModelError
+
+__all__ = ["CustomFacts", "Intercepted", "batch_data", "custom_facts", "has_custom_step",
+           "intercept"]
+
+
+def has_custom_step(model: keras.Model) -> bool:
+    """Whether ``model`` overrides ``train_step`` or ``compute_loss``."""
+    return any(getattr(type(model), name, None) is not getattr(keras.Model, name)
+               for name in ("train_step", "compute_loss"))
+
+
+@dataclass(frozen=True)
+class CustomFacts:
+    """What one throwaway trace of the model's ``train_step`` showed."""
+
+    has_grad: tuple[bool, ...]  # per model.trainable_variables: the step applies a gradient
+    logs: Any  # tf.TensorSpec structure of what the step returns
+
+
+class Intercepted:
+    """What one call of ``train_step`` tried to apply, per model trainable variable."""
+
+    def __init__(self, model: keras.Model) -> None:
+        self.model = model
+        self.calls = 0
+        self.gradients: list = [None] * len(model.trainable_variables)
+
+    def record(self, grads, variables) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            raise UnsupportedModelError(
+                f"Expected `{type(self.model).__name__}.train_step` to apply gradients once "
+                "per batch. Received: a step that calls `optimizer.apply_gradients` more "
+                "than once. Its updates depend on each other within the batch, so they have "
+                "no exact split into micro-batches in one pass: train it with model.fit.")
+        index = {id(v): i for i, v in enumerate(self.model.trainable_variables)}
+        for g, v in zip(grads, variables, strict=True):
+            i = index.get(id(v))
+            if i is None:
+                raise UnsupportedModelError(
+                    f"Expected `{type(self.model).__name__}.train_step` to apply gradients "
+                    "to the model's trainable variables. Received: a gradient for "
+                    f"{getattr(v, 'path', v.name)}, which is not one of them (frozen, or "
+                    "not tracked by the model).")
+            self.gradients[i] = g
+
+
+@contextlib.contextmanager
+def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int
+              ) -> Iterator[Intercepted]:
+    """While ``train_step`` runs: its one ``apply_gradients`` is recorded, not applied,
+    and scalar tracker updates weigh ``rows / batch_size``. Python-side patches, active
+    while the step is traced (or run eagerly)."""
+    seen = Intercepted(model)
+    optimizer = model.optimizer
+
+    def apply_gradients(grads_and_vars):
+        pairs = list(grads_and_vars)
+        seen.record([g for g, _ in pairs], [v for _, v in pairs])
+        return optimizer.iterations
+
+    def apply(grads, trainable_variables=None):
+        seen.record(list(grads), list(trainable_variables or model.trainable_variables))
+
+    def foreign(self, *args, **kwargs):
+        raise UnsupportedModelError(
+            f"Expected `{type(model).__name__}.train_step` to apply gradients through "
+            "`self.optimizer` only. Received: a step that applies another optimizer "
+            f"({type(self).__name__}), as a GAN applies two. Each update depends on the "
+            "other within the batch: there is no exact split in one pass; train it with "
+            "model.fit.")
+
+    def weighted(metric):
+        original = metric.update_state
+
+        def update_state(*args, **kwargs):
+            values = args[0] if args else kwargs.get("values")
+            if (rows is not None and len(args) <= 1 and kwargs.keys() <= {"values"}
+                    and values is not None and tf.convert_to_tensor(values).shape.rank == 0):
+                kwargs = {"sample_weight": tf.cast(rows, tf.float32) / batch_size}
+                return original(values, **kwargs)
+            return original(*args, **kwargs)
+
+        return update_state
+
+    patched = [(optimizer, "apply_gradients", apply_gradients), (optimizer, "apply", apply)]
+    patched += [(m, "update_state", weighted(m)) for m in model.metrics
+                if isinstance(m, keras.metrics.Metric)]
+    # Any other optimizer's apply_gradients raises; model.optimizer's own attribute
+    # (set above) shadows this class attribute.
+    base = keras.optimizers.Optimizer
+    had = "apply_gradients" in vars(base)
+    original_base = vars(base).get("apply_gradients")
+    for obj, name, fn in patched:
+        object.__setattr__(obj, name, fn)
+    base.apply_gradients = foreign
+    try:
+        yield seen
+    finally:
+        if had:
+            base.apply_gradients = original_base
+        else:
+            del base.apply_gradients
+        for obj, name, _ in patched:
+            with contextlib.suppress(AttributeError):
+                object.__delattr__(obj, name)
+
+
+def batch_data(x: Any, y: Any, sample_weight: Any) -> Any:
+    """What ``model.fit`` passes to ``train_step``: ``x`` (or ``(x,)`` for a tuple x),
+    ``(x, y)`` or ``(x, y, sample_weight)``."""
+    return keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+
+
+@tf.autograph.experimental.do_not_convert
+def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
+    """Trace ``train_step`` once on ``specs`` = (x, y, sample_weight) specs; nothing runs.
+
+    Raises:
+        UnsupportedModelError: the step applies gradients more than once, to other
+            variables, through another optimizer, or never.
+    """
+    if model.optimizer is None:
+        raise UnsupportedModelError(
+            f"Expected `{type(model).__name__}` with a custom train_step to be compiled "
+            "with an optimizer (`model.compile(optimizer=...)`), which autosplit applies "
+            "once per large batch. Received: model.optimizer=None (a step that applies its "
+            "own optimizers, as a GAN does, has no exact split in one pass).")
+    facts: dict[str, Any] = {}
+
+    def trace(x, y, sample_weight):
+        with intercept(model, None, 1) as seen:
+            logs = model.train_step(batch_data(x, y, sample_weight))
+        facts.update(seen=seen, logs=logs)
+        return tf.constant(0.0)
+
+    tf.function(trace, autograph=False).get_concrete_function(*specs)
+    seen = facts["seen"]
+    if seen.calls == 0:
+        raise UnsupportedModelError(
+            f"Expected `{type(model).__name__}.train_step` to call "
+            "`self.optimizer.apply_gradients` once. Received: a step that never does, so "
+            "there is nothing to accumulate.")
+    logs = tf.nest.map_structure(lambda t: tf.TensorSpec(tf.convert_to_tensor(t).shape,
+                                                         tf.convert_to_tensor(t).dtype),
+                                 facts["logs"])
+    return CustomFacts(has_grad=tuple(g is not None for g in seen.gradients), logs=logs)
