@@ -25,8 +25,9 @@ lint: $(STAMP)
 doctest: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q --doctest-modules autosplit
 
+# PYTEST_ARGS: extra pytest arguments, e.g. --randomly-seed=N to replay a run's order.
 test: lint doctest
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -ra -n 2
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -ra -n 2 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead
