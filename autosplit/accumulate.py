@@ -72,7 +72,7 @@ def _sum_pieces(model, plan: LossPlan, take, count, *, batch_size: int, scale,
 
     def body(i, grads, numerators, denominators, in_call, rows):
         x, y, w, valid = take(i)
-        x, y, w, valid = without_padding(plan, x, y, empty_to_none(w), valid)
+        x, y, w, valid = without_padding(plan.real_rows_only, x, y, empty_to_none(w), valid)
         piece = compute_piece(model, plan, x, y, w, valid, batch_size=batch_size, scale=scale)
         grads = [[acc + g if g is not None else acc for acc, g in zip(sums, new, strict=True)]
                  for sums, new in zip(grads, piece.gradients, strict=True)]

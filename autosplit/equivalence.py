@@ -40,8 +40,9 @@ __all__ = ["CheckReport", "Culprit", "VariableDifference", "check"]
 DEFAULT_TOLERANCE = 1e-4
 _SCALE_FLOOR = 1e-3  # of the model's largest gradient entry; see _differences
 
-BATCH_NORM = "normalises each micro-batch with its own statistics (ghost batch norm) and " \
-    "updates its moving averages once per micro-batch"
+BATCH_NORM = "normalises each micro-batch with its own statistics (ghost batch norm); its " \
+    "moving statistics are pooled exactly over the large batch and updated once by " \
+    "fit_large_batch (batch_norm='pooled', the default)"
 RANDOM = "draws random numbers per micro-batch: the split equals the full batch in " \
     "distribution, not bitwise"
 MIXES = "mixes examples across the batch, and draws random numbers per micro-batch"

@@ -62,8 +62,8 @@ class Evaluator:
 
             def one():
                 x, y, w, valid = optional.get_value()
-                x, y, w, valid = without_padding(plan, x, empty_to_none(y), empty_to_none(w),
-                                                 valid)
+                x, y, w, valid = without_padding(plan.real_rows_only, x, empty_to_none(y),
+                                                 empty_to_none(w), valid)
                 y_al, y_pred, terms, losses = forward(model, x, y, w, valid, training=False)
                 update_metrics(model, y_al, y_pred, w, valid)
                 piece_rows = tf.reduce_sum(valid)

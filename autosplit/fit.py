@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from autosplit import _keras
+from autosplit.batchnorm import MODES
 from autosplit.custom_step import has_custom_step
 from autosplit.distribute import Layout, layout
 from autosplit.errors import BatchSizeError, DatasetError, UnsupportedModelError, describe
@@ -63,6 +64,7 @@ class _Args:
     validation_freq: int
     validation_split: float
     on_oom: str
+    batch_norm: str
 
 
 def fit_large_batch(
@@ -87,6 +89,7 @@ def fit_large_batch(
     validation_freq: int = 1,
     jit_compile: bool | None = None,
     on_oom: Literal["recover", "raise"] = "recover",
+    batch_norm: Literal["pooled", "micro"] = "pooled",
     memory_limit: int | str | None = None,
     headroom: float = 0.1,
     cache: bool = True,
@@ -115,6 +118,10 @@ def fit_large_batch(
         jit_compile: XLA for the per-micro-batch computation; default ``model.compile``'s.
         on_oom: ``"recover"`` (default) finishes a batch that ran out of memory with
             smaller micro-batches; ``"raise"`` re-raises the error.
+        batch_norm: ``"pooled"`` (default): BatchNormalization layers in training mode
+            update their moving statistics once per large batch, with the exactly
+            pooled statistics of its micro-batches (what the whole batch gives);
+            ``"micro"``: once per micro-batch, as Keras's gradient accumulation does.
         memory_limit, headroom, cache: passed to the probe when ``micro_batch_size="auto"``.
 
     Returns:
@@ -150,6 +157,7 @@ def _validate(model: Any, given: dict) -> _Args:
         "micro_batch_size", micro)
     epochs = check_size("epochs", given["epochs"])
     check_choice("on_oom", given["on_oom"], ("recover", "raise"))
+    check_choice("batch_norm", given["batch_norm"], MODES)
     if given["shuffle"] not in (True, False, "batch"):
         raise ValueError(f"Expected `shuffle` to be True or False. Received: "
                          f"shuffle={describe(given['shuffle'])}.")
@@ -170,6 +178,7 @@ def _validate(model: Any, given: dict) -> _Args:
         validation_freq=check_size("validation_freq", given["validation_freq"]),
         validation_split=check_fraction("validation_split", given["validation_split"]),
         on_oom=given["on_oom"],
+        batch_norm=given["batch_norm"],
     )
     check_fraction("headroom", given["headroom"])
     if given["jit_compile"] not in (None, True, False):
@@ -280,7 +289,8 @@ def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom,
     pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where)
     spec = pipeline.element_spec()
     build_for(model, spec, where.local_replicas)
-    step = train_step(model, args.batch_size, spec, jit_compile=jit_compile)
+    step = train_step(model, args.batch_size, spec, jit_compile=jit_compile,
+                      batch_norm=args.batch_norm)
     step.warn_if_inexact(split.accumulation_steps)
     return _Plan(split, where, pipeline, step, probe_result, reason,
                  _shared_seed(step, where))
@@ -317,6 +327,7 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
         "padded_rows": plan.split.padded_rows,
         "micro_batch_reason": plan.reason,
         "input": adapter.kind,
+        "batch_norm": args.batch_norm,
         "replicas": plan.layout.replicas,
         "workers": plan.layout.workers,
         "micro_batch_sizes": [],

@@ -16,8 +16,8 @@ The key holds, by identity, what ``compile()`` replaces and what the step captur
 - the trainable variables, in order (``layer.trainable = False`` changes them, with or
   without a recompile: a step traced for other variables would apply the wrong ones).
 
-Within one state, train steps are keyed on the batch size and on ``jit_compile`` and
-``run_eagerly`` as resolved for the call (:func:`step_key`).
+Within one state, train steps are keyed on the batch size, on ``jit_compile`` and
+``run_eagerly`` as resolved for the call, and on the ``batch_norm`` mode (:func:`step_key`).
 """
 
 from __future__ import annotations
@@ -72,10 +72,11 @@ class ModelState:
 
 
 def step_key(model: keras.Model, batch_size: int, *, jit_compile: bool | None = None,
-             run_eagerly: bool | None = None) -> tuple[int, bool, bool]:
+             run_eagerly: bool | None = None, batch_norm: str = "pooled"
+             ) -> tuple[int, bool, bool, str]:
     """A train step's key within a state (``None``: what ``model.compile`` resolved)."""
     return (batch_size, bool(model.jit_compile if jit_compile is None else jit_compile),
-            bool(model.run_eagerly if run_eagerly is None else run_eagerly))
+            bool(model.run_eagerly if run_eagerly is None else run_eagerly), batch_norm)
 
 
 def model_state(model: keras.Model) -> ModelState:

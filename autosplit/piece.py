@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from autosplit import _keras
+from autosplit.batchnorm import combined, recording
 from autosplit.custom_step import (
     CustomFacts,
     batch_data,
@@ -202,6 +203,7 @@ class Piece(NamedTuple):
     y_pred: Any
     masks: Any  # Keras masks of y_pred (lost when y_pred leaves an XLA function)
     logs: Any = None  # a custom train_step's return value
+    moments: Any = None  # per pooled BatchNormalization layer: its Moments on the piece
 
 
 def _dense_f32(g) -> tf.Tensor | None:
@@ -211,13 +213,14 @@ def _dense_f32(g) -> tf.Tensor | None:
 
 
 def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_size: int,
-                  scale) -> Piece:
+                  scale, pool: list | tuple = ()) -> Piece:
     """Forward and backward of one micro-batch; changes no variable but the model's own
     (BatchNormalization statistics, seed generators; a custom step's metric trackers)."""
     if plan.custom is not None:
-        return _custom_piece(model, x, y, sample_weight, valid, batch_size=batch_size)
+        return _custom_piece(model, x, y, sample_weight, valid, batch_size=batch_size,
+                             pool=pool)
     variables = model.trainable_variables
-    with tf.GradientTape(persistent=len(plan.groups) > 1) as tape:
+    with recording(pool) as records, tf.GradientTape(persistent=len(plan.groups) > 1) as tape:
         y, y_pred, terms, in_call = forward(model, x, y, sample_weight, valid)
         rows = tf.reduce_sum(valid)
         in_call_sum = tf.add_n(in_call) if in_call else tf.constant(0.0)
@@ -240,18 +243,27 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
     del tape
     masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
     return Piece(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
-                 in_call_sum * rows, rows, y, y_pred, masks)
+                 in_call_sum * rows, rows, y, y_pred, masks, None, _moments(pool, records))
 
 
-def _custom_piece(model, x, y, sample_weight, valid, *, batch_size: int) -> Piece:
+def _moments(pool, records) -> list | None:
+    """Per pooled BatchNormalization layer: its moments over this piece's calls."""
+    if not pool:
+        return None
+    return [combined(calls, layer.moving_mean.shape[0])
+            for layer, calls in zip(pool, records, strict=True)]
+
+
+def _custom_piece(model, x, y, sample_weight, valid, *, batch_size: int, pool) -> Piece:
     """The model's own train_step on one micro-batch of real rows, its apply caught: the
     gradients of its mean over n rows, weighed n / B (``autosplit.custom_step``)."""
     rows = tf.reduce_sum(valid)
-    with intercept(model, rows, batch_size) as seen:
+    with intercept(model, rows, batch_size) as seen, recording(pool) as records:
         logs = model.train_step(batch_data(x, y, sample_weight))
     share = rows / batch_size
     gradients = [None if g is None else _dense_f32(g) * share for g in seen.gradients]
-    return Piece([gradients], [], [], tf.constant(0.0), rows, None, None, None, logs)
+    return Piece([gradients], [], [], tf.constant(0.0), rows, None, None, None, logs,
+                 _moments(pool, records))
 
 
 class Totals(NamedTuple):
@@ -361,15 +373,17 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None) -> None:
             mls.update_state(y_t, y_p, sample_weight=s_w)
 
 
-def without_padding(plan: LossPlan, x, y, sample_weight, valid) -> tuple:
+def without_padding(strip: bool, x, y, sample_weight, valid) -> tuple:
     """The real rows of a micro-batch alone, when the model adds losses in ``call()``.
 
-    A layer's own loss (``add_loss(mean(...))``, an endpoint layer's CTC) averages over
-    every row it sees; padding rows (copies of real ones) would enter that mean. Such
-    models get micro-batches of their real rows only (a dynamic row count: under XLA a
+    A layer's own loss (``add_loss(mean(...))``, an endpoint layer's CTC), a loss that
+    returns one value per batch, a custom train_step and a BatchNormalization layer whose
+    statistics are pooled average over every row they see; padding rows (copies of real
+    ones) would enter those means. ``strip``: such models get micro-batches of their
+    real rows only (a dynamic row count: under XLA a
     second compiled shape for the short micro-batch); others keep the static shape.
     """
-    if not plan.real_rows_only:
+    if not strip:
         return x, y, sample_weight, valid
     keep = valid > 0
     x, y, sample_weight = map_present(lambda t: tf.boolean_mask(t, keep), (x, y, sample_weight))

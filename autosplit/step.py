@@ -34,6 +34,7 @@ import keras
 import tensorflow as tf
 
 from autosplit import _keras
+from autosplit.batchnorm import pooled_layers
 from autosplit.custom_step import has_custom_step
 from autosplit.distribute import layout
 from autosplit.errors import DatasetError, UnsupportedModelError
@@ -78,14 +79,20 @@ class TrainStep:
         jit_compile: XLA for the per-micro-batch computation; default what
             ``model.compile`` resolved.
         run_eagerly: no ``tf.function`` (debugging); default ``model.run_eagerly``.
+        batch_norm: ``"pooled"``: BatchNormalization's moving statistics are updated
+            once per large batch with the pooled statistics of its micro-batches
+            (``autosplit.batchnorm``); ``"micro"``: once per micro-batch.
 
     Variables are created once and reused for every split of the same element
     structure; call :meth:`rebind` to use another micro-batch size.
     """
 
     def __init__(self, model: keras.Model, batch_size: int, element_spec: Any, *,
-                 jit_compile: bool | None = None, run_eagerly: bool | None = None) -> None:
+                 jit_compile: bool | None = None, run_eagerly: bool | None = None,
+                 batch_norm: str = "pooled") -> None:
         self.model = model
+        self.batch_norm = batch_norm
+        self.pool = pooled_layers(model) if batch_norm == "pooled" else []
         self.batch_size = batch_size
         self.strategy = model.distribute_strategy
         where = layout(self.strategy)
@@ -134,7 +141,7 @@ class TrainStep:
         # or what is stashed; compiled functions captured the old variables.
         if self.sums is None or self.sums.groups != self.plan.groups:
             self._functions.clear()
-            self.sums = Sums(self.model, self.plan, self.strategy)
+            self.sums = Sums(self.model, self.plan, self.strategy, self.pool)
         if self.stash is None or not self.stash.fits(element_spec):
             self._functions.clear()
             self.stash = Stash(element_spec)
@@ -147,13 +154,14 @@ class TrainStep:
 
     def _compute(self, x, y, w, valid):
         """Per replica: one piece's gradients and terms, flattened (None entries dropped)."""
-        x, y, w, valid = without_padding(self.plan, x, empty_to_none(y), empty_to_none(w),
+        x, y, w, valid = without_padding(self._strip(), x, empty_to_none(y), empty_to_none(w),
                                          valid)
         return self._piece_function()(x, y, w, valid)
 
     def _piece(self, x, y, w, valid):
         piece = compute_piece(self.model, self.plan, x, y, w, valid,
-                              batch_size=self.batch_size, scale=self._loss_scale())
+                              batch_size=self.batch_size, scale=self._loss_scale(),
+                              pool=self.pool)
         flat = tf.nest.flatten(piece)
         self._template = (piece, [t is not None for t in flat])
         return [t for t in flat if t is not None]
@@ -182,10 +190,14 @@ class TrainStep:
                 return after([v.assign(t) for v, t in zip(
                     tf.nest.flatten(self.logs), tf.nest.flatten(piece.logs), strict=True)])
         # The rows the piece was computed on (padding dropped for losses added in call()).
-        _, _, w, valid = without_padding(self.plan, (), None, empty_to_none(w), valid)
+        _, _, w, valid = without_padding(self._strip(), (), None, empty_to_none(w), valid)
         with tf.control_dependencies([] if ready is None else [ready]):
             update_metrics(self.model, piece.y, piece.y_pred, w, valid, piece.masks)
             return tf.constant(True)
+
+    def _strip(self) -> bool:
+        """Micro-batches of real rows only (``autosplit.piece.without_padding``)."""
+        return self.plan.real_rows_only or bool(self.pool)
 
     def _piece_function(self):
         if self.jit_compile and not self.run_eagerly:
@@ -328,9 +340,11 @@ class TrainStep:
         # Under a strategy Keras's optimizer all-reduces these gradients: once.
         with tf.control_dependencies([loss] + [g for g, _ in pairs]):
             model.optimizer.apply_gradients(pairs)
+            # BatchNormalization's moving statistics: one update, pooled (batchnorm.py).
+            pooled = [] if self.sums.pool is None else self.sums.pool.apply()
         updates = [] if self.plan.custom is not None else update_loss_trackers(
             model, loss, per_output, local_rows)
-        with tf.control_dependencies([g for g, _ in pairs] + [loss] + updates):
+        with tf.control_dependencies([g for g, _ in pairs] + [loss] + updates + pooled):
             self.sums.zero()
         return loss
 
@@ -457,11 +471,16 @@ class TrainStep:
     def warn_if_inexact(self, accumulation_steps: int) -> None:
         """Warn once about what cannot equal the full batch when it is split."""
         if accumulation_steps > 1 and has_batch_norm(self.model):
+            moving = ("their moving statistics are updated once per large batch with the "
+                      "exactly pooled statistics of all its micro-batches, as on the whole "
+                      "batch" if self.pool else
+                      "their moving statistics are updated once per micro-batch "
+                      "(batch_norm='micro'), not once per large batch")
             warnings.warn(
-                "This model has BatchNormalization layers: in training mode they normalise "
+                "This model has BatchNormalization layers in training mode: they normalise "
                 f"each micro-batch of {self.rows} with its own statistics (ghost batch norm), "
-                f"not the whole batch of {self.batch_size}. Gradients are exact for that "
-                "computation.", stacklevel=3)
+                f"not the whole batch of {self.batch_size}, and gradients are exact for that "
+                f"computation; {moving}.", stacklevel=3)
         if accumulation_steps > 1 and self.plan.forward_losses:
             warnings.warn(
                 "This model adds losses in call() (add_loss or activity regularizers). "
@@ -473,7 +492,8 @@ class TrainStep:
 
 
 def train_step(model: keras.Model, batch_size: int, element_spec: Any, *,
-               jit_compile: bool | None = None, run_eagerly: bool | None = None) -> TrainStep:
+               jit_compile: bool | None = None, run_eagerly: bool | None = None,
+               batch_norm: str = "pooled") -> TrainStep:
     """The model's ``TrainStep`` for this batch size, built once and reused by every call.
 
     As Keras keeps ``model.train_function``, a second ``fit_large_batch`` on the same
@@ -482,7 +502,8 @@ def train_step(model: keras.Model, batch_size: int, element_spec: Any, *,
     same; a ``compile()`` or a change of ``trainable`` in between gives a fresh step.
     """
     state = model_state(model)
-    key = step_key(model, batch_size, jit_compile=jit_compile, run_eagerly=run_eagerly)
+    key = step_key(model, batch_size, jit_compile=jit_compile, run_eagerly=run_eagerly,
+                   batch_norm=batch_norm)
     step = state.steps.get(key)
     if step is None:
         if state.steps:
@@ -491,7 +512,7 @@ def train_step(model: keras.Model, batch_size: int, element_spec: Any, *,
             state.steps.clear()
             gc.collect()
         step = TrainStep(model, batch_size, element_spec, jit_compile=jit_compile,
-                         run_eagerly=run_eagerly)
+                         run_eagerly=run_eagerly, batch_norm=batch_norm)
         state.steps[key] = step
     else:
         step.rebind(element_spec)

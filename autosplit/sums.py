@@ -15,6 +15,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from autosplit.batchnorm import Pool
 from autosplit.inputs import HOST
 from autosplit.piece import LossPlan, Piece, Totals
 
@@ -43,7 +44,8 @@ class Sums:
     folding pass, which does not survive it.
     """
 
-    def __init__(self, model: keras.Model, plan: LossPlan, strategy) -> None:
+    def __init__(self, model: keras.Model, plan: LossPlan, strategy, pool: list | tuple = ()
+                 ) -> None:
         replicated = strategy.num_replicas_in_sync > 1
         kwargs = dict(synchronization=tf.VariableSynchronization.ON_READ,
                       aggregation=tf.VariableAggregation.SUM) if replicated else {}
@@ -65,6 +67,8 @@ class Sums:
             flag = dict(kwargs, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             self.fresh = tf.Variable(True, trainable=False, name="autosplit_fresh",
                                      **(flag if replicated else {}))
+            # BatchNormalization statistics pooled over the large batch (batchnorm.py).
+            self.pool = Pool(list(pool), var) if pool else None
 
     def add(self, piece: Piece) -> tf.Tensor:
         """Per replica: add one piece; returns a token of the additions."""
@@ -84,6 +88,8 @@ class Sums:
         ops += [v.assign_add(t) for v, t in
                 zip(self.denominators, piece.denominators, strict=True)]
         ops += [self.in_call.assign_add(piece.forward), self.rows.assign_add(piece.rows)]
+        if self.pool is not None:
+            ops += self.pool.add(piece.moments)
         return after(ops)
 
     def read(self) -> Totals:
@@ -102,6 +108,8 @@ class Sums:
         self.fresh.assign(True)
         for v in [*self.numerators, *self.denominators, self.in_call, self.rows]:
             v.assign(0.0)
+        if self.pool is not None:
+            self.pool.zero()
 
 
 class Stash:

@@ -114,6 +114,7 @@ def mirrored(out):
         graph = step.graph(iter(pipeline.dataset())).as_graph_def()
         report[f"all_reduces_k{split.accumulation_steps}"] = count_all_reduces(graph)
         report["trainable_variables"] = len(model.trainable_variables)
+    report["bn_synchronized"] = synchronized_batch_norm(strategy, x, y)
     with strategy.scope():
         model = make(OPTIMIZERS["sgd"])
     try:
@@ -122,6 +123,33 @@ def mirrored(out):
     except autosplit.BatchSizeError as exc:
         report["errors"]["indivisible"] = str(exc)
     out.write(json.dumps(report))
+
+
+def synchronized_batch_norm(strategy, x, y):
+    """BatchNormalization(synchronized=True) on the raw inputs, across two replicas: the
+    moving statistics pooled over every micro-batch of both equal the single-device
+    full batch's (relative error, largest over mean and variance)."""
+    def make_bn():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((12,)),
+                                  keras.layers.BatchNormalization(synchronized=True,
+                                                                  momentum=0.9),
+                                  keras.layers.Dense(5)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    shifted = 3.0 + 2.0 * x
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        reference = make_bn()
+    reference.fit(shifted, y, batch_size=40, epochs=1, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = make_bn()
+    autosplit.fit_large_batch(model, shifted, y, batch_size=40, micro_batch_size=6,
+                              shuffle=False, verbose=0)
+    moving = [v.numpy() for v in model.layers[0].non_trainable_weights]
+    expected = [v.numpy() for v in reference.layers[0].non_trainable_weights]
+    return relative_error(expected, moving)
 
 
 def worker(out):
