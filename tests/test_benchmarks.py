@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 
 from autosplit import caps
-from benchmarks import gpu_check, harness, memory_scaling, overhead, probe_search, workloads
+from benchmarks import (
+    batchnorm_stats,
+    gpu_check,
+    harness,
+    memory_scaling,
+    overhead,
+    probe_search,
+    workloads,
+)
 
 ROOT = harness.ROOT
 MiB = 2**20
@@ -350,6 +358,7 @@ def test_gpu_check_checks_growth_per_input_kind_and_speed():
     (overhead, ["--quick", "--cases", "medium_k"]),
     (probe_search, ["--quick", "--batch-size", "0"]),
     (gpu_check, ["--quick", "--repeats", "0"]),
+    (batchnorm_stats, ["--quick", "--ks", "3"]),
 ])
 def test_bad_flags_exit_before_anything_runs(module, argv):
     with pytest.raises(SystemExit, match="Expected"):
@@ -430,3 +439,28 @@ def test_gpu_check_quick_run_on_the_cpu_path(tmp_path):
     assert report["speed"]["methods"]["autosplit_arrays"]["ratio"] > 0
     assert [c["id"] for c in report["checks"]] == ["a-examples", "a-arrays", "speed"]
     assert (tmp_path / "gpu_check.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.slow
+def test_batchnorm_stats_quick_run(tmp_path):
+    assert batchnorm_stats.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = read(tmp_path, "batchnorm_stats")
+    [model] = report["models"].values()  # quick: bn_first only
+    assert model["layers"] == ["bn_input", "bn1", "bn2", "bn3"]
+    assert [(r["k"], r["mode"]) for r in model["runs"]] == [
+        (1, "pooled"), (1, "micro"), (4, "pooled"), (4, "micro")]
+    for r in model["runs"]:
+        assert r["applies"] == 4 and 0 <= r["held_out_accuracy"] <= 1
+        assert set(r["layers"]) == set(model["layers"]) and r["weights_rel"] >= 0
+    # The robust fact: BatchNormalization on the raw inputs sees the same rows whatever
+    # the weights, so pooling reproduces model.fit's moving statistics; micro does not.
+    pooled, micro = (batchnorm_stats.find(model, 4, mode)["layers"]["bn_input"]
+                     for mode in ("pooled", "micro"))
+    assert pooled["variance_rel"] < 1e-4 and pooled["mean_in_std"] < 1e-4
+    assert micro["variance_rel"] > 1e-2
+    for r in [model["reference"], *model["runs"]]:  # the float64 statistics, the yardstick
+        if r.get("mode") != "micro" or r["k"] == 1:
+            assert r["bn_input_vs_float64"]["variance_rel"] < 1e-4, r
+    checks = {c["id"]: c["status"] for c in report["checks"]}
+    assert checks == {"first-layer": "PASS", "k1": "PASS", "deeper": checks["deeper"]}
+    assert (tmp_path / "batchnorm_stats.png").read_bytes()[:8] == PNG
