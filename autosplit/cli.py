@@ -23,6 +23,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 EXIT_OK, EXIT_NOT_EXACT, EXIT_USAGE, EXIT_NOTHING_FITS = 0, 1, 2, 3
 _CHILD_ENV = "AUTOSPLIT_CHILD"
@@ -162,7 +163,7 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
     except ValueError as exc:
         print(f"autosplit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    x, y = _synthetic_batch(shape, args.batch_size, args.classes)
+    data = _synthetic_stream(shape, args.batch_size, args.classes)
     progress = sys.stderr if args.json else sys.stdout
 
     started = False
@@ -176,7 +177,7 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
         print(format_trial(trial, budget), file=progress, flush=True)
 
     try:
-        result = probe(model, x, y, batch_size=args.batch_size, memory_limit=limit,
+        result = probe(model, data, batch_size=args.batch_size, memory_limit=limit,
                        headroom=args.headroom, cache=not args.no_cache, on_trial=on_trial)
     except NothingFitsError as exc:
         if args.json:
@@ -194,6 +195,21 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
     else:
         print(format_result(result, report=args.report))
     return EXIT_OK
+
+
+_POOL = 256  # distinct synthetic examples the probe's stream repeats
+
+
+def _synthetic_stream(shape: tuple[int, ...], batch_size: int, classes: int) -> Any:
+    """A ``tf.data`` stream of ``batch_size`` examples, cycling through a pool of 256.
+
+    Nothing of B rows exists: the probe's memory (and so its answer) is the same at any
+    B, as in training, where the pipeline holds a few micro-batches only.
+    """
+    import tensorflow as tf
+
+    x, y = _synthetic_batch(shape, min(batch_size, _POOL), classes)
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().take(batch_size)
 
 
 def _synthetic_batch(shape: tuple[int, ...], batch_size: int, classes: int) -> tuple:
