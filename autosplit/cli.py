@@ -37,21 +37,33 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model and synthetic-data arguments shared by ``probe`` and ``check``."""
     parser.add_argument("--model", required=True,
-                        help="mlp, cnn, transformer, mobilenet_v2, resnet50 or module:function")
-    parser.add_argument("--input-shape", required=True, help="e.g. 224,224,3")
-    parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument("--classes", type=int, default=10)
+                        help="mlp, cnn, transformer, mobilenet_v2, resnet50, module:function "
+                        "(returns a compiled model), or a file saved by model.save "
+                        "(model.keras)")
+    parser.add_argument("--input-shape", default=None,
+                        help="one example's shape, e.g. 224,224,3 (read from a saved model "
+                        "when not given)")
+    parser.add_argument("--batch-size", type=int, required=True,
+                        help="the effective batch B to train with")
+    parser.add_argument("--classes", type=int, default=10,
+                        help="classes of the synthetic labels when the model's output "
+                        "does not say (default 10)")
 
 
 def _parser() -> argparse.ArgumentParser:
+    from autosplit import __version__
+
     parser = argparse.ArgumentParser(
         prog="autosplit", description="Exact large-batch training for Keras on one device.")
+    parser.add_argument("--version", action="version", version=f"autosplit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a small model with fit_large_batch(batch_size=4096)")
-    demo.add_argument("--batch-size", type=int, default=4096)
-    demo.add_argument("--examples", type=int, default=16384)
-    demo.add_argument("--epochs", type=int, default=3)
+    demo.add_argument("--batch-size", type=int, default=4096,
+                      help="the effective batch B (default 4096)")
+    demo.add_argument("--examples", type=int, default=16384,
+                      help="synthetic training examples (default 16384)")
+    demo.add_argument("--epochs", type=int, default=3, help="epochs to train (default 3)")
     demo.add_argument("--memory-limit", default="80MiB",
                       help="real cap for the demo's child process ('none' for no cap)")
     _add_common(demo)
@@ -59,17 +71,21 @@ def _parser() -> argparse.ArgumentParser:
     probe = sub.add_parser("probe", help="find the largest micro-batch that fits")
     _add_model_arguments(probe)
     probe.add_argument("--memory-limit", default=None, help="e.g. 2GiB, 512MB, or bytes")
-    probe.add_argument("--headroom", type=float, default=0.1)
+    probe.add_argument("--headroom", type=float, default=0.1,
+                       help="fraction of the budget left free (default 0.1)")
     probe.add_argument("--json", action="store_true", help="print the result as JSON")
-    probe.add_argument("--no-cache", action="store_true")
+    probe.add_argument("--no-cache", action="store_true",
+                       help="search afresh; neither read nor store the cached result")
     probe.add_argument("--report", action="store_true",
                        help="also print the memory model's prediction for a range of sizes")
     _add_common(probe)
 
     check = sub.add_parser("check", help="is the split step exact for this model? (exit 1 if not)")
     _add_model_arguments(check)
-    check.add_argument("--micro-batch-size", type=int, required=True)
-    check.add_argument("--tolerance", type=float, default=1e-4)
+    check.add_argument("--micro-batch-size", type=int, required=True,
+                       help="rows per micro-batch, as you mean to train")
+    check.add_argument("--tolerance", type=float, default=1e-4,
+                       help="largest relative gradient difference called exact (1e-4)")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_common(check)
     return parser
@@ -95,13 +111,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         limit = None if str(memory_limit).lower() in ("none", "0") else parse_memory(
             memory_limit, name="--memory-limit")
         if args.command in ("probe", "check"):
-            from autosplit.models import MODELS, parse_shape
+            from autosplit.models import MODELS, is_saved_model, parse_shape
 
-            parse_shape(args.input_shape)
-            if args.model not in MODELS and ":" not in args.model:
+            saved = is_saved_model(args.model)
+            if args.input_shape is not None or not saved:
+                parse_shape(args.input_shape)
+            if args.model not in MODELS and ":" not in args.model and not saved:
                 raise ValueError(
-                    f"Expected `--model` to be one of {sorted(MODELS)} or 'module:function'. "
-                    f"Received: {args.model!r}.")
+                    f"Expected `--model` to be one of {sorted(MODELS)}, 'module:function' or "
+                    f"a saved model file (.keras). Received: {args.model!r}.")
             if args.batch_size < 1:
                 raise ValueError("Expected `--batch-size` to be a positive integer. "
                                  f"Received: {args.batch_size}.")
@@ -153,17 +171,15 @@ def _configure_gpu_cap() -> None:
 def _probe(args: argparse.Namespace, limit: int | None) -> int:
     _configure_gpu_cap()
     from autosplit.errors import AutosplitError, NothingFitsError
-    from autosplit.models import load_model, parse_shape
     from autosplit.trials import format_trial, probe
     from autosplit.units import format_bytes
 
-    shape = parse_shape(args.input_shape)
     try:
-        model = load_model(args.model, shape)
+        model, shape = _load(args)
     except ValueError as exc:
         print(f"autosplit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    data = _synthetic_stream(shape, args.batch_size, args.classes)
+    data = _synthetic_stream(model, shape, args.batch_size, args.classes)
     progress = sys.stderr if args.json else sys.stdout
 
     started = False
@@ -200,7 +216,19 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
 _POOL = 256  # distinct synthetic examples the probe's stream repeats
 
 
-def _synthetic_stream(shape: tuple[int, ...], batch_size: int, classes: int) -> Any:
+def _load(args: argparse.Namespace) -> tuple[Any, tuple[int, ...]]:
+    """The model ``--model`` names and one example's shape."""
+    from autosplit.models import is_saved_model, load_model, parse_shape, saved_input_shape
+
+    shape = None if args.input_shape is None else parse_shape(args.input_shape)
+    model = load_model(args.model, shape)
+    if shape is None and is_saved_model(args.model):
+        shape = saved_input_shape(model)
+    return model, shape
+
+
+def _synthetic_stream(model: Any, shape: tuple[int, ...], batch_size: int,
+                      classes: int) -> Any:
     """A ``tf.data`` stream of ``batch_size`` examples, cycling through a pool of 256.
 
     Nothing of B rows exists: the probe's memory (and so its answer) is the same at any
@@ -208,29 +236,29 @@ def _synthetic_stream(shape: tuple[int, ...], batch_size: int, classes: int) -> 
     """
     import tensorflow as tf
 
-    x, y = _synthetic_batch(shape, min(batch_size, _POOL), classes)
+    x, y = _synthetic_batch(model, shape, min(batch_size, _POOL), classes)
     return tf.data.Dataset.from_tensor_slices((x, y)).repeat().take(batch_size)
 
 
-def _synthetic_batch(shape: tuple[int, ...], batch_size: int, classes: int) -> tuple:
-    """Normal inputs of ``shape`` and integer labels below ``classes``, fixed seed."""
+def _synthetic_batch(model: Any, shape: tuple[int, ...], batch_size: int,
+                     classes: int) -> tuple:
+    """Normal inputs of ``shape`` and targets that suit the model's loss, fixed seed."""
     import numpy as np
+
+    from autosplit.models import synthetic_targets
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch_size, *shape)).astype("float32")
-    y = rng.integers(0, classes, size=(batch_size,)).astype("int32")
-    return x, y
+    return x, synthetic_targets(model, batch_size, classes, rng)
 
 
 def _check(args: argparse.Namespace) -> int:
     from autosplit.equivalence import check
     from autosplit.errors import AutosplitError
-    from autosplit.models import load_model, parse_shape
 
-    shape = parse_shape(args.input_shape)
     try:
-        model = load_model(args.model, shape)
-        x, y = _synthetic_batch(shape, args.batch_size, args.classes)
+        model, shape = _load(args)
+        x, y = _synthetic_batch(model, shape, args.batch_size, args.classes)
         report = check(model, x, y, micro_batch_size=args.micro_batch_size,
                        tolerance=args.tolerance)
     except (AutosplitError, ValueError) as exc:

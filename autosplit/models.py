@@ -2,7 +2,9 @@
 
 ``load_model("mlp" | "cnn" | "transformer" | "mobilenet_v2" | "resnet50", input_shape)``
 returns a compiled Keras model (Adam, sparse categorical cross-entropy on logits);
-``load_model("package.module:function", input_shape)`` calls a user's factory.
+``load_model("package.module:function", input_shape)`` calls a user's factory;
+``load_model("path/to/model.keras")`` loads a model saved by ``model.save`` (compiled as
+saved; with the built-in default above when it was saved uncompiled).
 """
 
 from __future__ import annotations
@@ -14,7 +16,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import keras
 
-__all__ = ["MODELS", "load_model", "parse_shape"]
+__all__ = ["MODELS", "is_saved_model", "load_model", "parse_shape", "saved_input_shape",
+           "synthetic_targets"]
+
+_SAVED_SUFFIXES = (".keras", ".h5", ".hdf5")
+
+
+def is_saved_model(spec: str) -> bool:
+    """Whether ``--model`` names a file or directory rather than a built-in or factory."""
+    import os
+
+    return str(spec).endswith(_SAVED_SUFFIXES) or os.path.isdir(spec)
 
 
 def _compile(model: keras.Model) -> keras.Model:
@@ -107,10 +119,65 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def load_model(spec: str, input_shape: Sequence[int]) -> keras.Model:
-    """A built-in model by name, or ``module:function`` returning a compiled model."""
+def _load_saved(path: str) -> keras.Model:
+    import os
+
     import keras
 
+    if os.path.isdir(path):
+        raise ValueError(
+            "Expected `--model` to be a model file saved by model.save('model.keras') (or "
+            f".h5). Received: the directory {path!r}; Keras 3 loads a SavedModel directory "
+            "only for inference (keras.layers.TFSMLayer), which cannot be trained.")
+    if not os.path.exists(path):
+        raise ValueError(f"Expected `--model` to name an existing file. Received: {path!r}.")
+    try:
+        model = keras.models.load_model(path)
+    except Exception as exc:  # Keras raises many types for a bad file; say which file
+        raise ValueError(f"Expected `--model` to be a Keras model file. Received: {path!r}, "
+                         f"which Keras could not load ({type(exc).__name__}: {exc}).") from exc
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        model = _compile(model)
+    return model
+
+
+def saved_input_shape(model: keras.Model) -> tuple[int, ...]:
+    """The example shape of a loaded model's one input (without the batch axis)."""
+    inputs = getattr(model, "inputs", None) or []
+    shape = tuple(inputs[0].shape[1:]) if len(inputs) == 1 else ()
+    if not shape or any(d is None for d in shape):
+        raise ValueError(
+            "Expected a saved model with one input of a fixed shape, to make synthetic data "
+            f"for. Received: inputs {[tuple(i.shape) for i in inputs]}. Pass --input-shape.")
+    return tuple(int(d) for d in shape)
+
+
+def synthetic_targets(model: keras.Model, n: int, classes: int, rng) -> object:
+    """Targets that suit the compiled loss: class ids below the output's width for a
+    sparse categorical loss, else values shaped like the output (one output only)."""
+
+    outputs = getattr(model, "outputs", None) or []
+    if len(outputs) != 1 or outputs[0].shape[-1] is None:
+        return rng.integers(0, classes, size=(n,)).astype("int32")
+    loss = getattr(model, "loss", None)
+    name = str(getattr(loss, "name", loss) or "").lower()
+    width = int(outputs[0].shape[-1])
+    if "sparse" in name:
+        return rng.integers(0, max(1, width), size=(n,)).astype("int32")
+    return rng.uniform(size=(n, *tuple(outputs[0].shape[1:]))).astype("float32")
+
+
+def load_model(spec: str, input_shape: Sequence[int] | None = None) -> keras.Model:
+    """A built-in model by name, ``module:function`` returning a compiled model, or a
+    model file saved by ``model.save``."""
+    import keras
+
+    if is_saved_model(spec):
+        return _load_saved(spec)
+    if input_shape is None:
+        raise ValueError(
+            "Expected `--input-shape` for a built-in or module:function model. Received: "
+            "none (only a saved model's shape can be read from it).")
     if spec in MODELS:
         return MODELS[spec](input_shape)
     if ":" not in spec:
