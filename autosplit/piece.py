@@ -374,20 +374,26 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None) -> None:
 
 
 def without_padding(strip: bool, x, y, sample_weight, valid) -> tuple:
-    """The real rows of a micro-batch alone, when the model adds losses in ``call()``.
+    """The real rows of a micro-batch alone, where something averages over its rows.
 
     A layer's own loss (``add_loss(mean(...))``, an endpoint layer's CTC), a loss that
     returns one value per batch, a custom train_step and a BatchNormalization layer whose
     statistics are pooled average over every row they see; padding rows (copies of real
     ones) would enter those means. ``strip``: such models get micro-batches of their
-    real rows only (a dynamic row count: under XLA a
-    second compiled shape for the short micro-batch); others keep the static shape.
+    real rows only (a dynamic row count: under XLA a second compiled shape for the short
+    micro-batch); others keep the static shape. A micro-batch without padding (all but
+    the last of a large batch, usually) passes as it is, not copied.
     """
     if not strip:
         return x, y, sample_weight, valid
     keep = valid > 0
-    x, y, sample_weight = map_present(lambda t: tf.boolean_mask(t, keep), (x, y, sample_weight))
-    return x, y, sample_weight, tf.boolean_mask(valid, keep)
+    leaves = tf.nest.flatten((x, y, sample_weight, valid))
+    present = [t for t in leaves if t is not None]
+    kept = tf.cond(tf.reduce_all(keep), lambda: [tf.identity(t) for t in present],
+                   lambda: [tf.boolean_mask(t, keep) for t in present])
+    it = iter(kept)
+    return tuple(tf.nest.pack_sequence_as((x, y, sample_weight, valid),
+                                          [None if t is None else next(it) for t in leaves]))
 
 
 def map_present(fn, structure):
