@@ -96,9 +96,7 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
 
     Every size asked is achievable: a balanced split of B runs ceil(B / k) rows, so the
     search moves over those values only. The two measured sizes are about B/64 and B/4
-    (at least 8 and 32: nearby small sizes differ by less than the allocator's noise),
-    the second no larger than the first trial's peak says must fit (``safe`` below), so
-    that a line through two fitting sizes is there to predict from.
+    (at least 8 and 32): nearby small sizes differ by less than the allocator's noise.
     Each later guess comes from the line through the largest size that fit and the
     largest one at most half of it; a guess outside the open interval (largest fit,
     smallest failure), or no such pair, means the size halfway between them in
@@ -124,16 +122,10 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
         return lo, hi
 
     first = achievable(batch_size, max(8, batch_size // 64))
-    opening = yield from ask(first)
-    if opening.fits:
-        # One point gives no slope, but bounds it: with a fixed part >= 0, every example
-        # costs at most peak / m, so first * budget / peak rows fit if the peak is linear.
-        # The second trial stays within that (a line needs two sizes that fit), and far
-        # enough (about B/4) for the slope to stand above the allocator's noise.
-        safe = first * budget // max(opening.peak_bytes or 1, 1)
-        second = achievable(batch_size, min(max(32, batch_size // 4), safe))
-        if second > first:
-            yield from ask(second)
+    second = achievable(batch_size, max(32, batch_size // 4))
+    for m in sorted({first, second}):
+        if not (yield from ask(m)).fits:
+            break
     lo, hi = bounds()
     for _ in range(12):
         if lo == 0 or lo == batch_size or hi - lo <= max(1, TOLERANCE * lo):
