@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--memory-limit", default=None, help="e.g. 2GiB, 512MB, or bytes")
     probe.add_argument("--headroom", type=float, default=0.1,
                        help="fraction of the budget left free (default 0.1)")
+    probe.add_argument("--objective", choices=("memory", "speed"), default="memory",
+                       help="memory: the largest micro-batch that fits (default); speed: "
+                       "a smaller one when it runs more than 5%% faster")
     probe.add_argument("--json", action="store_true", help="print the result as JSON")
     probe.add_argument("--no-cache", action="store_true",
                        help="search afresh; neither read nor store the cached result")
@@ -194,6 +197,7 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
 
     try:
         result = probe(model, data, batch_size=args.batch_size, memory_limit=limit,
+                       objective=args.objective,
                        headroom=args.headroom, cache=not args.no_cache, on_trial=on_trial)
     except NothingFitsError as exc:
         if args.json:

@@ -23,9 +23,12 @@ import numpy as np
 
 from autosplit.split import split_batch
 
-__all__ = ["Trial", "achievable", "between", "fit_line", "run_search", "search"]
+__all__ = ["OBJECTIVES", "Trial", "achievable", "between", "fastest", "fit_line", "run_search",
+           "search", "speed_candidates"]
 
 TOLERANCE = 0.05  # stop bisecting when the gap is within 5% of the best fit
+OBJECTIVES = ("memory", "speed")
+FASTER = 1.05  # objective="speed" keeps a smaller size only when it is 5% faster
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Trial:
     oom: bool  # raised ResourceExhaustedError
     peak_bytes: int | None  # measured peak (None after an OOM)
     seconds: float
+    samples_per_second: float | None = None  # over the measured steps (None after an OOM)
 
 
 def fit_line(points: Sequence[tuple[int, int]]) -> tuple[float, float] | None:
@@ -193,3 +197,48 @@ def run_search(batch_size: int, budget: int, trial: Callable[[int], Trial]
             request = generator.send(result)
     except StopIteration as stop:
         return stop.value, trials
+
+
+def speed_candidates(batch_size: int, largest: int, trials: Sequence[Trial],
+                     most: int = 2) -> list[int]:
+    """Up to ``most`` balanced sizes strictly between half of ``largest`` and it, spread in
+    micro-batch count, that no trial measured yet (DeepSpeed's autotuner looks there).
+
+    >>> speed_candidates(4096, 2048, [])  # only k = 3 lies strictly between k = 2 and 4
+    [1366]
+    >>> speed_candidates(4096, 1024, [Trial(820, True, False, 1, 1.0, 10.0)])
+    [683, 586]
+    """
+    seen = {t.micro_batch_size for t in trials}
+    sizes = sorted({achievable(batch_size, m) for m in range(largest // 2 + 1, largest)},
+                   reverse=True)
+    sizes = [m for m in sizes if largest // 2 < m < largest and m not in seen]
+    if len(sizes) <= most:
+        return sizes
+    picks = [sizes[round(i * (len(sizes) - 1) / (most - 1))] for i in range(most)] if (
+        most > 1) else sizes[:1]
+    return sorted(set(picks), reverse=True)
+
+
+def fastest(largest: int, trials: Sequence[Trial]) -> tuple[int, str]:
+    """``objective="speed"``: the fitting size with the most samples per second, kept over
+    ``largest`` only when it is more than 5% faster; returns (size, why).
+
+    >>> t = [Trial(1024, True, False, 1, 1.0, 100.0), Trial(2048, True, False, 1, 1.0, 90.0)]
+    >>> fastest(2048, t)
+    (1024, '1024 runs 100.0 samples/s, 11% faster than the largest that fits (2048: 90.0)')
+    """
+    speeds: dict[int, float] = {}
+    for t in trials:
+        if t.fits and t.samples_per_second:
+            speeds[t.micro_batch_size] = max(speeds.get(t.micro_batch_size, 0.0),
+                                             t.samples_per_second)
+    if largest not in speeds:
+        return largest, "the largest that fits (its speed was not measured)"
+    best = max(speeds, key=lambda m: (speeds[m], m))
+    if best != largest and speeds[best] > FASTER * speeds[largest]:
+        gain = speeds[best] / speeds[largest] - 1
+        return best, (f"{best} runs {speeds[best]:.1f} samples/s, {gain:.0%} faster than the "
+                      f"largest that fits ({largest}: {speeds[largest]:.1f})")
+    return largest, (f"the largest that fits is also the fastest within 5% "
+                     f"({speeds[largest]:.1f} samples/s; {len(speeds)} sizes timed)")

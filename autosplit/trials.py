@@ -35,12 +35,20 @@ from autosplit.distribute import layout
 from autosplit.errors import MemoryLimitError, NothingFitsError
 from autosplit.inputs import ArrayInput, InputAdapter, get_input
 from autosplit.pipeline import MicroBatches
-from autosplit.search import Trial, fit_line, run_search, search
+from autosplit.search import (
+    OBJECTIVES,
+    Trial,
+    fastest,
+    fit_line,
+    run_search,
+    search,
+    speed_candidates,
+)
 from autosplit.split import split_batch
 from autosplit.state import Snapshot
 from autosplit.step import build_for, train_step
 from autosplit.units import format_bytes, parse_memory
-from autosplit.validation import check_fraction, check_model, check_size
+from autosplit.validation import check_choice, check_fraction, check_model, check_size
 
 __all__ = ["ProbeResult", "Trial", "invalidate_cache", "probe", "search_micro_batch"]
 
@@ -71,6 +79,8 @@ class ProbeResult:
     from_cache: bool = False
     worker: int = 0  # this worker's index: each worker of a multi-worker run searches
     workers: int = 1  # for itself, in lockstep, and may use its own size
+    objective: str = "memory"  # "memory": the largest that fits; "speed": the fastest
+    speed_reason: str | None = None  # objective="speed": why this size
 
     def fitting_sizes(self) -> list[int]:
         """Sizes a trial showed to fit, largest first."""
@@ -87,6 +97,9 @@ class ProbeResult:
         where = f"worker {self.worker} of {self.workers}: " if self.workers > 1 else ""
         if self.from_cache:
             return f"{where}cached probe result ({self.cache_key[:8]})"
+        if self.speed_reason is not None:
+            return (f"{where}objective='speed': {self.speed_reason}; {len(self.trials)} trials, "
+                    f"{self.ooms} out of memory")
         peak, budget = format_bytes(self.measured_peak_bytes or 0), format_bytes(self.budget_bytes)
         if self.micro_batch_size >= self.batch_size:
             return f"{where}the whole batch fits: peak {peak} within the budget of {budget}"
@@ -129,8 +142,10 @@ def format_trial(trial: Trial, budget: int) -> str:
     """One line per finished trial, for progress output."""
     outcome = "OOM" if trial.oom else ("fits" if trial.fits else "over budget")
     peak = "-" if trial.peak_bytes is None else format_bytes(trial.peak_bytes)
+    speed = ("" if trial.samples_per_second is None
+             else f"  {trial.samples_per_second:9.1f} samples/s")
     return (f"  trial micro_batch_size={trial.micro_batch_size:<6} {outcome:<11} peak {peak:>11}"
-            f" of {format_bytes(budget)}  {trial.seconds:5.1f} s")
+            f" of {format_bytes(budget)}  {trial.seconds:5.1f} s{speed}")
 
 
 def probe(
@@ -146,6 +161,7 @@ def probe(
     jit_compile: bool | None = None,
     verbose: int = 0,
     on_trial: Callable[[Trial, int], None] | None = None,
+    objective: str = "memory",
 ) -> ProbeResult:
     """Find the largest micro-batch of ``model`` that fits, by real trial steps.
 
@@ -160,6 +176,10 @@ def probe(
         jit_compile: as for ``fit_large_batch``.
         verbose: 1 prints one line per trial as it finishes, then the choice.
         on_trial: called with ``(trial, budget_bytes)`` after every trial.
+        objective: ``"memory"`` (default): the largest size that fits. ``"speed"``: also
+            time up to two more balanced sizes between half of it and it, and keep the
+            one with the most samples per second when it is more than 5% faster than
+            the largest (one process only).
 
     Returns:
         A ``ProbeResult`` with the chosen ``micro_batch_size`` and every trial.
@@ -178,18 +198,24 @@ def probe(
     adapter = get_input(x, y, sample_weight, shuffle=False)
     return search_micro_batch(model, adapter, batch_size, memory_limit=memory_limit,
                               headroom=headroom, cache=cache, jit_compile=jit_compile,
-                              verbose=verbose, on_trial=on_trial)
+                              verbose=verbose, on_trial=on_trial, objective=objective)
 
 
 def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: int, *,
                        memory_limit=None, headroom: float = 0.1, cache: bool = True,
                        jit_compile: bool | None = None, verbose: int = 0,
-                       on_trial: Callable[[Trial, int], None] | None = None) -> ProbeResult:
+                       on_trial: Callable[[Trial, int], None] | None = None,
+                       objective: str = "memory") -> ProbeResult:
     """``probe`` for an input adapter (what ``fit_large_batch(micro_batch_size="auto")`` calls)."""
     started = time.perf_counter()
+    check_choice("objective", objective, OBJECTIVES)
     limit = parse_memory(memory_limit)
     check_fraction("headroom", headroom)
     where = layout(model.distribute_strategy)
+    if objective == "speed" and where.multi_worker:
+        raise ValueError(
+            "Expected objective='memory' in a multi-worker job (each worker's speed is its "
+            "own; the workers' search runs in lockstep). Received: objective='speed'.")
     local_batch = batch_size // where.replicas
     trial_input = adapter if adapter.reiterable else ArrayInput(
         *adapter.sample(local_batch), shuffle=False)
@@ -217,7 +243,7 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     key = _cache.fingerprint(
         model, spec[:3], device=[device.kind, device.identity, device.total_bytes],
         jit_compile=jit, memory_limit=limit, batch_size=batch_size, headroom=headroom,
-        replicas=where.replicas)
+        replicas=where.replicas, objective=objective)
     stored = _cache.load(key) if cache else None
     if where.multi_worker:
         # Every worker searches, or none: one that skipped the search on a cache hit
@@ -232,6 +258,7 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
             pass
 
     step = train_step(model, batch_size, spec, jit_compile=jit)
+    speed_reason = None
     trials_runner = _Trials(step, Snapshot(model), meter, budget, trial_input, batch_size,
                             where, _reporter(verbose, on_trial, budget))
     try:
@@ -239,6 +266,10 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
             chosen, trials = trials_runner.lockstep(local_batch)
         else:
             chosen, trials = run_search(local_batch, budget, trials_runner.trial)
+            if objective == "speed" and chosen is not None:
+                for m in speed_candidates(local_batch, chosen, trials):
+                    trials.append(trials_runner.trial(m))
+                chosen, speed_reason = fastest(chosen, trials)
     finally:
         step.discard()
         trials_runner.snapshot.restore()
@@ -246,7 +277,9 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
         gc.collect()  # the trials' pipelines, before training builds its own
     result = _result(trials, chosen, local_batch, device, budget, limit, headroom, meter,
                      key, time.perf_counter() - started)
-    result = dataclasses.replace(result, worker=where.worker, workers=where.workers)
+    result = dataclasses.replace(result, worker=where.worker, workers=where.workers,
+                                 objective=objective,
+                                 speed_reason=speed_reason if objective == "speed" else None)
     if verbose:
         print(f"  chose micro_batch_size={result.micro_batch_size} "
               f"(k={result.accumulation_steps}): {result.reason()}", flush=True)
@@ -267,7 +300,7 @@ class _Trials:
         """One warm-up step, then the peak of two more; None when ``m`` is None (a worker
         whose search is over still takes part in every collective of the round)."""
         t0 = time.perf_counter()
-        iterator, failed, peak = None, m is None, None
+        iterator, failed, peak, speed, rows = None, m is None, None, None, 0
         try:
             count = 0
             if m is not None:
@@ -283,7 +316,11 @@ class _Trials:
                 failed = not self._step(iterator, count, active=not failed) or failed
                 if index == 0:
                     self.meter.reset()
+                    measured = time.perf_counter()
             peak = None if failed else self.meter.peak_bytes()
+            # Rows of the measured steps over their time: the warm-up (tracing) excluded.
+            speed = None if failed or not count else (
+                _TRIAL_STEPS * count * rows / (time.perf_counter() - measured))
         finally:
             self.step.discard()
             self.snapshot.restore()
@@ -292,7 +329,8 @@ class _Trials:
         if m is None:
             return None
         result = Trial(m, peak is not None and peak <= self.budget, peak is None,
-                       None if peak is None else int(peak), time.perf_counter() - t0)
+                       None if peak is None else int(peak), time.perf_counter() - t0,
+                       None if speed is None else round(speed, 1))
         self.say(result)
         return result
 

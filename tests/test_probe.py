@@ -138,3 +138,22 @@ def test_the_choice_on_arrays_trains_from_every_input_kind(tmp_path):
     for kind in ("arrays", "examples", "batched"):
         assert report["kinds"][kind]["trained"], (kind, report)
         assert report["kinds"][kind]["micro_batch_size"] == m
+
+
+def test_objective_speed_times_real_trials_and_says_why(cache_home):
+    model = small_model()
+    autosplit._keras.symbolic_build(model, (data()[0][:8], data()[1][:8], None))
+    before = state(model)
+    result = probe(model, data(), batch_size=256, objective="speed")
+    assert all(np.array_equal(a, b) for a, b in zip(before, state(model), strict=True))
+    fitting = [t for t in result.trials if t.fits]
+    assert fitting and all(t.samples_per_second > 0 for t in fitting)
+    assert result.objective == "speed" and "samples/s" in result.speed_reason
+    assert result.micro_batch_size in {t.micro_batch_size for t in fitting}
+    assert "objective='speed'" in result.reason()
+    assert ProbeResult.from_dict(json.loads(result.to_json())) == result
+    # The objective is part of the cache key: a memory search does not reuse it.
+    assert not probe(model, data(), batch_size=256).from_cache
+    assert probe(model, data(), batch_size=256, objective="speed").from_cache
+    with pytest.raises(ValueError, match="objective"):
+        probe(model, data(), batch_size=256, objective="fast")

@@ -15,7 +15,15 @@ import tensorflow as tf
 from autosplit import _keras
 from autosplit.recovery import shrink_micro_batch
 from autosplit.reduction import output_terms
-from autosplit.search import Trial, achievable, between, fit_line, run_search
+from autosplit.search import (
+    Trial,
+    achievable,
+    between,
+    fastest,
+    fit_line,
+    run_search,
+    speed_candidates,
+)
 
 
 def linear(fixed, per_example, budget, limit=10**12):
@@ -192,3 +200,44 @@ def test_reason_says_what_decided_the_size():
            "predicts 108.12 MiB)" in near
     assert "the next size a split can run, 2048, was not tried; 2 trials" in _result(
         1366, fit, fixed_bytes=None).reason()
+
+
+def timed(fixed, per_example, budget, speed):
+    """``linear`` with a fake trial clock: ``speed(m)`` samples/s for a fitting size."""
+    memory = linear(fixed, per_example, budget)
+
+    def trial(m):
+        t = memory(m)
+        return Trial(m, t.fits, t.oom, t.peak_bytes, 0.0,
+                     speed(m) if t.fits else None)
+    return trial
+
+
+def search_for_speed(batch, budget, trial):
+    chosen, trials = run_search(batch, budget, trial)
+    for m in speed_candidates(batch, chosen, trials):
+        trials.append(trial(m))
+    return (*fastest(chosen, trials), sizes(trials))
+
+
+def test_speed_keeps_a_smaller_size_only_when_it_is_more_than_5_percent_faster():
+    # Largest fit 2048; 1366 (k = 3) is the only balanced size between 1024 and 2048.
+    budget = 13_000
+    peaked = {1366: 120.0}  # near the limit the allocator retries: 2048 slows down
+    chosen, why, tried = search_for_speed(
+        4096, budget, timed(1000, 4, budget, lambda m: peaked.get(m, 100.0)))
+    assert tried == [64, 1024, 2048, 1366] and chosen == 1366
+    assert "20% faster than the largest that fits (2048: 100.0)" in why
+    # 4% faster is noise: the largest stays.
+    peaked[1366] = 104.0
+    chosen, why, _ = search_for_speed(
+        4096, budget, timed(1000, 4, budget, lambda m: peaked.get(m, 100.0)))
+    assert chosen == 2048 and "fastest within 5%" in why
+
+
+def test_speed_candidates_lie_between_half_the_largest_and_it():
+    for batch, largest in ((4096, 1366), (1000, 500), (60, 20)):
+        found = speed_candidates(batch, largest, [])
+        assert len(found) <= 2
+        assert all(largest // 2 < m < largest and achievable(batch, m) == m for m in found)
+    assert speed_candidates(4096, 2, []) == []  # nothing between 1 and 2
