@@ -114,6 +114,18 @@ def assert_runs(model, history, *, steps):
         assert np.all(np.isfinite(weight))
 
 
+def assert_exact(make, x, y=None, *, n, batch_size, micro_batch_size, rtol, epochs=2,
+                 **kwargs):
+    """:func:`twins`, :func:`fit_both`, :func:`assert_same_training`: the program trains
+    under ``fit_large_batch`` exactly as under ``model.fit``; returns (reference, candidate)."""
+    reference, candidate = twins(make)
+    expected, got = fit_both(reference, candidate, x, y, batch_size=batch_size,
+                             micro_batch_size=micro_batch_size, epochs=epochs, **kwargs)
+    assert_same_training(reference, candidate, expected, got, rtol=rtol,
+                         steps=steps(n, batch_size, epochs))
+    return reference, candidate
+
+
 def steps(n, batch_size, epochs=1):
     """Optimizer steps for ``epochs`` over ``n`` examples in large batches."""
     return epochs * math.ceil(n / batch_size)

@@ -256,7 +256,8 @@ class VAE(keras.Model):
                 "kl_loss": self.kl_loss_tracker.result()}
 
 
-def test_vae_with_custom_train_step():
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_vae_with_custom_train_step(jit_compile):
     n, batch, micro = 90, 45, 20
     rng = np.random.default_rng(0)
     x = {"image": rng.uniform(0, 1, size=(n, SIDE, SIDE, 1)).astype("float32"),
@@ -264,7 +265,7 @@ def test_vae_with_custom_train_step():
 
     def make():
         vae = VAE(*vae_parts())
-        vae.compile(optimizer=keras.optimizers.Adam())
+        vae.compile(optimizer=keras.optimizers.Adam(), jit_compile=jit_compile)
         return vae
 
     reference, candidate = twins(make, build=lambda model: model(

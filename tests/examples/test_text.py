@@ -12,7 +12,15 @@ from __future__ import annotations
 import keras
 import numpy as np
 import tensorflow as tf
-from _compare import ADAM_RTOL, assert_same_training, dense_gradients, fit_both, steps, twins
+from _compare import (
+    ADAM_RTOL,
+    assert_exact,
+    assert_same_training,
+    dense_gradients,
+    fit_both,
+    steps,
+    twins,
+)
 from keras import layers, ops
 
 WORDS = ["the", "movie", "was", "great", "bad", "awful", "film", "plot", "actor", "loved",
@@ -73,11 +81,8 @@ def test_text_classification_end_to_end_from_raw_strings():
         return conv_classifier(inputs, vectorize_layer(inputs))
 
     x = tf.constant(texts)[:, None]  # Keras cannot take a NumPy unicode array
-    reference, candidate = twins(make)
-    expected, got = fit_both(reference, candidate, x, labels, batch_size=batch,
-                             micro_batch_size=micro, epochs=2)
-    assert_same_training(reference, candidate, expected, got, rtol=ADAM_RTOL,
-                         steps=steps(n, batch, 2))
+    assert_exact(make, x, labels, n=n, batch_size=batch, micro_batch_size=micro,
+                 rtol=ADAM_RTOL)
 
 
 def test_text_classification_with_text_vectorization_over_a_dataset():
@@ -168,8 +173,5 @@ def test_transformer_classifier():
                       metrics=["accuracy"])
         return model
 
-    reference, candidate = twins(make)
-    expected, got = fit_both(reference, candidate, x, y, batch_size=batch,
-                             micro_batch_size=micro, epochs=2)
-    assert_same_training(reference, candidate, expected, got, rtol=ADAM_RTOL,
-                         steps=steps(n, batch, 2))
+    assert_exact(make, x, y, n=n, batch_size=batch, micro_batch_size=micro,
+                 rtol=ADAM_RTOL)
