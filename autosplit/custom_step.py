@@ -38,13 +38,18 @@ import tensorflow as tf
 from autosplit.errors import UnsupportedModelError
 
 __all__ = ["CustomFacts", "Intercepted", "batch_data", "custom_facts", "has_custom_step",
-           "intercept"]
+           "intercept", "overridden_steps"]
+
+
+def overridden_steps(model: keras.Model) -> list[str]:
+    """Which of ``train_step`` and ``compute_loss`` the model's class overrides."""
+    return [name for name in ("train_step", "compute_loss")
+            if getattr(type(model), name, None) is not getattr(keras.Model, name)]
 
 
 def has_custom_step(model: keras.Model) -> bool:
     """Whether ``model`` overrides ``train_step`` or ``compute_loss``."""
-    return any(getattr(type(model), name, None) is not getattr(keras.Model, name)
-               for name in ("train_step", "compute_loss"))
+    return bool(overridden_steps(model))
 
 
 @dataclass(frozen=True)

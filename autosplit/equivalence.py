@@ -29,6 +29,7 @@ from keras import tree
 
 from autosplit import _keras
 from autosplit.accumulate import accumulate_gradients, piece_rows
+from autosplit.custom_step import overridden_steps
 from autosplit.piece import align_targets, loss_plan
 from autosplit.reduction import SUM, output_terms
 from autosplit.split import split_batch
@@ -186,14 +187,13 @@ def check(
 
     culprits = _layer_culprits(model)
     explains = bool(culprits)
-    for method in ("train_step", "compute_loss"):
-        if getattr(type(model), method) is not getattr(keras.Model, method):
-            culprits.append(Culprit(
-                model.name, type(model).__name__,
-                f"overrides `{method}`: this check compares the compiled loss; "
-                "fit_large_batch runs the model's own step per micro-batch, exact when its "
-                "loss is a mean over the micro-batch's examples"))
-            explains = True
+    for method in overridden_steps(model):
+        culprits.append(Culprit(
+            model.name, type(model).__name__,
+            f"overrides `{method}`: this check compares the compiled loss; "
+            "fit_large_batch runs the model's own step per micro-batch, exact when its "
+            "loss is a mean over the micro-batch's examples"))
+        explains = True
     unreduced = [f for f in _keras.flat_losses(model)
                  if getattr(f.loss, "reduction", None) in (None, "none")]
     if unreduced:

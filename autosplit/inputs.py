@@ -290,7 +290,8 @@ class DatasetInput(InputAdapter):
         if self.batched:
             parts = spec if self._arity else (spec,)
             check_shared_rows(parts, f"`{name}`")
-            if len(_leading_rows(parts)) > 1 and None in _leading_rows(parts).values():
+            rows = _leading_rows(parts)
+            if len(rows) > 1 and None in rows.values():
                 # Row counts only known at run time: look at one batch now (one batch
                 # read twice, as Keras peeks a generator); the host pipeline asserts on
                 # every later batch.

@@ -204,6 +204,8 @@ class Piece(NamedTuple):
     masks: Any  # Keras masks of y_pred (lost when y_pred leaves an XLA function)
     logs: Any = None  # a custom train_step's return value
     moments: Any = None  # per pooled BatchNormalization layer: its Moments on the piece
+    sample_weight: Any = None  # the rows the piece ran on, for the metrics: their weights
+    valid: Any = None  # and real-row marks (padding dropped where ``without_padding`` ran)
 
 
 def _dense_f32(g) -> tf.Tensor | None:
@@ -243,7 +245,8 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
     del tape
     masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
     return Piece(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
-                 in_call_sum * rows, rows, y, y_pred, masks, None, _moments(pool, records))
+                 in_call_sum * rows, rows, y, y_pred, masks, None, _moments(pool, records),
+                 sample_weight, valid)
 
 
 def _moments(pool, records) -> list | None:

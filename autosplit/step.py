@@ -91,7 +91,6 @@ class TrainStep:
                  jit_compile: bool | None = None, run_eagerly: bool | None = None,
                  batch_norm: str = "pooled") -> None:
         self.model = model
-        self.batch_norm = batch_norm
         self.pool = pooled_layers(model) if batch_norm == "pooled" else []
         self.batch_size = batch_size
         self.strategy = model.distribute_strategy
@@ -182,17 +181,16 @@ class TrainStep:
         with tf.control_dependencies([] if ready is None else [ready]):
             return self.sums.add(self._unflatten(list(values)))
 
-    def _commit_metrics(self, values, w, valid, ready=None):
+    def _commit_metrics(self, values, ready=None):
         """Per replica: update the compiled metrics from one piece (after ``ready``)."""
         piece = self._unflatten(list(values))
         if self.plan.custom is not None:  # the step updated its own metrics
             with tf.control_dependencies([] if ready is None else [ready]):
                 return after([v.assign(t) for v, t in zip(
                     tf.nest.flatten(self.logs), tf.nest.flatten(piece.logs), strict=True)])
-        # The rows the piece was computed on (padding dropped for losses added in call()).
-        _, _, w, valid = without_padding(self._strip(), (), None, empty_to_none(w), valid)
         with tf.control_dependencies([] if ready is None else [ready]):
-            update_metrics(self.model, piece.y, piece.y_pred, w, valid, piece.masks)
+            update_metrics(self.model, piece.y, piece.y_pred, piece.sample_weight, piece.valid,
+                           piece.masks)
             return tf.constant(True)
 
     def _strip(self) -> bool:
@@ -216,10 +214,9 @@ class TrainStep:
         Every op depends on the one before: an out-of-memory error anywhere before the
         record leaves the sums and the record as they were, one after it cannot undo it.
         """
-        compute = self._compute
         args = (x, y, w, valid)
         if self.replicas == 1:
-            values = compute(*args)
+            values = self._compute(*args)
             with tf.control_dependencies(values):
                 summed = self._commit_sums(values)
         else:
@@ -227,7 +224,7 @@ class TrainStep:
                 args = tf.nest.map_structure(
                     lambda t: _keras.per_replica([t[i] for i in range(self.local_replicas)]),
                     args)
-            values = self.strategy.run(compute, args=args)
+            values = self.strategy.run(self._compute, args=args)
             everything = [t for out in self.strategy.experimental_local_results(values)
                           for t in tf.nest.flatten(out)]
             ready = after(everything)
@@ -237,9 +234,9 @@ class TrainStep:
             recorded = self.stash.record(end_row, self.rows)
         if self.replicas == 1:
             with tf.control_dependencies([recorded]):
-                return self._commit_metrics(values, w, valid)
+                return self._commit_metrics(values)
         return after(self.strategy.experimental_local_results(self.strategy.run(
-            self._commit_metrics, args=(values, args[2], args[3], recorded))))
+            self._commit_metrics, args=(values, recorded))))
 
     # ------------------------------------------------------------ one element
 
