@@ -37,7 +37,7 @@ from autosplit.custom_step import (
 )
 from autosplit.errors import ModelNotReadyError
 from autosplit.model_state import model_state
-from autosplit.reduction import COUNT, SUM, output_terms, row_weight
+from autosplit.reduction import COUNT, SUM, combined_loss, output_terms, row_weight
 
 __all__ = [
     "COUNT_GROUP",
@@ -294,7 +294,8 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
     ``totals`` numerators, denominators, forward and rows must already be summed over
     replicas; the gradients are this replica's (the optimizer all-reduces them).
     ``batch_size`` is the global B the loop scaled by; ``scale`` the loss scale the
-    gradients carry (the weight regularizer's gradient gets it too).
+    gradients carry (the weight regularizer's gradient gets it too). The loss and the
+    per-output losses are ``autosplit.reduction.combined_loss``'s, as validation's are.
     """
     variables = model.trainable_variables
     n = totals.rows
@@ -308,12 +309,9 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
         # Counted once per large batch: each replica adds its 1/replicas share.
         regularization = weight_regularization(model) / replicas
     reg_grads = tape.gradient(regularization, variables) if variables else []
-    per_output = [num if kind == SUM else tf.math.divide_no_nan(num, den)
-                  for num, den, kind in zip(totals.numerators, totals.denominators, plan.kinds,
-                                            strict=True)]
-    loss = regularization * replicas + tf.math.divide_no_nan(totals.forward, n)
-    for weight, value in zip(plan.weights, per_output, strict=True):
-        loss += weight * value
+    loss, per_output = combined_loss(
+        totals.numerators, totals.denominators, totals.forward, n, kinds=plan.kinds,
+        weights=plan.weights, regularization=regularization * replicas)
     gradients = []
     for index, variable in enumerate(variables):
         parts = []

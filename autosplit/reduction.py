@@ -6,7 +6,8 @@ the reduction (``sum_over_batch_size``: the number of loss elements, or of unmas
 ones; ``mean_with_sample_weight``: the sum of the weights; ``sum``: 1). The mean of
 per-micro-batch means is NOT the mean of the batch when the micro-batches differ in
 size, in weight or in masked tokens. So for every micro-batch autosplit keeps the
-numerator and the denominator apart, sums each over the large batch and divides once.
+numerator and the denominator apart, sums each over the large batch and divides once
+(:func:`combined_loss`, the one place the sums become the loss).
 
 ``output_terms`` mirrors ``keras.losses.Loss.__call__`` and
 ``keras.src.losses.loss.reduce_weighted_values`` step for step, with one addition:
@@ -17,7 +18,8 @@ removes padding rows from both the numerator and the denominator.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -26,13 +28,24 @@ from keras import tree
 from autosplit import _keras
 from autosplit.errors import UnsupportedModelError
 
-__all__ = ["LossTerms", "check_reduction", "output_terms", "row_weight"]
+__all__ = [
+    "COUNT",
+    "SUM",
+    "WEIGHT",
+    "LossTerms",
+    "check_reduction",
+    "combined_loss",
+    "output_terms",
+    "row_weight",
+]
 
-# A denominator that does not depend on the model (no Keras mask on the output) is
-# known before the first micro-batch runs; one that counts unmasked tokens is not.
-SUM = "sum"
-COUNT = "count"
-WEIGHT = "weight"
+# What a loss's denominator counts: autosplit's kinds, not Keras's reduction strings
+# (``LossTerms.kind``; ``output_terms`` maps one to the other). A denominator that does
+# not depend on the model (no Keras mask on the output) is known before the first
+# micro-batch runs; one that counts unmasked tokens is not.
+SUM = "sum"  # divided by nothing (reduction="sum")
+COUNT = "count"  # by the loss elements, or the unmasked ones (sum_over_batch_size)
+WEIGHT = "weight"  # by the sum of the sample weights (mean_with_sample_weight)
 
 
 class LossTerms(NamedTuple):
@@ -132,6 +145,42 @@ def output_terms(loss: object, y_true, y_pred, sample_weight, row_valid) -> Loss
     denominator = tf.reduce_sum(tf.ones_like(values) * row_weight(row_valid, values))
     return LossTerms(numerator, tf.cast(denominator, tf.float32), False, COUNT, per_row,
                      per_example)
+
+
+def combined_loss(numerators: Sequence, denominators: Sequence, forward, rows, *,
+                  kinds: Sequence[str], weights: Sequence[float],
+                  regularization=0.0) -> tuple[Any, list]:
+    """The large batch's loss and per-output losses from its sums, each divided once.
+
+    Per compiled loss ``j``: ``numerators[j] / denominators[j]`` (``numerators[j]`` for a
+    ``SUM`` kind), Keras's reduction over the whole batch. The loss is
+    ``regularization + forward / rows + sum_j weights[j] * per_output[j]``, as
+    ``model.compute_loss`` adds it up. A zero denominator (no real rows, no weight)
+    gives 0. The arithmetic is TensorFlow's, in the dtype of the sums: float32 in the
+    train step, float64 where ``autosplit.evaluate`` has added up a whole validation set.
+
+    Args:
+        numerators, denominators: per compiled loss, ``LossTerms`` summed over the batch.
+        forward: the losses added in ``call()`` times each micro-batch's real rows, summed.
+        rows: real rows of the batch.
+        kinds: per compiled loss, ``SUM``, ``COUNT`` or ``WEIGHT``.
+        weights: the compiled ``loss_weights``, per compiled loss.
+        regularization: the weight regularizers' sum, counted once per batch.
+
+    Returns:
+        ``(loss, per_output)``, per_output one scalar per compiled loss.
+
+    >>> loss, per_output = combined_loss([6.0, 3.0], [4.0, 1.0], 10.0, 5.0,
+    ...                                  kinds=(COUNT, SUM), weights=(1.0, 0.5))
+    >>> float(loss), [float(v) for v in per_output]
+    (5.0, [1.5, 3.0])
+    """
+    per_output = [num if kind == SUM else tf.math.divide_no_nan(num, den)
+                  for num, den, kind in zip(numerators, denominators, kinds, strict=True)]
+    loss = regularization + tf.math.divide_no_nan(forward, rows)
+    for weight, value in zip(weights, per_output, strict=True):
+        loss += weight * value
+    return loss, per_output
 
 
 def squeeze(x1: tf.Tensor, x2: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
