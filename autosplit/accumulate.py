@@ -4,9 +4,10 @@
 iterator of micro-batches) run the micro-batches in a ``tf.while_loop``
 (``parallel_iterations=1``: one micro-batch's activations at a time), sum each one's
 contribution (``autosplit.piece``) in loop-carried float32 tensors and return
-``Accumulated(loss, gradients)`` to apply once. ``autosplit.step`` runs the same
-per-micro-batch code with its sums kept in variables, so that a failed micro-batch
-loses nothing that came before it.
+``Accumulated(loss, gradients)`` to apply once. Validation (``autosplit.evaluate``)
+sums its loss terms in the same loop, :func:`sum_loop`. ``autosplit.step`` runs the
+same per-micro-batch code with its sums kept in variables, so that a failed
+micro-batch loses nothing that came before it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from autosplit import _keras
 from autosplit.errors import BatchSizeError
 from autosplit.piece import (
     LossPlan,
+    Piece,
     Totals,
     combine,
     compute_piece,
@@ -33,7 +35,15 @@ from autosplit.piece import (
 )
 from autosplit.split import Split, balanced_sizes, split_batch
 
-__all__ = ["Accumulated", "accumulate_gradients", "accumulate_iterator", "piece_rows"]
+__all__ = [
+    "Accumulated",
+    "accumulate_gradients",
+    "accumulate_iterator",
+    "added",
+    "piece_rows",
+    "sum_loop",
+    "zero_totals",
+]
 
 
 class Accumulated(NamedTuple):
@@ -61,39 +71,61 @@ def piece_rows(split: Split) -> tuple[np.ndarray, np.ndarray]:
     return index.astype(np.int32), valid
 
 
+def added(totals: Totals, piece: Piece | Totals) -> Totals:
+    """``totals`` plus one micro-batch's sums; a gradient of None adds nothing."""
+    part = Totals(piece.gradients, piece.numerators, piece.denominators, piece.forward,
+                  piece.rows)
+    return tf.nest.map_structure(lambda a, b: a if b is None else a + b, totals, part)
+
+
+def zero_totals(terms: int, gradients: list | None = None) -> Totals:
+    """Float32 zeros for ``terms`` compiled losses; ``gradients`` the zero gradient sums."""
+    zeros = [tf.constant(0.0)] * terms
+    return Totals([] if gradients is None else gradients, zeros, zeros, tf.constant(0.0),
+                  tf.constant(0.0))
+
+
+def sum_loop(step, count, start: Totals) -> tuple[Totals, tf.Tensor]:
+    """``totals, stop = step(i, totals)`` for micro-batches ``i < count``, until ``stop``.
+
+    The loop of ``accumulate_gradients``, ``accumulate_iterator`` and validation
+    (``autosplit.evaluate``): the sums are loop-carried tensors, returned with whether a
+    step stopped early (its input ran out).
+    """
+    def body(i, totals, stop):
+        totals, stop = step(i, totals)
+        return i + 1, totals, stop
+
+    # parallel_iterations=1: micro-batches run one after another, so the peak memory
+    # is one micro-batch's, not several in flight.
+    _, totals, stop = tf.while_loop(
+        lambda i, _, stop: tf.logical_and(i < count, tf.logical_not(stop)), body,
+        (tf.constant(0), start, tf.constant(False)), parallel_iterations=1)
+    return totals, stop
+
+
 def _sum_pieces(model, plan: LossPlan, take, count, *, batch_size: int, scale,
                 update_metrics_too: bool) -> Totals:
     """Sum ``count`` micro-batches in a while loop; ``take(i) -> (x, y, w, valid)``."""
     variables = model.trainable_variables
 
-    def zeros():
-        return [tf.zeros(v.shape, tf.float32) if has else tf.zeros([], tf.float32)
-                for v, has in zip(variables, plan.has_grad, strict=True)]
-
-    def body(i, grads, numerators, denominators, in_call, rows):
+    def step(i, totals):
         x, y, w, valid = take(i)
         x, y, w, valid = without_padding(plan.real_rows_only, x, y, empty_to_none(w), valid)
         piece = compute_piece(model, plan, x, y, w, valid, batch_size=batch_size, scale=scale)
-        grads = [[acc + g if g is not None else acc for acc, g in zip(sums, new, strict=True)]
-                 for sums, new in zip(grads, piece.gradients, strict=True)]
+        totals = added(totals, piece)
         if update_metrics_too:
-            with tf.control_dependencies([g for g in tf.nest.flatten(grads)]):
+            with tf.control_dependencies(tf.nest.flatten(totals.gradients)):
                 update_metrics(model, piece.y, piece.y_pred, w, valid)
-        return (i + 1, grads,
-                [a + b for a, b in zip(numerators, piece.numerators, strict=True)],
-                [a + b for a, b in zip(denominators, piece.denominators, strict=True)],
-                in_call + piece.forward, rows + piece.rows)
+        return totals, tf.constant(False)
 
-    n_terms = len(plan.kinds)
-    init = (tf.constant(0), [zeros() for _ in plan.groups], [tf.constant(0.0)] * n_terms,
-            [tf.constant(0.0)] * n_terms, tf.constant(0.0), tf.constant(0.0))
-    # parallel_iterations=1: micro-batches run one after another, so the peak memory
-    # is one micro-batch's, not several in flight.
-    _, grads, numerators, denominators, in_call, rows = tf.while_loop(
-        lambda i, *_: i < count, body, init, parallel_iterations=1)
-    grads = [[g if has else None for g, has in zip(sums, plan.has_grad, strict=True)]
-             for sums in grads]
-    return Totals(grads, numerators, denominators, in_call, rows)
+    # A while loop carries no None: a variable without a gradient sums a scalar zero.
+    zeros = [[tf.zeros(v.shape if has else [], tf.float32)
+              for v, has in zip(variables, plan.has_grad, strict=True)] for _ in plan.groups]
+    totals, _ = sum_loop(step, count, zero_totals(len(plan.kinds), zeros))
+    return totals._replace(gradients=[
+        [g if has else None for g, has in zip(sums, plan.has_grad, strict=True)]
+        for sums in totals.gradients])
 
 
 def _replicas() -> tuple[Any, int]:
