@@ -5,7 +5,8 @@ The validation data go through the same host pipeline as training
 the model in inference mode, updates the compiled metrics per micro-batch (padding
 weighs 0) and sums every compiled loss's numerator and denominator
 (``autosplit.reduction``). The loss and the per-output losses are divided once, over
-the whole validation set, and written to Keras's trackers once, so ``val_loss`` and
+the whole validation set, by the train step's own ``combined_loss`` (on the sums
+added up in float64), and written to Keras's trackers once, so ``val_loss`` and
 ``val_<output>_loss`` are the exact means over the validation examples.
 
 That is what ``model.fit`` logs when its validation batches are all the same size.
@@ -20,12 +21,13 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from autosplit import _keras
+from autosplit.accumulate import added, sum_loop, zero_totals
 from autosplit.inputs import HOST, InputAdapter, get_input
 from autosplit.piece import (
+    LossPlan,
+    Totals,
     empty_to_none,
     forward,
     loss_plan,
@@ -35,7 +37,7 @@ from autosplit.piece import (
     without_padding,
 )
 from autosplit.pipeline import MicroBatches
-from autosplit.reduction import SUM
+from autosplit.reduction import combined_loss
 
 __all__ = ["Evaluator"]
 
@@ -49,13 +51,16 @@ class Evaluator:
         self.model = model
         self._functions: dict = {}
 
-    def _loop(self, iterator, count):
-        model = self.model
-        n_terms = len(_keras.flat_losses(model))
-        x, y, w, _ = iterator.element_spec
-        plan = loss_plan(model, (x, empty_to_none(y), empty_to_none(w)))
+    def _plan(self, spec) -> LossPlan:
+        x, y, w, _ = spec
+        return loss_plan(self.model, (x, empty_to_none(y), empty_to_none(w)))
 
-        def body(i, numerators, denominators, in_call, rows, stop):
+    def _loop(self, iterator, count) -> tuple[Totals, tf.Tensor]:
+        """Up to ``count`` micro-batches: their sums, and whether the data ran out."""
+        model = self.model
+        plan = self._plan(iterator.element_spec)
+
+        def step(_, totals):
             with tf.device(HOST):
                 optional = iterator.get_next_as_optional()
                 has = optional.has_value()
@@ -64,27 +69,17 @@ class Evaluator:
                 x, y, w, valid = optional.get_value()
                 x, y, w, valid = without_padding(plan.real_rows_only, x, empty_to_none(y),
                                                  empty_to_none(w), valid)
-                y_al, y_pred, terms, losses = forward(model, x, y, w, valid, training=False)
-                update_metrics(model, y_al, y_pred, w, valid)
-                piece_rows = tf.reduce_sum(valid)
-                in_call_sum = tf.add_n(losses) if losses else tf.constant(0.0)
-                return (i + 1,
-                        [a + t.numerator for a, t in zip(numerators, terms, strict=True)],
-                        [a + t.denominator for a, t in zip(denominators, terms, strict=True)],
-                        in_call + in_call_sum * piece_rows, rows + piece_rows,
-                        tf.constant(False))
+                y, y_pred, terms, in_call = forward(model, x, y, w, valid, training=False)
+                update_metrics(model, y, y_pred, w, valid)
+                rows = tf.reduce_sum(valid)
+                in_call_sum = tf.add_n(in_call) if in_call else tf.constant(0.0)
+                piece = Totals([], [t.numerator for t in terms],
+                               [t.denominator for t in terms], in_call_sum * rows, rows)
+                return added(totals, piece), tf.constant(False)
 
-            def end():
-                return i, numerators, denominators, in_call, rows, tf.constant(True)
+            return tf.cond(has, one, lambda: (totals, tf.constant(True)))
 
-            return tf.cond(has, one, end)
-
-        zeros = [tf.constant(0.0)] * n_terms
-        _, numerators, denominators, in_call, rows, stop = tf.while_loop(
-            lambda i, *rest: tf.logical_and(i < count, tf.logical_not(rest[-1])), body,
-            (tf.constant(0), zeros, zeros, tf.constant(0.0), tf.constant(0.0),
-             tf.constant(False)), parallel_iterations=1)
-        return numerators, denominators, in_call, rows, stop
+        return sum_loop(step, count, zero_totals(len(plan.kinds)))
 
     def _function(self, spec):
         key = repr(spec)
@@ -97,37 +92,36 @@ class Evaluator:
     def __call__(self, pipeline: MicroBatches, *, steps: int | None = None) -> dict[str, float]:
         """Logs over the validation data in ``pipeline`` (``steps`` large batches at most)."""
         model, adapter = self.model, pipeline.adapter
-        fn = self._function(pipeline.element_spec())
+        spec = pipeline.element_spec()
+        fn, plan = self._function(spec), self._plan(spec)
         limit = None if steps is None else steps * pipeline.per_batch
-        kinds = [getattr(f.loss, "reduction", None) for f in _keras.flat_losses(model)]
-        weights = [1.0 if f.weight is None else float(f.weight)
-                   for f in _keras.flat_losses(model)]
-        n_terms = len(kinds)
-        numerators = np.zeros(n_terms)
-        denominators = np.zeros(n_terms)
-        in_call = rows_seen = 0.0
+        # Each call of the loop sums up to _CHUNK micro-batches in float32; the calls are
+        # added up in float64, so a long validation set loses no precision to the sum.
+        totals = _float64(zero_totals(len(plan.kinds)))
         pulled = 0
         model.reset_metrics()
         adapter.on_epoch_begin()
         iterator = iter(pipeline.dataset())
         while limit is None or pulled < limit:
             count = _CHUNK if limit is None else min(_CHUNK, limit - pulled)
-            nums, dens, calls, seen, stop = fn(iterator, tf.constant(count))
-            numerators += np.asarray([float(v) for v in nums])
-            denominators += np.asarray([float(v) for v in dens])
-            in_call += float(calls)
-            rows_seen += float(seen)
+            chunk, stop = fn(iterator, tf.constant(count))
+            totals = tf.nest.map_structure(tf.add, totals, _float64(chunk))
             pulled += count
             if bool(stop):
                 break
         adapter.on_epoch_end()
-        per_output = [num if kind == SUM else (num / den if den else 0.0)
-                      for num, den, kind in zip(numerators, denominators, kinds, strict=True)]
-        loss = float(weight_regularization(model)) + (in_call / rows_seen if rows_seen else 0.0)
-        loss += sum(w * v for w, v in zip(weights, per_output, strict=True))
-        if rows_seen:
-            update_loss_trackers(model, loss, per_output, rows_seen)
+        loss, per_output = combined_loss(
+            totals.numerators, totals.denominators, totals.forward, totals.rows,
+            kinds=plan.kinds, weights=plan.weights,
+            regularization=tf.cast(weight_regularization(model), tf.float64))
+        if float(totals.rows):
+            update_loss_trackers(model, float(loss), [float(v) for v in per_output],
+                                 float(totals.rows))
         return {name: float(value) for name, value in model.get_metrics_result().items()}
+
+
+def _float64(totals: Totals) -> Totals:
+    return tf.nest.map_structure(lambda t: tf.cast(t, tf.float64), totals)
 
 
 def validation_input(data: Any) -> InputAdapter:
