@@ -28,10 +28,16 @@ import tensorflow as tf
 from keras import tree
 
 from autosplit import _keras
-from autosplit.accumulate import accumulate_gradients, piece_rows
+from autosplit.accumulate import (
+    accumulate_gradients,
+    added,
+    piece_rows,
+    sum_loop,
+    zero_totals,
+)
 from autosplit.custom_step import overridden_steps
-from autosplit.piece import align_targets, loss_plan
-from autosplit.reduction import SUM, output_terms
+from autosplit.piece import Totals, align_targets, loss_plan
+from autosplit.reduction import combined_loss, output_terms
 from autosplit.split import split_batch
 from autosplit.state import Snapshot
 from autosplit.validation import check_compiled_loss
@@ -353,19 +359,20 @@ def _split_loss(loss, y_true, y_pred, sample_weight, split) -> tf.Tensor:
     row_valid = tf.constant(valid)
     kind: dict[str, str] = {}
 
-    def body(i, numerator, denominator):
+    def step(i, totals):
         y_i, p_i, w_i = tree.map_structure(
             lambda t: None if t is None else tf.gather(t, i), (ys, ps, ws))
         if ms is not None:
             _keras.set_keras_mask(p_i, tf.gather(ms, i))
         terms = output_terms(loss, y_i, p_i, w_i, tf.gather(row_valid, i))
         kind["kind"] = terms.kind
-        return i + 1, numerator + terms.numerator, denominator + terms.denominator
+        part = Totals([], [terms.numerator], [terms.denominator], 0.0, 0.0)
+        return added(totals, part), tf.constant(False)
 
-    _, numerator, denominator = tf.while_loop(
-        lambda i, *_: i < split.accumulation_steps, body,
-        (tf.constant(0), tf.constant(0.0), tf.constant(0.0)))
-    return numerator if kind["kind"] == SUM else tf.math.divide_no_nan(numerator, denominator)
+    totals, _ = sum_loop(step, split.accumulation_steps, zero_totals(1))
+    _, (value,) = combined_loss(totals.numerators, totals.denominators, totals.forward,
+                                totals.rows, kinds=(kind["kind"],), weights=(1.0,))
+    return value
 
 
 def _relative(difference: float, scale: float) -> float:
