@@ -173,7 +173,9 @@ def accumulate_gradients(
 
     Args:
         model: a Keras model compiled with a loss (the optimizer is not used here).
-        x, y, sample_weight: the large batch; leading dimension B static.
+        x: the large batch's inputs; leading dimension B static.
+        y: its targets.
+        sample_weight: its per-example weights, or None.
         micro_batch_size: upper bound on rows per micro-batch; ``>= B`` means no split.
         n_valid: how many leading rows are real (the rest weigh 0); default B.
         update_metrics: also update the compiled metrics from every micro-batch.
@@ -242,7 +244,8 @@ def accumulate_iterator(
         steps: micro-batches in this large batch.
         batch_size: B, the rows of the large batch (the loss divides by the real rows
             counted from ``valid``; B only sets the scale inside the loop).
-        update_metrics, loss_scale: as for :func:`accumulate_gradients`.
+        update_metrics: as for ``accumulate_gradients``.
+        loss_scale: as for ``accumulate_gradients``.
 
     Example:
         >>> iterator = iter(dataset.batch(64, drop_remainder=True))  # doctest: +SKIP

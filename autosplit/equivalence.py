@@ -166,7 +166,9 @@ def check(
     Args:
         model: a Keras model compiled with a loss (an unbuilt one is built, as ``fit``
             would; no optimizer step runs).
-        x, y, sample_weight: one batch, as for ``model.fit``; leading dimension B.
+        x: one batch of inputs, as for ``model.fit``; leading dimension B.
+        y: its targets; None for a model whose loss comes from ``add_loss``.
+        sample_weight: its per-example weights, or None.
         micro_batch_size: rows per micro-batch, as you mean to train.
         tolerance: largest relative gradient difference still called exact; float32
             summation order alone gives ~1e-6.

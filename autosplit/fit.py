@@ -101,22 +101,35 @@ def fit_large_batch(
     Each large batch is pulled from the input as micro-batches that fit in memory; their
     float32 gradients are summed inside one compiled step and the optimizer is applied
     once, so the weights, ``optimizer.iterations``, schedules, weight decay, EMA and
-    clipping are those of one full-batch step (see the README for the exact rules).
+    clipping are those of one full-batch step (the documentation's page "What exact
+    means" has the rules).
 
     Args:
         model: a compiled Keras 3 model (TensorFlow backend).
-        x, y: as in ``model.fit``: arrays ``x`` (tensor, list or dict) with targets ``y``;
-            or, with ``y=None``, a ``tf.data.Dataset`` (of examples or of batches of any
+        x: as in ``model.fit``: arrays (a tensor, list or dict) with targets ``y``; or,
+            with ``y=None``, a ``tf.data.Dataset`` (of examples or of batches of any
             size), a ``keras.utils.PyDataset``, a Python generator, or a tuple
             ``(x, y[, sample_weight])`` of arrays.
+        y: the targets when ``x`` is arrays; else None.
         batch_size: the effective batch B (keyword only: it is the point of the call).
         micro_batch_size: the most rows per micro-batch, or ``"auto"`` to find the
             largest that fits by real trial steps (``autosplit.probe``). The rows used
             are balanced: ``ceil(B / ceil(B / m))``. ``>= batch_size``: no split.
-        epochs, verbose, callbacks, validation_split, validation_data, shuffle,
-        class_weight, sample_weight, initial_epoch, steps_per_epoch (in large batches),
-        validation_steps, validation_batch_size, validation_freq: as in ``model.fit``.
-            Validation runs at the micro-batch size unless ``validation_batch_size``.
+        epochs: as in ``model.fit``.
+        verbose: as in ``model.fit``.
+        callbacks: as in ``model.fit``; they see one step per large batch.
+        validation_split: as in ``model.fit``.
+        validation_data: as in ``model.fit``: ``(x, y[, sample_weight])`` or any input
+            ``x`` takes.
+        shuffle: as in ``model.fit``.
+        class_weight: as in ``model.fit``.
+        sample_weight: as in ``model.fit``.
+        initial_epoch: as in ``model.fit``.
+        steps_per_epoch: as in ``model.fit``, counted in large batches.
+        validation_steps: as in ``model.fit``.
+        validation_batch_size: as in ``model.fit``; validation runs at the micro-batch
+            size unless it is given.
+        validation_freq: as in ``model.fit``.
         jit_compile: XLA for the per-micro-batch computation; default ``model.compile``'s.
         on_oom: ``"recover"`` (default) finishes a batch that ran out of memory with
             smaller micro-batches; ``"raise"`` re-raises the error.
@@ -124,9 +137,12 @@ def fit_large_batch(
             update their moving statistics once per large batch, with the exactly
             pooled statistics of its micro-batches (what the whole batch gives);
             ``"micro"``: once per micro-batch, as Keras's gradient accumulation does.
-        memory_limit, headroom, cache, objective: passed to the probe when
-            ``micro_batch_size="auto"``; ``objective="speed"`` keeps a smaller size that
-            runs more than 5% faster than the largest that fits (``autosplit.probe``).
+        memory_limit: passed to ``autosplit.probe`` when ``micro_batch_size="auto"``.
+        headroom: passed to ``autosplit.probe`` when ``micro_batch_size="auto"``.
+        cache: passed to ``autosplit.probe`` when ``micro_batch_size="auto"``.
+        objective: passed to ``autosplit.probe`` when ``micro_batch_size="auto"``;
+            ``"speed"`` keeps a smaller size that runs more than 5% faster than the
+            largest that fits.
 
     Returns:
         The ``keras.callbacks.History``; ``history.autosplit`` says how the batch was

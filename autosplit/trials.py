@@ -167,8 +167,10 @@ def probe(
 
     Args:
         model: a compiled Keras model.
-        x, y, sample_weight: the training data, in any form ``fit_large_batch`` takes;
-            a few micro-batches of it feed the trials.
+        x: the training data, in any form ``fit_large_batch`` takes; a few
+            micro-batches of it feed the trials.
+        y: the targets when ``x`` is arrays; else None.
+        sample_weight: per-example weights when ``x`` is arrays; else None.
         batch_size: the effective batch B; the micro-batch is capped at B (k = 1).
         memory_limit: a budget smaller than the device ("6GiB", "512MB" or bytes).
         headroom: the fraction of the budget left free (default 10%).
