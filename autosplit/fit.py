@@ -15,7 +15,7 @@ import dataclasses
 import gc
 import random
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import keras
@@ -45,11 +45,6 @@ from autosplit.validation import (
 )
 
 __all__ = ["fit_large_batch"]
-
-# Testing hook: called as hook(step_number, micro_batch_rows) before the first attempt
-# of each step; it may raise tf.errors.ResourceExhaustedError to exercise OOM recovery
-# deterministically (see autosplit.testing.inject_oom). None in normal use.
-_FAULT_HOOK: Callable[[int, int], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +346,7 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
         step, on_oom=args.on_oom, multi_worker=plan.layout.multi_worker,
         known_fits=plan.probe.fitting_sizes() if plan.probe is not None else (),
         fused=adapter.rows is not None and args.steps_per_epoch is None,
-        on_shrink=on_shrink, fault_hook=_FAULT_HOOK)
+        on_shrink=on_shrink)
     _publish(callback_list, info, recovery, args, plan)
     traces_before = step.tracing_count()
     model.stop_training = False
@@ -412,7 +407,7 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
     model.optimizer.finalize_variable_values(model.trainable_variables)
     callback_list.on_train_end(logs=epoch_logs or logs)
     recovery.on_shrink = None  # it closes over the recovery itself: no cycle to keep
-    info["oom_recoveries"] = recovery.records
+    info["oom_recoveries"] = [record.to_dict() for record in recovery.records]
     info["traces"] = step.tracing_count() - traces_before
     history = model.history
     history.autosplit = info
