@@ -11,7 +11,9 @@ Across the workers of a ``MultiWorkerMirroredStrategy`` no worker may wait in a
 collective for one that failed: each worker runs its local loop (no collectives),
 then all of them agree (one small all-reduce of an ok flag) before any of them
 applies; a worker that failed resumes its own remainder while the others, done
-already, only join the next agreement. Each worker keeps its own micro-batch size.
+already, only join the next agreement. Each worker keeps its own micro-batch size. A
+worker that gives up (``on_oom="raise"``, or one row did not fit) still joins that
+agreement, so that the others stop with it instead of waiting for it.
 
 :class:`Recovery` is control flow only: it drives any :class:`RecoverableStep`, the
 few operations of ``autosplit.step.TrainStep`` it needs, and is tested with a
@@ -31,6 +33,11 @@ import tensorflow as tf
 from autosplit.errors import NothingFitsError, WorkerLostError
 
 __all__ = ["OomRecovery", "RecoverableStep", "Recovery", "shrink_micro_batch", "worker_lost"]
+
+# The rows a worker that gives up reports to the agreement: every other worker's total
+# comes out negative (-inf plus any real rows), which no real count can be.
+_GAVE_UP = -math.inf
+
 
 class RecoverableStep(Protocol):
     """The train step as :class:`Recovery` sees it (``autosplit.step.TrainStep`` is one).
@@ -121,6 +128,14 @@ def worker_lost(error: Exception, strategy: Any, step_number: int) -> WorkerLost
         "CommunicationOptions(timeout_seconds=...).")
 
 
+def _another_gave_up(strategy: Any, step_number: int) -> WorkerLostError:
+    return WorkerLostError(
+        f"Another worker of the {type(strategy).__name__} run stopped in step {step_number}: "
+        "it ran out of memory and could not go on (on_oom='raise', or not even a "
+        "micro-batch of 1 example fit); its error says which. This worker stops too "
+        "instead of waiting for it.")
+
+
 class Recovery:
     """Runs large batches to completion on one worker, shrinking on out-of-memory.
 
@@ -193,20 +208,26 @@ class Recovery:
     def _run_agreed(self, iterator: Any, count: int, step_number: int) -> dict | None:
         resume, remaining = False, count
         while True:
-            ok = True
+            failure = None
             try:
                 self.step.run_local(iterator, remaining, resume=resume, pieces=self.pieces)
                 remaining = 0
             except tf.errors.ResourceExhaustedError as error:
-                ok = False
+                failure = error
                 remaining -= self._pulled()
-                self._shrink(error, step_number)
+            gives_up = failure is not None and self._next_rows() < 1
             # The only collectives of a step come after the local loop: first this
             # agreement, then (only if every worker succeeded) the apply.
-            all_ok, rows = self.step.agree(ok, self.step.local_rows())
+            all_ok, rows = self.step.agree(
+                failure is None, _GAVE_UP if gives_up else self.step.local_rows())
+            if rows < 0 and not gives_up:
+                self.step.discard()
+                raise _another_gave_up(self.step.strategy, step_number) from failure
+            if failure is not None:
+                self._shrink(failure, step_number)  # raises when this worker gives up
             if all_ok:
                 break
-            resume = not ok
+            resume = failure is not None
         if rows == 0:
             return None
         return self.step.finish()

@@ -14,13 +14,14 @@ rows fails here as it would lose them in ``TrainStep``.
 from __future__ import annotations
 
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import tensorflow as tf
 
 from autosplit import fit as _fit
-from autosplit.errors import NothingFitsError
+from autosplit.errors import NothingFitsError, WorkerLostError
 from autosplit.recovery import OomRecovery, RecoverableStep, Recovery
 from autosplit.testing import FaultyStep, inject_oom
 
@@ -317,6 +318,29 @@ def test_workers_that_disagree_apply_together_each_at_its_own_size():
     assert steps[0].applied == [list(range(8)), list(range(8, 16))]
     assert steps[1].applied == [list(range(100, 108)), list(range(108, 116))]
     assert recoveries[0].records == [OomRecovery(0, 4, 2)] and recoveries[1].records == []
+
+
+@pytest.mark.parametrize("give_up", ["raise", "one row"])
+def test_a_worker_that_gives_up_stops_the_others_instead_of_leaving_them_waiting(give_up):
+    collective = Collective(2)
+    failing = (FakeStep(4, fail_at={0}, collective=collective, worker=0) if give_up == "raise"
+               else FakeStep(4, fits=0, collective=collective, worker=0))
+    steps = [failing, FakeStep(4, collective=collective, worker=1)]
+    on_oom = "raise" if give_up == "raise" else "recover"
+    recoveries = [Recovery(step, multi_worker=True, on_oom=on_oom) for step in steps]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = lockstep(steps, recoveries, [[(elements(0, 2, 4), 2)],
+                                               [(elements(100, 2, 4), 2)]])
+    assert len(caught) == (0 if give_up == "raise" else 2)  # 4 -> 2 -> 1 rows, then none
+    expected = tf.errors.ResourceExhaustedError if give_up == "raise" else NothingFitsError
+    assert isinstance(results[0], expected)
+    assert isinstance(results[1], WorkerLostError), results[1]
+    assert "Another worker of the FakeStrategy run stopped in step 0" in str(results[1])
+    assert collective.rounds[-1] == {0: (False, float("-inf")), 1: (True, 8.0)}
+    assert len(collective.rounds) == (1 if give_up == "raise" else 3)
+    for step in steps:
+        assert step.committed == [] and not step.pending and step.applied == []
 
 
 @pytest.mark.filterwarnings("ignore:Out of memory")
