@@ -25,7 +25,9 @@ _EXPORTS = {
     "NothingFitsError": "autosplit.errors",
     "UnsupportedModelError": "autosplit.errors",
     "WorkerLostError": "autosplit.errors",
+    "FitReport": "autosplit.fit",
     "fit_large_batch": "autosplit.fit",
+    "OomRecovery": "autosplit.recovery",
     "ProbeResult": "autosplit.trials",
     "probe": "autosplit.trials",
     "Trial": "autosplit.search",
@@ -40,9 +42,11 @@ __all__ = [
     "BatchSizeError",
     "CheckReport",
     "DatasetError",
+    "FitReport",
     "MemoryLimitError",
     "ModelNotReadyError",
     "NothingFitsError",
+    "OomRecovery",
     "ProbeResult",
     "Split",
     "TrainStep",
@@ -84,7 +88,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         UnsupportedModelError,
         WorkerLostError,
     )
-    from autosplit.fit import fit_large_batch
+    from autosplit.fit import FitReport, fit_large_batch
+    from autosplit.recovery import OomRecovery
     from autosplit.search import Trial
     from autosplit.split import Split, split_batch
     from autosplit.step import TrainStep

@@ -23,7 +23,10 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autosplit.fit import FitReport
 
 EXIT_OK, EXIT_NOT_EXACT, EXIT_USAGE, EXIT_NOTHING_FITS = 0, 1, 2, 3
 _CHILD_ENV = "AUTOSPLIT_CHILD"
@@ -351,17 +354,23 @@ def _demo(args: argparse.Namespace) -> int:
     history = autosplit.fit_large_batch(model, x, y, batch_size=args.batch_size,
                                         epochs=args.epochs, cache=False)
     loss_after = model.evaluate(x, y, batch_size=1024, verbose=0, return_dict=True)["loss"]
-    info = history.autosplit
-    print(
-        "\nsummary\n"
-        f"  target batch        {info['batch_size']}\n"
-        f"  micro-batch         {info['micro_batch_size']} (found by "
-        f"{len(info['probe']['trials'])} trials of the real step)\n"
-        f"  accumulation steps  {info['accumulation_steps']}\n"
-        f"  optimizer steps     {int(model.optimizer.iterations)}\n"
-        f"  loss before/after   {loss_before:.4f} -> {loss_after:.4f}"
-    )
+    print(_demo_summary(history.autosplit, int(model.optimizer.iterations), loss_before,
+                        loss_after))
     return EXIT_OK
+
+
+def _demo_summary(report: FitReport, iterations: int, loss_before: float, loss_after: float) -> str:
+    """The demo's last words, from its ``history.autosplit`` (a ``FitReport``)."""
+    found = (f"found by {len(report.probe.trials)} trials of the real step"
+             if report.probe is not None else report.micro_batch_reason)
+    recovered = "".join(f"\n  out of memory       step {r.step}: {r.failed} -> {r.retry} rows"
+                        for r in report.oom_recoveries)
+    return ("\nsummary\n"
+            f"  target batch        {report.batch_size}\n"
+            f"  micro-batch         {report.micro_batch_size} ({found})\n"
+            f"  accumulation steps  {report.accumulation_steps}\n"
+            f"  optimizer steps     {iterations}\n"
+            f"  loss before/after   {loss_before:.4f} -> {loss_after:.4f}" + recovered)
 
 
 if __name__ == "__main__":

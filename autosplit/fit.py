@@ -15,8 +15,8 @@ import dataclasses
 import gc
 import random
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import keras
 import tensorflow as tf
@@ -30,7 +30,7 @@ from autosplit.evaluate import Evaluator, validation_input
 from autosplit.inputs import InputAdapter, get_input
 from autosplit.model_state import model_state
 from autosplit.pipeline import MicroBatches
-from autosplit.recovery import Recovery
+from autosplit.recovery import OomRecovery, Recovery
 from autosplit.search import OBJECTIVES
 from autosplit.split import Split, split_batch
 from autosplit.step import TrainStep, build_for, train_step
@@ -44,12 +44,10 @@ from autosplit.validation import (
     check_verbose,
 )
 
-__all__ = ["fit_large_batch"]
+if TYPE_CHECKING:
+    from autosplit.trials import ProbeResult
 
-# Testing hook: called as hook(step_number, micro_batch_rows) before the first attempt
-# of each step; it may raise tf.errors.ResourceExhaustedError to exercise OOM recovery
-# deterministically (see autosplit.testing.inject_oom). None in normal use.
-_FAULT_HOOK: Callable[[int, int], None] | None = None
+__all__ = ["FitReport", "fit_large_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +64,68 @@ class _Args:
     validation_split: float
     on_oom: str
     batch_norm: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FitReport:
+    """How ``fit_large_batch`` split its batches, and why: ``history.autosplit``.
+
+    Immutable, as :class:`autosplit.ProbeResult` is; ``to_dict()`` gives plain values,
+    ready for JSON. Indexing it as the dict it used to be
+    (``history.autosplit["micro_batch_size"]``) still works, and gives what
+    ``to_dict()`` holds, with a ``DeprecationWarning``: read the attributes instead.
+
+    Example:
+        >>> history = autosplit.fit_large_batch(  # doctest: +SKIP
+        ...     model, x, y, batch_size=4096, epochs=3)
+        >>> history.autosplit.micro_batch_size  # doctest: +SKIP
+        1366
+        >>> history.autosplit.oom_recoveries  # doctest: +SKIP
+        ()
+    """
+
+    batch_size: int
+    """The effective batch B, over every replica."""
+    micro_batch_size: int
+    """Rows per micro-batch, per replica, at the end (after any out-of-memory recovery)."""
+    accumulation_steps: int
+    """Micro-batches per large batch, per replica, at ``micro_batch_size``."""
+    padded_rows: int
+    """Zero-weight rows that even out each replica's micro-batches at that size."""
+    micro_batch_reason: str
+    """``"given"``, or why the probe chose the size it started with."""
+    input: str
+    """The kind of input trained on (``"arrays"``, ``"generator"``, ...)."""
+    batch_norm: str
+    """``"pooled"`` or ``"micro"``: when BatchNormalization's moving statistics move."""
+    replicas: int
+    """Replicas in sync, over every worker."""
+    workers: int
+    """Worker processes of the run (1 without ``MultiWorkerMirroredStrategy``)."""
+    micro_batch_sizes: tuple[int, ...]
+    """Rows per micro-batch at the end of each epoch that ran."""
+    oom_recoveries: tuple[OomRecovery, ...]
+    """Every out-of-memory error survived, in order."""
+    probe: ProbeResult | None
+    """The probe's search, with ``micro_batch_size="auto"``; else None."""
+    traces: int
+    """Compiled functions traced by this call (0: every one was reused)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values: lists for tuples, dicts for records (the probe's too)."""
+        data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        data["micro_batch_sizes"] = list(self.micro_batch_sizes)
+        data["oom_recoveries"] = [record.to_dict() for record in self.oom_recoveries]
+        data["probe"] = None if self.probe is None else self.probe.to_dict()
+        return data
+
+    def __getitem__(self, key: str) -> Any:
+        # Kept because history.autosplit was a dict up to 0.2.0 and indexing it costs
+        # nothing to support; it warns so that code moves to the attributes.
+        warnings.warn(f"history.autosplit[{key!r}] is deprecated: history.autosplit is a "
+                      f"FitReport; read history.autosplit.{key}, or .to_dict().",
+                      DeprecationWarning, stacklevel=2)
+        return self.to_dict()[key]
 
 
 def fit_large_batch(
@@ -145,13 +205,13 @@ def fit_large_batch(
             largest that fits.
 
     Returns:
-        The ``keras.callbacks.History``; ``history.autosplit`` says how the batch was
-        split, why, and any out-of-memory recoveries.
+        The ``keras.callbacks.History``; ``history.autosplit``, a :class:`FitReport`,
+        says how the batch was split, why, and any out-of-memory recoveries.
 
     Example:
         >>> history = autosplit.fit_large_batch(  # doctest: +SKIP
         ...     model, x, y, batch_size=4096, epochs=3)
-        >>> history.autosplit["micro_batch_size"]  # doctest: +SKIP
+        >>> history.autosplit.micro_batch_size  # doctest: +SKIP
         512
     """
     args = _validate(model, locals())
@@ -277,7 +337,7 @@ class _Plan:
     layout: Layout
     pipeline: MicroBatches
     step: TrainStep
-    probe: Any  # ProbeResult or None
+    probe: ProbeResult | None
     reason: str
     shuffle_seed: int | None = None  # shared by every worker of a multi-worker job
 
@@ -336,103 +396,142 @@ def _shared_seed(step: TrainStep, where: Layout) -> int | None:
 
 def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | None,
            args: _Args, callbacks) -> keras.callbacks.History:
-    pipeline, step = plan.pipeline, plan.step
-    epoch_steps = args.steps_per_epoch or pipeline.steps()
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_history=True, add_progbar=args.verbose != 0, verbose=args.verbose,
-        epochs=args.epochs, steps=epoch_steps, model=model)
-    info: dict[str, Any] = {
-        "batch_size": args.batch_size,
-        "micro_batch_size": plan.split.micro_batch_size,
-        "accumulation_steps": plan.split.accumulation_steps,
-        "padded_rows": plan.split.padded_rows,
-        "micro_batch_reason": plan.reason,
-        "input": adapter.kind,
-        "batch_norm": args.batch_norm,
-        "replicas": plan.layout.replicas,
-        "workers": plan.layout.workers,
-        "micro_batch_sizes": [],
-        "oom_recoveries": [],
-        "probe": plan.probe.to_dict() if plan.probe is not None else None,
-    }
-
-    def on_shrink(*_):
-        if plan.probe is not None:  # an OOM proved the cached answer wrong
-            from autosplit.trials import invalidate_cache
-
-            invalidate_cache(plan.probe)
-        _publish(callback_list, info, recovery, args, plan)
-
-    recovery = Recovery(
-        step, on_oom=args.on_oom, multi_worker=plan.layout.multi_worker,
-        known_fits=plan.probe.fitting_sizes() if plan.probe is not None else (),
-        fused=adapter.rows is not None and args.steps_per_epoch is None,
-        on_shrink=on_shrink, fault_hook=_FAULT_HOOK)
-    _publish(callback_list, info, recovery, args, plan)
-    traces_before = step.tracing_count()
+        epochs=args.epochs, steps=args.steps_per_epoch or plan.pipeline.steps(), model=model)
+    recovery = _recovery(plan, adapter, args, callback_list)
+    loop = _Batches(model, adapter, plan, args, callback_list, recovery)
+    traces_before = plan.step.tracing_count()
     model.stop_training = False
     callback_list.on_train_begin()
     # keras.callbacks.BackupAndRestore restores the weights in on_train_begin and says
     # where to resume, as model.fit reads it.
     first_epoch = _keras.resume_epoch(model) or args.initial_epoch
-    iterator, logs, epoch_logs, global_step = None, {}, {}, 0
-    # model.fit keeps one iterator across epochs when steps_per_epoch is given.
-    keep_iterator = args.steps_per_epoch is not None or not adapter.reiterable
+    epoch_logs: dict = {}
+    sizes: list[int] = []
     for epoch in range(first_epoch, args.epochs):
         model.reset_metrics()
         adapter.on_epoch_begin()
         callback_list.on_epoch_begin(epoch)
-        if iterator is None or not keep_iterator:
-            if recovery.pieces > 1 and adapter.reiterable:
-                pipeline = _rebuild(plan, recovery)
-            iterator = None  # let the last epoch's prefetch buffers go first
-            seed = None if plan.shuffle_seed is None else plan.shuffle_seed + epoch
-            iterator = iter(pipeline.dataset(shuffle_seed=seed))
-        ran = 0
-        for index in _steps(epoch_steps):
-            count = pipeline.elements(index) if args.steps_per_epoch is None else (
-                pipeline.per_batch)
-            callback_list.on_train_batch_begin(index)
-            result = recovery.run(iterator, count, global_step)
-            if result is None:
-                break
-            logs = step.flat_logs(result)
-            callback_list.on_train_batch_end(index, logs)
-            global_step += 1
-            ran += 1
-            if model.stop_training:
-                break
-        if ran == 0 or (args.steps_per_epoch is not None and ran < args.steps_per_epoch
-                        and not model.stop_training):
-            warnings.warn(
-                "Your input ran out of data; interrupting training. Make sure that your "
-                "dataset or generator can generate at least `steps_per_epoch * epochs` "
-                f"large batches ({(args.steps_per_epoch or ran) * args.epochs} here); you "
-                "may need `.repeat()`.", stacklevel=2)
-            model.stop_training = True
-        if ran == 0:
+        if loop.epoch(epoch) == 0:
             adapter.on_epoch_end()
             break  # no epoch to report: a 0.0 loss would mislead EarlyStopping and co.
-        if epoch_steps is None:
-            epoch_steps = ran  # learnt from the first epoch, as model.fit does
-            _publish(callback_list, info, recovery, args, plan, steps=epoch_steps)
-        epoch_logs = step.epoch_logs(logs)
+        epoch_logs = plan.step.epoch_logs(loop.logs)
         if validation is not None and (epoch + 1) % args.validation_freq == 0:
             epoch_logs.update(validation(model, recovery.rows))
         adapter.on_epoch_end()
-        info["micro_batch_sizes"].append(recovery.rows)
+        sizes.append(recovery.rows)
         callback_list.on_epoch_end(epoch, epoch_logs)
         if model.stop_training:
             break
     # As model.fit does: swap the averaged weights in (a no-op without use_ema).
     model.optimizer.finalize_variable_values(model.trainable_variables)
-    callback_list.on_train_end(logs=epoch_logs or logs)
+    callback_list.on_train_end(logs=epoch_logs or loop.logs)
     recovery.on_shrink = None  # it closes over the recovery itself: no cycle to keep
-    info["oom_recoveries"] = recovery.records
-    info["traces"] = step.tracing_count() - traces_before
     history = model.history
-    history.autosplit = info
+    history.autosplit = _report(plan, adapter, args, recovery, sizes,
+                                plan.step.tracing_count() - traces_before)
     return history
+
+
+def _recovery(plan: _Plan, adapter: InputAdapter, args: _Args, callback_list) -> Recovery:
+    """The out-of-memory recovery of this call, which tells the callbacks of each shrink."""
+    def on_shrink(*_):
+        if plan.probe is not None:  # an OOM proved the cached answer wrong
+            from autosplit.trials import invalidate_cache
+
+            invalidate_cache(plan.probe)
+        _publish(callback_list, recovery, args, plan)
+
+    recovery = Recovery(
+        plan.step, on_oom=args.on_oom, multi_worker=plan.layout.multi_worker,
+        known_fits=plan.probe.fitting_sizes() if plan.probe is not None else (),
+        fused=adapter.rows is not None and args.steps_per_epoch is None,
+        on_shrink=on_shrink)
+    _publish(callback_list, recovery, args, plan)
+    return recovery
+
+
+class _Batches:
+    """The large batches of each epoch: the iterator, the step count and the last logs,
+    kept across epochs."""
+
+    def __init__(self, model, adapter: InputAdapter, plan: _Plan, args: _Args,
+                 callback_list, recovery: Recovery) -> None:
+        self.model, self.adapter, self.plan, self.args = model, adapter, plan, args
+        self.callback_list, self.recovery = callback_list, recovery
+        self.steps = args.steps_per_epoch or plan.pipeline.steps()  # None: not known yet
+        # model.fit keeps one iterator across epochs when steps_per_epoch is given.
+        self.keep_iterator = args.steps_per_epoch is not None or not adapter.reiterable
+        self.iterator: Any = None
+        self.global_step = 0
+        self.logs: dict = {}
+
+    def epoch(self, epoch: int) -> int:
+        """Train one epoch's large batches; returns how many ran."""
+        plan, recovery, callback_list = self.plan, self.recovery, self.callback_list
+        self._start(epoch)
+        ran = 0
+        for index in _steps(self.steps):
+            count = plan.pipeline.elements(index) if self.args.steps_per_epoch is None else (
+                plan.pipeline.per_batch)
+            callback_list.on_train_batch_begin(index)
+            result = recovery.run(self.iterator, count, self.global_step)
+            if result is None:
+                break
+            self.logs = plan.step.flat_logs(result)
+            callback_list.on_train_batch_end(index, self.logs)
+            self.global_step += 1
+            ran += 1
+            if self.model.stop_training:
+                break
+        self._check_ran(ran)
+        if ran and self.steps is None:
+            self.steps = ran  # learnt from the first epoch, as model.fit does
+            _publish(callback_list, recovery, self.args, plan, steps=ran)
+        return ran
+
+    def _start(self, epoch: int) -> None:
+        """A new iterator for the epoch, unless model.fit would keep the last one."""
+        if self.iterator is not None and self.keep_iterator:
+            return
+        if self.recovery.pieces > 1 and self.adapter.reiterable:
+            _rebuild(self.plan, self.recovery)
+        self.iterator = None  # let the last epoch's prefetch buffers go first
+        seed = None if self.plan.shuffle_seed is None else self.plan.shuffle_seed + epoch
+        self.iterator = iter(self.plan.pipeline.dataset(shuffle_seed=seed))
+
+    def _check_ran(self, ran: int) -> None:
+        """Warn and stop, as model.fit does, when the input ran out of data."""
+        wanted = self.args.steps_per_epoch
+        if ran == 0 or (wanted is not None and ran < wanted and not self.model.stop_training):
+            warnings.warn(
+                "Your input ran out of data; interrupting training. Make sure that your "
+                "dataset or generator can generate at least `steps_per_epoch * epochs` "
+                f"large batches ({(wanted or ran) * self.args.epochs} here); you "
+                "may need `.repeat()`.", stacklevel=4)
+            self.model.stop_training = True
+
+
+def _report(plan: _Plan, adapter: InputAdapter, args: _Args, recovery: Recovery,
+            sizes: list[int], traces: int) -> FitReport:
+    """``history.autosplit``: the split in use at the end, and how the run got there."""
+    split = split_batch(plan.split.batch_size, recovery.rows)
+    return FitReport(
+        batch_size=args.batch_size,
+        micro_batch_size=recovery.rows,
+        accumulation_steps=split.accumulation_steps,
+        padded_rows=split.padded_rows,
+        micro_batch_reason=plan.reason,
+        input=adapter.kind,
+        batch_norm=args.batch_norm,
+        replicas=plan.layout.replicas,
+        workers=plan.layout.workers,
+        micro_batch_sizes=tuple(sizes),
+        oom_recoveries=tuple(recovery.records),
+        probe=plan.probe,
+        traces=traces,
+    )
 
 
 def _rebuild(plan: _Plan, recovery: Recovery) -> MicroBatches:
@@ -446,9 +545,9 @@ def _rebuild(plan: _Plan, recovery: Recovery) -> MicroBatches:
     return pipeline
 
 
-def _publish(callback_list, info, recovery: Recovery, args: _Args, plan: _Plan,
+def _publish(callback_list, recovery: Recovery, args: _Args, plan: _Plan,
              steps: int | None = None) -> None:
-    """Tell callbacks and ``history.autosplit`` how batches are split right now."""
+    """Tell the callbacks how batches are split right now."""
     rows = recovery.rows
     k = split_batch(plan.split.batch_size, rows).accumulation_steps
     params = dict(callback_list.params or {})
@@ -459,13 +558,10 @@ def _publish(callback_list, info, recovery: Recovery, args: _Args, plan: _Plan,
             if isinstance(callback, keras.callbacks.ProgbarLogger):
                 callback.target = steps
     callback_list.set_params(params)
-    info["micro_batch_size"] = rows
-    info["accumulation_steps"] = k
 
 
-def _steps(count: int | None):
+def _steps(count: int | None) -> Iterator[int]:
     index = 0
     while count is None or index < count:
         yield index
         index += 1
-

@@ -11,22 +11,92 @@ Across the workers of a ``MultiWorkerMirroredStrategy`` no worker may wait in a
 collective for one that failed: each worker runs its local loop (no collectives),
 then all of them agree (one small all-reduce of an ok flag) before any of them
 applies; a worker that failed resumes its own remainder while the others, done
-already, only join the next agreement. Each worker keeps its own micro-batch size.
+already, only join the next agreement. Each worker keeps its own micro-batch size. A
+worker that gives up (``on_oom="raise"``, or one row did not fit) still joins that
+agreement, so that the others stop with it instead of waiting for it.
+
+:class:`Recovery` is control flow only: it drives any :class:`RecoverableStep`, the
+few operations of ``autosplit.step.TrainStep`` it needs, and is tested with a
+pure-Python fake of them (``tests/test_recovery_logic.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import tensorflow as tf
 
 from autosplit.errors import NothingFitsError, WorkerLostError
-from autosplit.step import TrainStep
 
-__all__ = ["Recovery", "shrink_micro_batch", "worker_lost"]
+__all__ = ["OomRecovery", "RecoverableStep", "Recovery", "shrink_micro_batch", "worker_lost"]
+
+# The rows a worker that gives up reports to the agreement: every other worker's total
+# comes out negative (-inf plus any real rows), which no real count can be.
+_GAVE_UP = -math.inf
+
+
+class RecoverableStep(Protocol):
+    """The train step as :class:`Recovery` sees it (``autosplit.step.TrainStep`` is one).
+
+    A step pulls elements of ``rows`` rows from an iterator and commits them micro-batch
+    by micro-batch to sums; it keeps the element in flight in a stash, with the rows of
+    it already committed, so that an out-of-memory error costs only the micro-batch
+    that raised it.
+    """
+
+    rows: int
+    """Rows per element of the pipeline: one micro-batch when an element is one piece."""
+    replicas: int
+    """Replicas in sync, over every worker."""
+    strategy: Any
+    """The model's ``tf.distribute`` strategy (named in a ``WorkerLostError``)."""
+
+    def rebind(self, element_spec: Any) -> None:
+        """Use elements of another size (a new epoch's pipeline) from now on."""
+
+    def run(self, iterator: Any, count: int) -> dict:
+        """``run_local(iterator, count)`` then ``finish()``, in one call."""
+
+    def run_local(self, iterator: Any, count: int, *, resume: bool = False,
+                  pieces: int = 1) -> int:
+        """Commit up to ``count`` more elements, each cut into ``pieces``; first, with
+        ``resume``, the stashed element's rows not yet committed. Returns the elements
+        pulled; runs no collective."""
+
+    def finish(self) -> dict:
+        """Apply the committed sums once and zero them; returns the logs."""
+
+    def agree(self, ok: bool, rows: float) -> tuple[bool, float]:
+        """Collective: whether every worker is ok, and the sum of their ``rows``."""
+
+    def local_rows(self) -> float:
+        """Real rows committed on this worker since the last ``finish``."""
+
+    def progress(self) -> tuple[int, bool, bool]:
+        """After the last ``run``/``run_local``, failed or not: (elements it pulled, the
+        stash holds an element not fully committed, the input ended)."""
+
+    def discard(self) -> None:
+        """Forget a partial large batch: zero the sums and the stash."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OomRecovery:
+    """One out-of-memory error that training survived (``FitReport.oom_recoveries``)."""
+
+    step: int
+    """The large batch it happened in: 0-based, counted from the start of the call."""
+    failed: int
+    """Rows per micro-batch that ran out of memory."""
+    retry: int
+    """Rows per micro-batch the same large batch was then finished with."""
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
 
 
 def shrink_micro_batch(failed: int, fits: Sequence[int] = ()) -> int:
@@ -58,11 +128,19 @@ def worker_lost(error: Exception, strategy: Any, step_number: int) -> WorkerLost
         "CommunicationOptions(timeout_seconds=...).")
 
 
+def _another_gave_up(strategy: Any, step_number: int) -> WorkerLostError:
+    return WorkerLostError(
+        f"Another worker of the {type(strategy).__name__} run stopped in step {step_number}: "
+        "it ran out of memory and could not go on (on_oom='raise', or not even a "
+        "micro-batch of 1 example fit); its error says which. This worker stops too "
+        "instead of waiting for it.")
+
+
 class Recovery:
     """Runs large batches to completion on one worker, shrinking on out-of-memory.
 
     Args:
-        step: the ``TrainStep``.
+        step: the ``TrainStep``, or any :class:`RecoverableStep`.
         on_oom: ``"recover"`` or ``"raise"``.
         known_fits: micro-batch sizes the probe saw fit (tried first when shrinking).
         multi_worker: agree with the other workers before every apply.
@@ -70,23 +148,20 @@ class Recovery:
             runs the loop and the apply. Otherwise the apply waits until the loop shows
             the batch is not empty.
         on_shrink: called with (step_number, failed_rows, new_rows) after each OOM.
-        fault_hook: testing hook, called before the first attempt of each step.
     """
 
-    def __init__(self, step: TrainStep, *, on_oom: str = "recover",
+    def __init__(self, step: RecoverableStep, *, on_oom: str = "recover",
                  known_fits: Sequence[int] = (), multi_worker: bool = False,
-                 fused: bool = True, on_shrink: Callable[[int, int, int], None] | None = None,
-                 fault_hook: Callable[[int, int], None] | None = None) -> None:
+                 fused: bool = True,
+                 on_shrink: Callable[[int, int, int], None] | None = None) -> None:
         self.step = step
         self.on_oom = on_oom
         self.known_fits = list(known_fits)
         self.multi_worker = multi_worker
         self.fused = fused and not multi_worker
         self.on_shrink = on_shrink
-        self.fault_hook = fault_hook
-        self.pieces = 1
-        self.records: list[dict] = []
-        self._hooked = False  # the fault hook is running (it raised before any step ran)
+        self.pieces = 1  # each element of the pipeline is cut into this many micro-batches
+        self.records: list[OomRecovery] = []
 
     @property
     def rows(self) -> int:
@@ -98,7 +173,7 @@ class Recovery:
         self.step.rebind(element_spec)
         self.pieces = 1
 
-    def run(self, iterator, count: int, step_number: int) -> dict | None:
+    def run(self, iterator: Any, count: int, step_number: int) -> dict | None:
         """Train one large batch of ``count`` elements; None if the input had none left."""
         try:
             if self.multi_worker:
@@ -112,12 +187,10 @@ class Recovery:
 
     # ------------------------------------------------------------ one process
 
-    def _run_alone(self, iterator, count: int, step_number: int) -> dict | None:
+    def _run_alone(self, iterator: Any, count: int, step_number: int) -> dict | None:
         resume, remaining = False, count
         while True:
             try:
-                if not resume:
-                    self._hook(step_number)
                 if self.fused and not resume and self.pieces == 1:
                     return self.step.run(iterator, remaining)
                 self.step.run_local(iterator, remaining, resume=resume, pieces=self.pieces)
@@ -132,53 +205,54 @@ class Recovery:
 
     # ------------------------------------------------------------ many workers
 
-    def _run_agreed(self, iterator, count: int, step_number: int) -> dict | None:
+    def _run_agreed(self, iterator: Any, count: int, step_number: int) -> dict | None:
         resume, remaining = False, count
         while True:
-            ok = True
+            failure = None
             try:
-                if not resume:
-                    self._hook(step_number)
                 self.step.run_local(iterator, remaining, resume=resume, pieces=self.pieces)
                 remaining = 0
             except tf.errors.ResourceExhaustedError as error:
-                ok = False
+                failure = error
                 remaining -= self._pulled()
-                self._shrink(error, step_number)
+            gives_up = failure is not None and self._next_rows() < 1
             # The only collectives of a step come after the local loop: first this
             # agreement, then (only if every worker succeeded) the apply.
-            all_ok, rows = self.step.agree(ok, self.step.local_rows())
+            all_ok, rows = self.step.agree(
+                failure is None, _GAVE_UP if gives_up else self.step.local_rows())
+            if rows < 0 and not gives_up:
+                self.step.discard()
+                raise _another_gave_up(self.step.strategy, step_number) from failure
+            if failure is not None:
+                self._shrink(failure, step_number)  # raises when this worker gives up
             if all_ok:
                 break
-            resume = not ok
+            resume = failure is not None
         if rows == 0:
             return None
         return self.step.finish()
 
     # ------------------------------------------------------------ shrinking
 
-    def _hook(self, step_number: int) -> None:
-        if self.fault_hook is not None:
-            self._hooked = True
-            self.fault_hook(step_number, self.rows)
-            self._hooked = False
-
     def _pulled(self) -> int:
         """Elements the failed attempt pulled from the iterator."""
-        if self._hooked:  # the fault hook raised before anything ran
-            self._hooked = False
-            return 0
         pulled, _, _ = self.step.progress()
         return pulled
 
-    def _shrink(self, error: Exception, step_number: int) -> None:
-        failed = self.rows
+    def _next_rows(self) -> int:
+        """The micro-batch bound to try next: 0 to give up (re-raise or nothing fits)."""
         if self.on_oom == "raise":
-            self.step.discard()
-            raise error
-        target = shrink_micro_batch(failed, self.known_fits)
+            return 0
+        return shrink_micro_batch(self.rows, self.known_fits)
+
+    def _shrink(self, error: Exception, step_number: int) -> None:
+        """Cut every element into more pieces after ``error``, or give up: discard the
+        partial batch and raise."""
+        failed, target = self.rows, self._next_rows()
         if target < 1:
             self.step.discard()
+            if self.on_oom == "raise":
+                raise error
             raise NothingFitsError(
                 "Out of memory during training with a micro-batch of 1 example: nothing "
                 "smaller can be tried. Free memory or use a smaller model.") from error
@@ -192,6 +266,6 @@ class Recovery:
         warnings.warn(
             f"Out of memory in step {step_number} with micro-batches of {failed} rows; "
             f"finishing the same batch with micro-batches of {self.rows} rows.", stacklevel=4)
-        self.records.append({"step": step_number, "failed": failed, "retry": self.rows})
+        self.records.append(OomRecovery(step_number, failed, self.rows))
         if self.on_shrink is not None:
             self.on_shrink(step_number, failed, self.rows)

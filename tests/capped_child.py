@@ -77,7 +77,8 @@ def recover_from_real_oom(folder):
     history = autosplit.fit_large_batch(model, x, y, batch_size=4096, micro_batch_size=4096,
                                         epochs=1, shuffle=False, verbose=0)
     np.savez(os.path.join(folder, "weights.npz"), *model.get_weights())
-    write_result({"autosplit": history.autosplit, "iterations": int(model.optimizer.iterations)})
+    write_result({"autosplit": history.autosplit.to_dict(),
+                  "iterations": int(model.optimizer.iterations)})
 
 
 def nothing_fits(folder):
@@ -118,7 +119,7 @@ def input_kinds(folder):
             history = autosplit.fit_large_batch(model, batch_size=4096, micro_batch_size=m,
                                                 on_oom="raise", verbose=0, **source())
             report["kinds"][kind] = {"trained": True, "peak_bytes": meter.peak_bytes(),
-                                     "micro_batch_size": history.autosplit["micro_batch_size"]}
+                                     "micro_batch_size": history.autosplit.micro_batch_size}
         except tf.errors.ResourceExhaustedError as exc:
             report["kinds"][kind] = {"trained": False, "error": str(exc)[:300]}
     write_result(report)

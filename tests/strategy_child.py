@@ -93,14 +93,14 @@ def mirrored(out):
         expected = reference_weights(optimizer, 40, 2)
         report[optimizer] = relative_error(expected, model.get_weights())
         report[f"{optimizer}_iterations"] = int(model.optimizer.iterations.numpy())
-        report[f"{optimizer}_info"] = {k: history.autosplit[k] for k in
+        report[f"{optimizer}_info"] = {k: getattr(history.autosplit, k) for k in
                                        ("micro_batch_size", "accumulation_steps")}
     # The automatic search on two local replicas: trials run in lockstep, one size.
     with strategy.scope():
         model = make(OPTIMIZERS["sgd"])
     history = autosplit.fit_large_batch(model, (x, y, w), batch_size=40, cache=False,
                                         verbose=0)
-    report["auto_micro_batch_size"] = history.autosplit["micro_batch_size"]
+    report["auto_micro_batch_size"] = history.autosplit.micro_batch_size
     # All-reduces in the traced graph: the same for k = 2 and k = 10, none in the loop.
     for micro in (10, 2):
         with strategy.scope():
@@ -173,7 +173,7 @@ def worker(out):
             auto = make(OPTIMIZERS["adam"])
         history = autosplit.fit_large_batch(auto, (x, y, w), batch_size=40, epochs=2,
                                             shuffle=False, verbose=0, cache=False)
-        report["auto"] = {k: history.autosplit[k] for k in
+        report["auto"] = {k: getattr(history.autosplit, k) for k in
                           ("micro_batch_size", "micro_batch_reason", "workers")}
         report["auto_error"] = relative_error(reference_weights("adam", 40, 2),
                                               auto.get_weights())
@@ -229,7 +229,8 @@ def capped_worker(out):
         history = autosplit.fit_large_batch(
             model, x, y, batch_size=4096, micro_batch_size=micro if micro == "auto" else
             int(micro), shuffle=False, verbose=0, cache=False)
-        report["autosplit"] = {k: v for k, v in history.autosplit.items() if k != "probe"}
+        report["autosplit"] = {k: v for k, v in history.autosplit.to_dict().items()
+                              if k != "probe"}
         report["iterations"] = int(model.optimizer.iterations.numpy())
         np.savez(out.name + ".npz", *model.get_weights())
     except Exception as exc:  # reported to the parent, which checks the type and text

@@ -62,7 +62,7 @@ def test_endpoint_layer_model_equals_model_fit(kind):
     got = autosplit.fit_large_batch(candidate, *args, batch_size=B, micro_batch_size=M,
                                     epochs=2, shuffle=False, verbose=0,
                                     validation_data=(val,))
-    assert got.autosplit["padded_rows"] == 2
+    assert got.autosplit.padded_rows == 2
     assert relative_error(reference.get_weights(), candidate.get_weights()) <= 1e-4
     assert relative_error([v.numpy() for v in reference.optimizer.variables],
                           [v.numpy() for v in candidate.optimizer.variables]) <= 1e-4

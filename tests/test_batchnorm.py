@@ -60,8 +60,8 @@ def test_dense_inputs_equal_model_fit_at_batch_b(weighted):
     reference.fit(x, y, batch_size=B, shuffle=False, verbose=0, **kwargs)
     history = autosplit.fit_large_batch(candidate, x, y, batch_size=B, micro_batch_size=M,
                                         shuffle=False, verbose=0, **kwargs)
-    assert history.autosplit["batch_norm"] == "pooled"
-    assert history.autosplit["padded_rows"] == 1
+    assert history.autosplit.batch_norm == "pooled"
+    assert history.autosplit.padded_rows == 1
     assert int(candidate.optimizer.iterations) == 2
     assert_moving_close(moving(reference), moving(candidate))
 
@@ -107,7 +107,7 @@ def test_micro_mode_updates_once_per_micro_batch_as_before():
     reference, candidate = twins(lambda: first_layer_bn((6,), [keras.layers.Dense(3)]))
     history = autosplit.fit_large_batch(candidate, x, y, batch_size=B, micro_batch_size=25,
                                         shuffle=False, verbose=0, batch_norm="micro")
-    assert history.autosplit["batch_norm"] == "micro"
+    assert history.autosplit.batch_norm == "micro"
     mean, var = np.zeros(6), np.ones(6)
     for part in (x[:25], x[25:]):  # what Keras's update does once per micro-batch
         mean = 0.9 * mean + 0.1 * part.mean(axis=0)

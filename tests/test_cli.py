@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from autosplit.cli import EXIT_NOTHING_FITS, EXIT_OK, EXIT_USAGE, main
+from autosplit.cli import EXIT_NOTHING_FITS, EXIT_OK, EXIT_USAGE, _demo_summary, main
 
 ROOT = Path(__file__).parent.parent
 
@@ -91,3 +93,24 @@ def test_probe_subprocess_nothing_fits_exits_3():
                    "--memory-limit", "64MiB", "--headroom", "0.99", "--json", "--no-cache")
     assert done.returncode == EXIT_NOTHING_FITS, done.stderr[-2000:]
     assert json.loads(done.stdout)["error"] == "nothing_fits"
+
+
+def test_demo_summary_reads_the_fit_report():
+    from autosplit.fit import FitReport
+    from autosplit.recovery import OomRecovery
+
+    report = FitReport(
+        batch_size=4096, micro_batch_size=683, accumulation_steps=6, padded_rows=2,
+        micro_batch_reason="given", input="arrays", batch_norm="pooled", replicas=1,
+        workers=1, micro_batch_sizes=(683,), oom_recoveries=(OomRecovery(0, 1366, 683),),
+        probe=SimpleNamespace(trials=(None,) * 7), traces=1)
+    assert _demo_summary(report, 12, 2.5, 0.25).splitlines() == [
+        "", "summary",
+        "  target batch        4096",
+        "  micro-batch         683 (found by 7 trials of the real step)",
+        "  accumulation steps  6",
+        "  optimizer steps     12",
+        "  loss before/after   2.5000 -> 0.2500",
+        "  out of memory       step 0: 1366 -> 683 rows"]
+    given = dataclasses.replace(report, probe=None, oom_recoveries=())
+    assert "  micro-batch         683 (given)" in _demo_summary(given, 12, 2.5, 0.25)

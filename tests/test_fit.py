@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import warnings
 
@@ -47,10 +49,29 @@ def test_fit_equals_model_fit_over_epochs_with_a_short_last_batch():
                                         epochs=3, shuffle=False, verbose=0)
     assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
     assert int(candidate.optimizer.iterations) == 3 * math.ceil(230 / 64)
-    assert history.autosplit["micro_batch_size"] == 16
-    assert history.autosplit["accumulation_steps"] == 4
-    assert history.autosplit["traces"] == 1  # the padded last batch reuses the trace
+    assert history.autosplit.micro_batch_size == 16
+    assert history.autosplit.accumulation_steps == 4
+    assert history.autosplit.traces == 1  # the padded last batch reuses the trace
+    assert history.autosplit.micro_batch_sizes == (16, 16, 16)
+    assert history.autosplit.oom_recoveries == ()
     assert len(history.history["loss"]) == 3
+
+
+def test_the_report_is_immutable_its_dict_plain_and_indexing_it_deprecated():
+    report = autosplit.FitReport(
+        batch_size=64, micro_batch_size=8, accumulation_steps=8, padded_rows=0,
+        micro_batch_reason="given", input="arrays", batch_norm="pooled", replicas=1,
+        workers=1, micro_batch_sizes=(16, 8), oom_recoveries=(autosplit.OomRecovery(3, 16, 8),),
+        probe=None, traces=2)
+    plain = report.to_dict()
+    assert plain["oom_recoveries"] == [{"step": 3, "failed": 16, "retry": 8}]
+    assert plain["micro_batch_sizes"] == [16, 8] and plain["probe"] is None
+    assert json.loads(json.dumps(plain)) == plain
+    assert list(plain) == [f.name for f in dataclasses.fields(report)]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.traces = 0
+    with pytest.warns(DeprecationWarning, match=r"read history.autosplit.oom_recoveries"):
+        assert report["oom_recoveries"] == plain["oom_recoveries"]
 
 
 def test_dataset_of_examples_with_dict_inputs_and_weights():
@@ -188,14 +209,14 @@ def test_numpy_integer_sizes_are_accepted():
     x, y = data(40)
     h = autosplit.fit_large_batch(make_mlp(), (x, y), batch_size=np.int64(20),
                                   micro_batch_size=np.int32(10), verbose=0)
-    assert h.autosplit["accumulation_steps"] == 2
+    assert h.autosplit.accumulation_steps == 2
 
 
 def test_micro_batch_at_least_batch_means_no_split():
     x, y = data(40)
     h = autosplit.fit_large_batch(make_mlp(), (x, y), batch_size=20, micro_batch_size=500,
                                   verbose=0)
-    assert h.autosplit["accumulation_steps"] == 1 and h.autosplit["micro_batch_size"] == 20
+    assert h.autosplit.accumulation_steps == 1 and h.autosplit.micro_batch_size == 20
 
 
 def test_uncompiled_model():
@@ -272,7 +293,7 @@ def test_batched_dataset_is_rebatched_not_refused():
         model.set_weights(initial)
         history = autosplit.fit_large_batch(model, batched, batch_size=64, micro_batch_size=16,
                                             epochs=2, verbose=0)
-        assert history.autosplit["input"] == "batched tf.data.Dataset"
+        assert history.autosplit.input == "batched tf.data.Dataset"
         assert int(model.optimizer.iterations) == 8
         assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
 

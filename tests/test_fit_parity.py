@@ -255,7 +255,7 @@ def test_calling_it_again_reuses_the_step_and_memory_stays_flat():
                                          verbose=0)
 
     once()
-    assert once().autosplit["traces"] == 0  # nothing traced again
+    assert once().autosplit.traces == 0  # nothing traced again
     process = psutil.Process()
     for _ in range(10):
         once()
@@ -286,6 +286,6 @@ def test_loss_returning_one_value_per_batch_is_exact_with_padding_rows():
     expected = reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
     got = autosplit.fit_large_batch(candidate, x, y, batch_size=32, micro_batch_size=12,
                                     shuffle=False, verbose=0)
-    assert got.autosplit["padded_rows"] == 1
+    assert got.autosplit.padded_rows == 1
     assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
     np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)

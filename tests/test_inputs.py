@@ -105,7 +105,7 @@ def test_a_generator_read_once_to_its_end():
     model = candidate(initial)
     history = autosplit.fit_large_batch(model, batches(*data(), 23), batch_size=B,
                                         micro_batch_size=M, verbose=0)
-    assert history.autosplit["input"] == "generator"
+    assert history.autosplit.input == "generator"
     assert int(model.optimizer.iterations) == math.ceil(N / B)
     assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
 

@@ -10,6 +10,7 @@ from conftest import assert_weights_close, classifier, labelled, twin
 from test_probe import run_child
 
 import autosplit
+from autosplit import OomRecovery
 from autosplit.testing import inject_oom, train_on_large_batch
 
 
@@ -33,9 +34,10 @@ def test_injected_oom_redoes_the_same_batch_exactly():
         history = autosplit.fit_large_batch(candidate, (x, y), batch_size=64,
                                             micro_batch_size=32, shuffle=False, verbose=0)
     assert raised == [(2, 32)]
-    info = history.autosplit
-    assert info["oom_recoveries"] == [{"step": 2, "failed": 32, "retry": 16}]
-    assert info["micro_batch_size"] == 16 and info["accumulation_steps"] == 4
+    report = history.autosplit
+    assert report.oom_recoveries == (OomRecovery(step=2, failed=32, retry=16),)
+    assert report.micro_batch_size == 16 and report.accumulation_steps == 4
+    assert report.micro_batch_sizes == (16,)
     assert int(candidate.optimizer.iterations) == 4
     assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
     np.testing.assert_allclose(history.history["accuracy"], ref_history.history["accuracy"])
@@ -104,7 +106,7 @@ def test_a_real_oom_in_the_middle_of_a_batch_costs_only_that_micro_batch():
     with pytest.warns(UserWarning, match="finishing the same batch"):
         history = autosplit.fit_large_batch(candidate, x, y, batch_size=64,
                                             micro_batch_size=16, shuffle=False, verbose=0)
-    assert history.autosplit["oom_recoveries"] == [{"step": 1, "failed": 16, "retry": 8}]
+    assert history.autosplit.oom_recoveries == (OomRecovery(step=1, failed=16, retry=8),)
     assert int(candidate.optimizer.iterations) == 4
     assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
     np.testing.assert_allclose(history.history["accuracy"], ref_history.history["accuracy"])

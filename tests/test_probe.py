@@ -88,9 +88,11 @@ def test_bad_memory_strings(bad, cache_home):
 def test_fit_with_auto_micro_batch(cache_home):
     x, y = data(300)
     history = autosplit.fit_large_batch(small_model(), (x, y), batch_size=100, verbose=0)
-    info = history.autosplit
-    assert info["probe"]["micro_batch_size"] == info["micro_batch_size"]
-    assert info["accumulation_steps"] == -(-100 // info["micro_batch_size"])
+    report = history.autosplit
+    assert report.probe.micro_batch_size == report.micro_batch_size
+    assert report.accumulation_steps == -(-100 // report.micro_batch_size)
+    assert report.to_dict()["probe"] == report.probe.to_dict()
+    json.dumps(report.to_dict())
 
 
 def run_child(scenario, tmp_path, limit_mib):

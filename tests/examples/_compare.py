@@ -75,7 +75,7 @@ def fit_both(reference, candidate, x, y=None, *, batch_size, micro_batch_size, e
     history = autosplit.fit_large_batch(candidate, x, y, batch_size=batch_size,
                                         micro_batch_size=micro_batch_size, epochs=epochs,
                                         shuffle=False, verbose=0, **kwargs)
-    assert history.autosplit["accumulation_steps"] == math.ceil(batch_size / micro_batch_size)
+    assert history.autosplit.accumulation_steps == math.ceil(batch_size / micro_batch_size)
     return expected, history.history
 
 
