@@ -24,7 +24,7 @@ import numpy as np
 from autosplit.split import split_batch
 
 __all__ = ["OBJECTIVES", "Trial", "achievable", "between", "fastest", "fit_line", "run_search",
-           "search", "speed_candidates"]
+           "search", "second_size", "speed_candidates"]
 
 TOLERANCE = 0.05  # stop bisecting when the gap is within 5% of the best fit
 OBJECTIVES = ("memory", "speed")
@@ -99,8 +99,10 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
     """Yield sizes to try; receive their trials; return the chosen size or None.
 
     Every size asked is achievable: a balanced split of B runs ceil(B / k) rows, so the
-    search moves over those values only. The two measured sizes are about B/64 and B/4
-    (at least 8 and 32): nearby small sizes differ by less than the allocator's noise.
+    search moves over those values only. The first size is B/64 (8 to 64 rows): small,
+    yet large enough that its peak is more than the allocator's noise. The second
+    (:func:`second_size`) follows from the first one's peak, not from B, and fits
+    whatever the model's fixed memory is, so the line gets two points.
     Each later guess comes from the line through the largest size that fit and the
     largest one at most half of it; a guess outside the open interval (largest fit,
     smallest failure), or no such pair, means the size halfway between them in
@@ -125,11 +127,9 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
         hi = min((t.micro_batch_size for t in trials if not t.fits), default=batch_size + 1)
         return lo, hi
 
-    first = achievable(batch_size, max(8, batch_size // 64))
-    second = achievable(batch_size, max(32, batch_size // 4))
-    for m in sorted({first, second}):
-        if not (yield from ask(m)).fits:
-            break
+    first = achievable(batch_size, max(8, min(64, batch_size // 64)))
+    if (yield from ask(first)).fits and first < batch_size:
+        yield from ask(second_size(batch_size, first, trials[-1].peak_bytes, budget))
     lo, hi = bounds()
     for _ in range(12):
         if lo == 0 or lo == batch_size or hi - lo <= max(1, TOLERANCE * lo):
@@ -170,6 +170,27 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
             smaller = achievable(batch_size, chosen - 1) if chosen > 1 else 0
         chosen = smaller or None
     return chosen
+
+
+def second_size(batch_size: int, first: int, peak: int | None, budget: int) -> int:
+    """The second size to measure, from the first trial alone: a geometric step of 2x to
+    16x the first, as far as the budget allows if the whole peak grew with the rows.
+
+    A peak ``fixed + per_example * m`` with ``fixed >= 0`` reaches the budget no earlier
+    than that line through the origin does, so this size fits whatever the fixed part
+    is (below 2x, where the fixed part would be most of the budget, 2x is tried anyway),
+    and the line fit gets two sizes at least 2x apart. It depends on the memory the
+    model needs, not on B: a fixed fraction of B asked a 4096 batch for 1024 rows, an
+    out-of-memory trial that taught nothing. 16x keeps the step a step: a line through
+    the origin may be far off when the budget reads more than the device can give.
+
+    >>> second_size(4096, 64, 1_000, 10_000), second_size(4096, 64, 9_000, 10_000)
+    (586, 128)
+    >>> second_size(512, 8, 10, 10_000), second_size(40, 8, 1008, 1130)
+    (128, 14)
+    """
+    bound = first * budget // max(1, peak or 1)
+    return achievable(batch_size, min(16 * first, max(2 * first, bound)))
 
 
 def _far_pair(trials: Sequence[Trial]) -> list[tuple[int, int]]:

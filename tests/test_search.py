@@ -42,11 +42,25 @@ def sizes(trials):
 
 
 def test_a_straight_line_is_predicted_in_one_guess():
-    # Budget 13000 = 1000 + 4 * 3000: the line through 64 and 1024 predicts 3000 rows; a
-    # balanced split of 4096 runs 2048 (k = 2), and 4096 (k = 1) is beyond the budget.
+    # Budget 13000 = 1000 + 4 * 3000. 64 rows peak at 1256, so 64 * 13000 / 1256 = 662
+    # rows fit whatever the fixed part: 586 (k = 7) is measured second. The line through
+    # 64 and 586 predicts 3000 rows; a balanced split of 4096 runs 2048 (k = 2), and 4096
+    # (k = 1) is beyond the budget.
     chosen, trials = run_search(4096, 13_000, linear(1000, 4, 13_000))
-    assert sizes(trials) == [64, 1024, 2048]
+    assert sizes(trials) == [64, 586, 2048]
     assert chosen == 2048
+
+
+@pytest.mark.parametrize("batch", [4096, 8192, 65536])
+def test_the_second_size_follows_the_memory_not_the_batch(batch):
+    # The same device at every B: 3000 rows fit the budget. A second size of B/4 would
+    # ask 16384 rows of a 65536 batch and run out of memory; from the first peak the
+    # second fits at every B, and the answer is the size a split of B runs under 3000.
+    device = linear(1000, 4, 13_000, limit=14_000)
+    chosen, trials = run_search(batch, 13_000, device)
+    assert not any(t.oom for t in trials) and len(trials) == 3
+    assert sizes(trials)[0] == 64 and 500 < sizes(trials)[1] < 700
+    assert chosen == achievable(batch, 3000)
 
 
 def test_everything_fits_means_no_split():
@@ -72,7 +86,7 @@ def test_the_choice_is_measured_again_when_a_failure_came_after_it():
 
 def test_no_check_again_when_the_choice_was_the_last_trial():
     chosen, trials = run_search(4096, 7000, linear(1000, 4, 7000))
-    assert (chosen, sizes(trials)) == (1366, [64, 1024, 1366])
+    assert (chosen, sizes(trials)) == (1366, [64, 342, 1366])
 
 
 def test_nothing_fits_or_one_example_does():
@@ -84,7 +98,7 @@ def test_nothing_fits_or_one_example_does():
 
 def test_small_batches_try_only_sizes_a_split_can_run():
     chosen, trials = run_search(40, 1130, linear(1000, 10, 1130))
-    assert (chosen, sizes(trials)) == (10, [8, 20, 14, 10])
+    assert (chosen, sizes(trials)) == (10, [8, 14, 10])
     assert all(achievable(40, m) == m for m in sizes(trials))
 
 
@@ -226,7 +240,7 @@ def test_speed_keeps_a_smaller_size_only_when_it_is_more_than_5_percent_faster()
     peaked = {1366: 120.0}  # near the limit the allocator retries: 2048 slows down
     chosen, why, tried = search_for_speed(
         4096, budget, timed(1000, 4, budget, lambda m: peaked.get(m, 100.0)))
-    assert tried == [64, 1024, 2048, 1366] and chosen == 1366
+    assert tried == [64, 586, 2048, 1366] and chosen == 1366
     assert "20% faster than the largest that fits (2048: 100.0)" in why
     # 4% faster is noise: the largest stays.
     peaked[1366] = 104.0
