@@ -184,7 +184,7 @@ def train(name: str, s: Settings, weights: Sequence[np.ndarray], data_: dict[str
             history = autosplit.fit_large_batch(
                 model, x, y, batch_size=s.batch_size, micro_batch_size=s.batch_size // k,
                 batch_norm=mode, epochs=1, shuffle=False, verbose=0)
-        assert history.autosplit["batch_norm"] == mode, history.autosplit
+        assert history.autosplit.batch_norm == mode, history.autosplit
     seconds = time.perf_counter() - start
     loss, accuracy = model.evaluate(*data_["held_out"], batch_size=256, verbose=0)
     return {"train_loss": float(history.history["loss"][-1]), "held_out_loss": float(loss),

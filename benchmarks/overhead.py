@@ -1,40 +1,45 @@
-"""What does splitting a large batch cost per sample?
+"""What does splitting a large batch cost per sample, for every input kind and width?
 
-Two comparisons, each measured side by side in one run (round-robin repeats, the order
-rotating by one each repeat; ratios are best over best, never absolute times alone):
+Every comparison is measured side by side in one run (round-robin repeats, the order
+rotating by one each repeat; ratios are best over best, never absolute times alone),
+twice: **per epoch** (the timed epochs after a warm-up) and **per call** (the whole call,
+set-up, tracing and the warm-up epoch included: a user calls ``fit_large_batch`` once per
+experiment, a tuner hundreds of times).
 
-**Small k.** An MLP 784-1024-1024-10 with Adam on 32768 synthetic examples, B = 4096,
-m = 256 (k = 16), trained five ways:
+**The bare loop** (``benchmarks.workloads.bare_loop``) is the yardstick: one
+``tf.function`` whose ``tf.while_loop`` pulls the micro-batches from a ``tf.data``
+iterator (``.batch(m)``, or ``.batch(32).rebatch(m)`` for a batched input), sums the
+gradients and applies once: the least a large-batch step can do, with no padding, no
+metrics and no recovery. Target: ``fit_large_batch`` at 0.95 of it or better, per epoch
+and per call, from arrays, from a dataset of examples and from a batched dataset, on:
 
-1. ``autosplit.fit_large_batch(B, m)`` from arrays;
-2. ``model.fit(batch_size=m)``: the baseline (no accumulation, one apply per m);
-3. ``model.fit(batch_size=m)`` with Keras's ``Adam(gradient_accumulation_steps=B // m)``;
-4. the classic hand loop (the well-known StackOverflow answer): a ``tf.function``
-   returns one micro-batch's gradients, the host averages them with ``np.mean`` and
-   calls ``apply_gradients`` once;
-5. the bare loop (``benchmarks.workloads.bare_loop``): one ``tf.function`` whose
-   ``tf.while_loop`` pulls the micro-batches from a ``tf.data`` iterator, sums the
-   gradients and applies once: the least a large-batch step can do. Target:
-   ``fit_large_batch`` at 0.95 of its samples/s or better.
+- an MLP 128-1024-1024-10 and an MLP 784-1024-1024-10, B = 4096, m = 256 (k = 16); the
+  784-wide one also against ``model.fit(batch_size=m)``, Keras's
+  ``Adam(gradient_accumulation_steps=16)`` and the classic hand loop (a ``tf.function``
+  returns one micro-batch's gradients, ``np.mean`` on the host, one apply);
+- the CNN of ``autosplit.models`` on 32x32x3 images, B = 1024, m = 128 (k = 8).
 
-**Large k.** The Transformer of ``memory_scaling`` at B = 16384, m = 128 (k = 128), on
-32768 examples: ``fit_large_batch`` against plain ``model.fit(batch_size=m)``.
-Target: a ratio of 0.95 or better.
+**Against Keras at the micro-batch.** A small encoder on token ids (Embedding,
+attention, LayerNorm) at B = 8192, m = 512 (k = 16) from a dataset of examples, and the
+2-layer Transformer of ``memory_scaling`` at B = 16384, m = 128 (k = 128) from arrays,
+against plain ``model.fit(batch_size=m)`` (one apply per m, so it does k times the
+optimizer work). Targets: 1.0 for the encoder, 0.95 at k = 128.
 
 Every run starts from the same initial weights with a fresh Adam (lr 1e-3) and reads
 the data in order (``shuffle=False`` everywhere, so the ratios measure the loops, not
-the shuffle); the first epoch is a warm-up (tracing, optimizer slots) and is not timed.
+the shuffle).
 
 ``--profile python`` runs ``fit_large_batch`` once more under cProfile and writes the
 top functions by cumulative time; ``--profile tf`` records TensorFlow's profiler trace
 of it (open with TensorBoard's profile plugin).
 
-Units: samples/s = training examples per wall-clock second over the timed epochs.
+Units: samples/s = training examples per wall-clock second.
 
 Reproduce (on an otherwise idle machine)::
 
-    python -m benchmarks.overhead          # ~10 min on 2 cores
+    python -m benchmarks.overhead          # ~15 min on 2 cores
     python -m benchmarks.overhead --quick  # small models, one repeat
+    python -m benchmarks.overhead --cases mlp784,encoder
 
 The full run writes ``benchmarks/results/overhead.{json,md}``; ``--quick`` writes files
 only with ``--out DIR``.
@@ -46,6 +51,7 @@ import cProfile
 import io
 import pstats
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -59,22 +65,29 @@ from benchmarks import harness, workloads
 from benchmarks.workloads import TRANSFORMER, EpochMeter, ModelSpec
 
 QUESTION = ("What does splitting a large batch into micro-batches cost per training sample, "
-            "against plain model.fit at the micro-batch, Keras's own accumulation, a hand "
-            "loop and a bare while-loop, at small k and at large k?")
-UNITS = "samples/s (training examples per wall-clock second, timed epochs only)"
+            "per epoch and per call, against a bare while-loop for every input kind (arrays, "
+            "examples, batched) and width, and against plain model.fit at the micro-batch?")
+UNITS = ("samples/s (training examples per wall-clock second; per epoch: the timed epochs; "
+         "per call: the whole call, set-up and warm-up epoch included)")
 LABELS = {
-    "autosplit_arrays": "autosplit.fit_large_batch(B, m)",
-    "keras_at_m": "model.fit(batch_size=m) [baseline]",
+    "autosplit_arrays": "autosplit.fit_large_batch(B, m), arrays",
+    "autosplit_examples": "autosplit.fit_large_batch(B, m), tf.data of examples",
+    "autosplit_batched": "autosplit.fit_large_batch(B, m), tf.data .batch(32)",
+    "keras_at_m": "model.fit(batch_size=m)",
     "keras_accumulation": "model.fit(m), Adam(gradient_accumulation_steps=B/m)",
     "hand_loop": "hand loop: tf.function grads, np.mean, 1 apply",
-    "bare_loop": "bare loop: tf.while_loop over a tf.data iterator, 1 apply",
+    "bare_loop": "bare loop over .batch(m), 1 apply",
+    "bare_batched": "bare loop over .batch(32).rebatch(m), 1 apply",
 }
 TARGET = 0.95
+# Each autosplit input kind against its yardstick.
+YARDSTICK = {"autosplit_arrays": "bare_loop", "autosplit_examples": "bare_loop",
+             "autosplit_batched": "bare_batched"}
 
 
 @dataclass(frozen=True)
 class Case:
-    """One side-by-side comparison."""
+    """One side-by-side comparison; ``targets`` maps a method to (baseline, least ratio)."""
 
     name: str
     model: ModelSpec
@@ -82,32 +95,53 @@ class Case:
     batch_size: int
     micro_batch_size: int
     methods: tuple[str, ...]
-    baseline: str = "keras_at_m"
+    baseline: str = "bare_loop"
+    targets: tuple[tuple[str, str, float], ...] = ()
 
     @property
     def accumulation_steps(self) -> int:
         return self.batch_size // self.micro_batch_size
 
 
+def _against_bare(name: str, model: ModelSpec, rows: int, batch_size: int, m: int,
+                  extra: tuple[str, ...] = ()) -> Case:
+    kinds = tuple(YARDSTICK)
+    return Case(name, model, rows, batch_size, m,
+                (*kinds, "bare_loop", "bare_batched", *extra),
+                targets=tuple((k, YARDSTICK[k], TARGET) for k in kinds))
+
+
+def _against_keras(name: str, model: ModelSpec, rows: int, batch_size: int, m: int,
+                   method: str, target: float) -> Case:
+    return Case(name, model, rows, batch_size, m, (method, "keras_at_m"),
+                baseline="keras_at_m", targets=((method, "keras_at_m", target),))
+
+
 @dataclass(frozen=True)
 class Settings:
     cases: tuple[Case, ...]
-    epochs: int = 3  # timed epochs per run, after one warm-up epoch
+    epochs: int = 2  # timed epochs per run, after one warm-up epoch
     repeats: int = 3  # round-robin passes over the methods
     seed: int = 0
     jit_compile: bool = False
 
 
-SMALL_K = ("autosplit_arrays", "keras_at_m", "keras_accumulation", "hand_loop", "bare_loop")
 FULL = Settings(cases=(
-    Case("small_k", workloads.mlp_spec(784, (1024, 1024)), 32768, 4096, 256, SMALL_K),
-    Case("large_k", TRANSFORMER, 32768, 16384, 128, ("autosplit_arrays", "keras_at_m")),
+    _against_bare("mlp128", workloads.mlp_spec(128, (1024, 1024)), 16384, 4096, 256),
+    _against_bare("mlp784", workloads.mlp_spec(784, (1024, 1024)), 16384, 4096, 256,
+                  extra=("keras_at_m", "keras_accumulation", "hand_loop")),
+    _against_bare("cnn", workloads.CNN, 4096, 1024, 128),
+    _against_keras("encoder", workloads.ENCODER, 32768, 8192, 512, "autosplit_examples", 1.0),
+    _against_keras("large_k", TRANSFORMER, 32768, 16384, 128, "autosplit_arrays", TARGET),
 ))
 QUICK = replace(FULL, epochs=1, repeats=1, cases=(
-    Case("small_k", workloads.mlp_spec(64, (128, 128)), 4096, 1024, 64, SMALL_K),
-    Case("large_k", replace(TRANSFORMER, input_shape=(8, 8), label="Transformer encoder "
-                            "(8, 8), 2 layers, 4 heads"), 2048, 1024, 32,
-         ("autosplit_arrays", "keras_at_m")),
+    _against_bare("mlp128", workloads.mlp_spec(64, (128, 128)), 2048, 1024, 64,
+                  extra=("keras_at_m", "keras_accumulation", "hand_loop")),
+    _against_bare("cnn", replace(workloads.CNN, input_shape=(8, 8, 3)), 512, 256, 32),
+    _against_keras("encoder", workloads.ENCODER, 1024, 512, 64, "autosplit_examples", 1.0),
+    _against_keras("large_k", replace(TRANSFORMER, input_shape=(8, 8), label="Transformer "
+                   "encoder (8, 8), 2 layers, 4 heads"), 2048, 1024, 32, "autosplit_arrays",
+                   TARGET),
 ))
 
 
@@ -127,6 +161,7 @@ def hand_loop(case: Case, x: np.ndarray, y: np.ndarray, *, epochs: int,
 
     clock = EpochMeter(None, samples_per_epoch=len(x))
     clock.set_model(model)
+    start = time.perf_counter()
     B, m = case.batch_size, case.micro_batch_size
     for epoch in range(1 + epochs):
         clock.on_epoch_begin(epoch)
@@ -141,12 +176,13 @@ def hand_loop(case: Case, x: np.ndarray, y: np.ndarray, *, epochs: int,
             mean = [np.mean(np.stack(gs), axis=0) for gs in zip(*per_micro, strict=True)]
             optimizer.apply_gradients(zip(mean, variables, strict=True))
         clock.on_epoch_end(epoch, {"loss": float(np.mean(losses))})
-    return workloads.summed_epochs(clock.records)
+    return {**workloads.summed_epochs(clock.records),
+            "call_seconds": time.perf_counter() - start, "call_samples": (1 + epochs) * len(x)}
 
 
 def compare(case: Case, s: Settings, say: harness.Log) -> dict[str, Any]:
-    """Every method of ``case``, round-robin; samples/s, ratios and applies per epoch."""
-    x, y = workloads.synthetic(case.rows, case.model.input_shape, seed=s.seed)
+    """Every method of ``case``, round-robin; samples/s per epoch and per call, ratios."""
+    x, y = workloads.data_for(case.model, case.rows, seed=s.seed)
     weights = workloads.build_model(case.model, seed=s.seed).get_weights()
 
     def run(method: str):
@@ -162,34 +198,40 @@ def compare(case: Case, s: Settings, say: harness.Log) -> dict[str, Any]:
         f"m={case.micro_batch_size} (k={case.accumulation_steps})")
     runs = harness.round_robin({m: run(m) for m in case.methods}, s.repeats, say)
     summary = harness.speed_summary(runs, case.baseline)
+    per_call = harness.speed_summary(
+        {m: [{"samples": r["call_samples"], "seconds": r["call_seconds"]} for r in results]
+         for m, results in runs.items()}, case.baseline)
     for method, r in summary.items():
-        effective = case.micro_batch_size if method == case.baseline else case.batch_size
+        effective = case.micro_batch_size if method == "keras_at_m" else case.batch_size
+        call = per_call[method]
         r.update(label=LABELS[method], effective_batch=effective,
                  applies_per_epoch=runs[method][-1]["applies"] / s.epochs,
-                 final_loss=runs[method][-1]["loss"])
+                 final_loss=runs[method][-1]["loss"],
+                 call_samples_per_s_best=call["samples_per_s_best"],
+                 call_samples_per_s_median=call["samples_per_s_median"],
+                 call_ratio=call["ratio"])
     return {"label": case.model.label, **{k: v for k, v in asdict(case).items()
                                           if k != "model"},
             "accumulation_steps": case.accumulation_steps, "methods": summary}
 
 
 def checks(cases: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each case's targets, per epoch and per call, from the measured best samples/s."""
     out = []
-    small = cases.get("small_k")
-    if small is not None:
-        a, bare = (small["methods"][m] for m in ("autosplit_arrays", "bare_loop"))
-        ratio = a["samples_per_s_best"] / bare["samples_per_s_best"]
-        out.append({"id": "bare", "ratio": ratio, "status": harness.status(ratio >= TARGET),
-                    "summary": f"small k: fit_large_batch {a['samples_per_s_best']:,.0f} vs "
-                               f"bare loop {bare['samples_per_s_best']:,.0f} samples/s, ratio "
-                               f"{ratio:.2f} (target >= {TARGET})"})
-    large = cases.get("large_k")
-    if large is not None:
-        a = large["methods"]["autosplit_arrays"]
-        out.append({"id": "large-k", "ratio": a["ratio"],
-                    "status": harness.status(a["ratio"] >= TARGET),
-                    "summary": f"large k (k={large['accumulation_steps']}): fit_large_batch / "
-                               f"model.fit(batch_size={large['micro_batch_size']}) = "
-                               f"{a['ratio']:.2f} (target >= {TARGET})"})
+    for case in cases.values():
+        methods = case["methods"]
+        for method, baseline, target in case["targets"]:
+            for scope, key in (("per epoch", "samples_per_s_best"),
+                               ("per call", "call_samples_per_s_best")):
+                ratio = methods[method][key] / methods[baseline][key]
+                out.append({
+                    "id": f"{case['name']}:{method}:{scope.replace(' ', '-')}",
+                    "ratio": ratio, "target": target,
+                    "status": harness.status(ratio >= target),
+                    "summary": f"{case['name']}, {scope}: {LABELS[method]} "
+                               f"{methods[method][key]:,.0f} vs {LABELS[baseline]} "
+                               f"{methods[baseline][key]:,.0f} samples/s, ratio {ratio:.2f} "
+                               f"(target >= {target})"})
     return out
 
 
@@ -222,7 +264,7 @@ def profile(case: Case, s: Settings, how: str, folder: Path) -> Path:
     (the top 40 functions by cumulative time) or TensorFlow's profiler (a trace)."""
     import autosplit
 
-    x, y = workloads.synthetic(case.rows, case.model.input_shape, seed=s.seed)
+    x, y = workloads.data_for(case.model, case.rows, seed=s.seed)
     keras.backend.clear_session()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / ("overhead_tf_profile" if how == "tf" else "overhead_profile.txt")
@@ -236,35 +278,40 @@ def profile(case: Case, s: Settings, how: str, folder: Path) -> Path:
 def rows(case: dict[str, Any]) -> list[list[str]]:
     return [[r["label"], str(r["effective_batch"]), f"{r['samples_per_s_best']:,.0f}",
              f"{r['samples_per_s_median']:,.0f}", f"{r['ratio']:.2f}",
+             f"{r['call_samples_per_s_best']:,.0f}", f"{r['call_ratio']:.2f}",
              f"{r['applies_per_epoch']:g}"] for r in case["methods"].values()]
 
 
-HEADER = ["method", "eff. batch", "samples/s best", "median", "ratio to baseline",
-          "applies/epoch"]
+HEADER = ["method", "eff. batch", "per epoch best", "median", "ratio", "per call best",
+          "ratio", "applies/epoch"]
 
 
 def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = harness.report_head("Overhead of splitting: samples/s per method", report)
     lines += ["", f"{s['epochs']} timed epoch(s) after one warm-up, {s['repeats']} round-robin "
-              f"repeat(s), jit_compile={s['jit_compile']}, data in order. Ratio: best "
-              "samples/s over the baseline's best."]
+              f"repeat(s), jit_compile={s['jit_compile']}, data in order. Samples/s per "
+              "epoch (timed epochs) and per call (the whole call: set-up, tracing and the "
+              "warm-up epoch included); ratio: best over the baseline's best."]
     for case in report["cases"].values():
         lines += ["", f"## {case['name']}: {case['label']}, B={case['batch_size']}, "
                   f"m={case['micro_batch_size']} (k={case['accumulation_steps']})", "",
-                  f"{case['rows']} synthetic examples, Adam lr 1e-3.", ""]
+                  f"{case['rows']} synthetic examples, Adam lr 1e-3; baseline: "
+                  f"{LABELS[case['baseline']]}.", ""]
         lines += harness.md_table(HEADER, rows(case))
     return "\n".join(lines) + harness.report_tail(report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = harness.parser("Samples/s of autosplit.fit_large_batch vs model.fit, Keras's "
-                       "gradient_accumulation_steps, a hand loop and a bare while-loop.",
+    p = harness.parser("Samples/s of autosplit.fit_large_batch, per epoch and per call, vs a "
+                       "bare while-loop for every input kind, model.fit at m, Keras's "
+                       "gradient_accumulation_steps and a hand loop.",
                        quick="small models, one repeat, one timed epoch", repeats=FULL.repeats)
     p.add_argument("--epochs", type=int,
                    help=f"timed epochs per run (default {FULL.epochs}; quick {QUICK.epochs})")
     p.add_argument("--jit-compile", action="store_true", help="XLA for every method")
-    p.add_argument("--cases", help="comma-separated subset of small_k,large_k")
+    p.add_argument("--cases", help="comma-separated subset of "
+                   + ",".join(c.name for c in FULL.cases))
     p.add_argument("--profile", choices=("python", "tf"),
                    help="profile one more fit_large_batch run of the first case")
     args = p.parse_args(argv)

@@ -1,9 +1,11 @@
 """The models, data and training methods the benchmarks share.
 
-Models: the MLP 128-1024-1024-10 of the memory tests (any widths) and the 2-layer
-Transformer encoder of ``autosplit.models`` over (16, 16) inputs, both with Adam and
-sparse categorical cross-entropy on logits, seeded. Data: Gaussian inputs labelled by a
-random linear teacher (learnable, nothing downloaded).
+Models: the MLP 128-1024-1024-10 of the memory tests (any widths), the 2-layer
+Transformer encoder of ``autosplit.models`` over (16, 16) inputs, its CNN over 32x32x3
+images, and a small encoder on token ids (Embedding, attention, LayerNorm), all with
+Adam and sparse categorical cross-entropy on logits, seeded. Data: Gaussian inputs
+labelled by a random linear teacher; token ids labelled by their count of one token
+(learnable, nothing downloaded).
 
 Methods (:data:`METHODS`), each one epoch loop over the same rows:
 
@@ -12,7 +14,13 @@ Methods (:data:`METHODS`), each one epoch loop over the same rows:
 - ``keras``: plain ``model.fit(batch_size=B)``; ``keras_at_m``: ``model.fit(batch_size=m)``;
 - ``keras_accumulation``: ``model.fit(batch_size=m)`` with
   ``Adam(gradient_accumulation_steps=B // m)``;
-- ``bare_loop``: the least a large-batch step can do (:func:`bare_loop`).
+- ``bare_loop``: the least a large-batch step can do (:func:`bare_loop`), from a
+  ``tf.data`` pipeline of examples ``.batch(m)``; ``bare_batched``: the same from a
+  pipeline ``.batch(32).rebatch(m)``.
+
+:func:`timed` returns both the timed epochs and the whole call (set-up, tracing and the
+warm-up epoch included: a user calls ``fit_large_batch`` once per experiment, a tuner
+hundreds of times).
 
 :func:`measure` runs one of them with an :class:`EpochMeter`: the first epoch is a
 warm-up, every later one is timed and its allocator peak read.
@@ -39,7 +47,7 @@ CLASSES = 10
 
 @dataclass(frozen=True)
 class ModelSpec:
-    key: str  # "mlp" or "transformer"
+    key: str  # "mlp", "transformer", "cnn" or "encoder"
     label: str
     input_shape: tuple[int, ...]
     hidden: tuple[int, ...] = (1024, 1024)  # the MLP's widths
@@ -52,7 +60,24 @@ def mlp_spec(features: int, hidden: Sequence[int]) -> ModelSpec:
 
 MLP = mlp_spec(128, (1024, 1024))
 TRANSFORMER = ModelSpec("transformer", "Transformer encoder (16, 16), 2 layers, 4 heads", (16, 16))
-MODELS = {spec.key: spec for spec in (MLP, TRANSFORMER)}
+CNN = ModelSpec("cnn", "CNN 32x32x3, 3 conv layers (32, 64, 128)", (32, 32, 3))
+VOCAB = 1000
+ENCODER = ModelSpec("encoder", f"encoder on 32 token ids (vocab {VOCAB}, width 64, 1 block, "
+                    "4 heads)", (32,))
+MODELS = {spec.key: spec for spec in (MLP, TRANSFORMER, CNN, ENCODER)}
+
+
+def token_encoder(input_shape: Sequence[int], classes: int = CLASSES, *, width: int = 64,
+                  heads: int = 4) -> keras.Model:
+    """Token ids -> Embedding -> one attention block with LayerNorm -> mean -> logits."""
+    inputs = keras.Input(tuple(input_shape), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, width)(inputs)
+    attention = keras.layers.MultiHeadAttention(heads, width // heads)(h, h)
+    h = keras.layers.LayerNormalization()(h + attention)
+    ff = keras.layers.Dense(2 * width, activation="gelu")(h)
+    h = keras.layers.LayerNormalization()(h + keras.layers.Dense(width)(ff))
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(inputs, keras.layers.Dense(classes)(h), name="encoder")
 
 
 def build_model(spec: ModelSpec, *, seed: int = 0, jit_compile: bool = False,
@@ -64,6 +89,8 @@ def build_model(spec: ModelSpec, *, seed: int = 0, jit_compile: bool = False,
             [keras.Input(spec.input_shape)]
             + [keras.layers.Dense(width, activation="relu") for width in spec.hidden]
             + [keras.layers.Dense(CLASSES)])
+    elif spec.key == "encoder":
+        model = token_encoder(spec.input_shape)
     else:
         from autosplit import models
 
@@ -84,6 +111,16 @@ def synthetic(rows: int, input_shape: Sequence[int], *, seed: int = 0
     teacher = rng.standard_normal((int(np.prod(input_shape)), CLASSES), dtype=np.float32)
     y = np.argmax(x.reshape(rows, -1) @ teacher, axis=1).astype(np.int32)
     return x, y
+
+
+def data_for(spec: ModelSpec, rows: int, *, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Synthetic data for ``spec``: :func:`synthetic`, or for the token encoder random
+    ids labelled by how many of them are below 10, modulo 10."""
+    if spec.key != "encoder":
+        return synthetic(rows, spec.input_shape, seed=seed)
+    ids = np.random.default_rng(seed).integers(0, VOCAB, (rows, *spec.input_shape),
+                                               dtype=np.int32)
+    return ids, ((ids < CLASSES).sum(axis=1) % CLASSES).astype(np.int32)
 
 
 def example_bytes(x: np.ndarray, y: np.ndarray) -> int:
@@ -127,8 +164,12 @@ class EpochMeter(keras.callbacks.Callback):
 
 
 def bare_loop(model: keras.Model, x: np.ndarray, y: np.ndarray, *, batch_size: int,
-              micro_batch_size: int, epochs: int, callback: keras.callbacks.Callback) -> None:
+              micro_batch_size: int, epochs: int, callback: keras.callbacks.Callback,
+              batched: bool = False) -> None:
     """The least a large-batch step can do, as a yardstick for autosplit's.
+
+    The micro-batches come from ``from_tensor_slices((x, y)).batch(m)``, or with
+    ``batched`` from ``.batch(32).rebatch(m)`` (the yardstick for a batched input).
 
     One ``tf.function`` per large batch: a ``tf.while_loop`` (``parallel_iterations=1``:
     one micro-batch's activations at a time) pulls ``B // m`` micro-batches from a
@@ -160,8 +201,12 @@ def bare_loop(model: keras.Model, x: np.ndarray, y: np.ndarray, *, batch_size: i
         optimizer.apply_gradients(zip(grads, variables, strict=True))
         return loss
 
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        micro_batch_size, drop_remainder=True).prefetch(2)
+    data = tf.data.Dataset.from_tensor_slices((x, y))
+    if batched:
+        data = data.batch(32).rebatch(micro_batch_size, drop_remainder=True)
+    else:
+        data = data.batch(micro_batch_size, drop_remainder=True)
+    data = data.prefetch(2)
     callback.set_model(model)
     for epoch in range(epochs):
         callback.on_epoch_begin(epoch)
@@ -181,7 +226,7 @@ def _autosplit(kind: str) -> Callable[..., dict[str, Any]]:
         history = autosplit.fit_large_batch(
             model, **data, batch_size=batch_size, micro_batch_size=micro_batch_size,
             epochs=epochs, callbacks=[callback], shuffle=shuffle, verbose=0, cache=False)
-        info = history.autosplit
+        info = history.autosplit.to_dict()
         return {"micro_batch_size": info["micro_batch_size"],
                 "accumulation_steps": info["accumulation_steps"],
                 "oom_recoveries": info["oom_recoveries"], "input": info["input"]}
@@ -198,11 +243,13 @@ def _keras(at: str) -> Callable[..., dict[str, Any]]:
     return run
 
 
-def _bare(model, x, y, *, batch_size, micro_batch_size, epochs, callback, shuffle):
-    bare_loop(model, x, y, batch_size=batch_size, micro_batch_size=micro_batch_size,
-              epochs=epochs, callback=callback)
-    return {"micro_batch_size": micro_batch_size,
-            "accumulation_steps": batch_size // micro_batch_size}
+def _bare(batched: bool) -> Callable[..., dict[str, Any]]:
+    def run(model, x, y, *, batch_size, micro_batch_size, epochs, callback, shuffle):
+        bare_loop(model, x, y, batch_size=batch_size, micro_batch_size=micro_batch_size,
+                  epochs=epochs, callback=callback, batched=batched)
+        return {"micro_batch_size": micro_batch_size,
+                "accumulation_steps": batch_size // micro_batch_size}
+    return run
 
 
 @dataclass(frozen=True)
@@ -223,7 +270,9 @@ METHODS = {m.key: m for m in (
     Method("keras_at_m", "plain Keras, model.fit(batch_size=m)", _keras(at="m")),
     Method("keras_accumulation", "model.fit(batch_size=m), Adam(gradient_accumulation_steps=B/m)",
            _keras(at="m"), accumulate=True),
-    Method("bare_loop", "bare loop: tf.while_loop over a tf.data iterator, one apply", _bare),
+    Method("bare_loop", "bare loop: tf.while_loop over a tf.data iterator, one apply",
+           _bare(batched=False)),
+    Method("bare_batched", "bare loop over a tf.data .batch(32).rebatch(m)", _bare(batched=True)),
 )}
 
 
@@ -237,9 +286,10 @@ def train(method: str, spec: ModelSpec, x: np.ndarray, y: np.ndarray, *, batch_s
     # Keras refuses gradient_accumulation_steps=1: k = 1 is plain model.fit at B.
     adam = {"gradient_accumulation_steps": k} if chosen.accumulate and k > 1 else {}
     model = build_model(spec, seed=seed, weights=weights, jit_compile=jit_compile, **adam)
+    start = time.perf_counter()
     info = chosen.run(model, x, y, batch_size=batch_size, micro_batch_size=micro_batch_size,
                       epochs=epochs, callback=callback, shuffle=shuffle)
-    return model, info
+    return model, {**info, "call_seconds": time.perf_counter() - start}
 
 
 def measure(method: str, spec: ModelSpec, x: np.ndarray, y: np.ndarray, *, batch_size: int,
@@ -278,12 +328,15 @@ def timed(method: str, spec: ModelSpec, x: np.ndarray, y: np.ndarray, *, batch_s
           micro_batch_size: int, epochs: int, weights: Sequence[np.ndarray], seed: int = 0,
           jit_compile: bool = False) -> dict[str, Any]:
     """One timed run for :func:`benchmarks.harness.round_robin`: a warm-up epoch, then
-    ``epochs`` timed; the same initial weights every time; the data in order."""
+    ``epochs`` timed; the same initial weights every time; the data in order. Also the
+    whole call's seconds and samples (the warm-up epoch included; building the model
+    excluded: every method needs one)."""
     callback = EpochMeter(None, samples_per_epoch=len(x))
-    train(method, spec, x, y, batch_size=batch_size, micro_batch_size=micro_batch_size,
-          epochs=1 + epochs, callback=callback, shuffle=False, seed=seed, weights=weights,
-          jit_compile=jit_compile)
-    return summed_epochs(callback.records)
+    _, info = train(method, spec, x, y, batch_size=batch_size,
+                    micro_batch_size=micro_batch_size, epochs=1 + epochs, callback=callback,
+                    shuffle=False, seed=seed, weights=weights, jit_compile=jit_compile)
+    return {**summed_epochs(callback.records), "call_seconds": info["call_seconds"],
+            "call_samples": (1 + epochs) * len(x)}
 
 
 def summed_epochs(records: Sequence[dict[str, float]]) -> dict[str, Any]:

@@ -323,16 +323,26 @@ def test_every_method_trains_and_counts_its_applies(method, rows, k, applies):
 # ---------------------------------------------------------------- overhead and gpu_check
 
 
-def test_overhead_checks_compare_with_the_bare_loop_and_plain_keras():
-    def rate(best, ratio=1.0):
-        return {"samples_per_s_best": best, "ratio": ratio}
+def test_overhead_checks_every_target_per_epoch_and_per_call():
+    def rate(epoch, call):
+        return {"samples_per_s_best": epoch, "call_samples_per_s_best": call}
 
-    cases = {"small_k": {"methods": {"autosplit_arrays": rate(96.0), "bare_loop": rate(100.0)}},
-             "large_k": {"accumulation_steps": 128, "micro_batch_size": 128,
-                         "methods": {"autosplit_arrays": rate(90.0, 0.9)}}}
+    cases = {
+        "mlp": {"name": "mlp", "targets": [("autosplit_arrays", "bare_loop", 0.95),
+                                           ("autosplit_batched", "bare_batched", 0.95)],
+                "methods": {"autosplit_arrays": rate(96.0, 80.0), "bare_loop": rate(100.0, 100.0),
+                            "autosplit_batched": rate(50.0, 50.0),
+                            "bare_batched": rate(50.0, 40.0)}},
+        "encoder": {"name": "encoder", "targets": [("autosplit_examples", "keras_at_m", 1.0)],
+                    "methods": {"autosplit_examples": rate(99.0, 120.0),
+                                "keras_at_m": rate(100.0, 100.0)}}}
     checks = overhead.checks(cases)
-    assert [(c["id"], c["status"]) for c in checks] == [("bare", "PASS"), ("large-k", "MISS")]
-    assert checks[0]["ratio"] == pytest.approx(0.96)
+    assert [(c["id"], c["status"]) for c in checks] == [
+        ("mlp:autosplit_arrays:per-epoch", "PASS"), ("mlp:autosplit_arrays:per-call", "MISS"),
+        ("mlp:autosplit_batched:per-epoch", "PASS"), ("mlp:autosplit_batched:per-call", "PASS"),
+        ("encoder:autosplit_examples:per-epoch", "MISS"),
+        ("encoder:autosplit_examples:per-call", "PASS")]
+    assert [c["ratio"] for c in checks] == pytest.approx([0.96, 0.8, 1.0, 1.25, 0.99, 1.2])
 
 
 def test_gpu_check_checks_growth_per_input_kind_and_speed():
@@ -399,15 +409,20 @@ def test_memory_scaling_quick_run_under_a_real_cap(tmp_path):
 def test_overhead_quick_run(tmp_path):
     assert overhead.main(["--quick", "--out", str(tmp_path)]) == 0
     report = read(tmp_path, "overhead")
-    small, large = report["cases"]["small_k"], report["cases"]["large_k"]
-    assert list(small["methods"]) == list(overhead.SMALL_K)
-    # 4096 rows: 4 applies per epoch at B = 1024, 64 at the baseline's m = 64.
-    assert {m: r["applies_per_epoch"] for m, r in small["methods"].items()} == {
-        "autosplit_arrays": 4, "keras_at_m": 64, "keras_accumulation": 4, "hand_loop": 4,
-        "bare_loop": 4}
-    assert small["methods"]["keras_at_m"]["ratio"] == 1.0
-    assert large["accumulation_steps"] == 32 and large["methods"]["autosplit_arrays"]["ratio"] > 0
-    assert [c["id"] for c in report["checks"]] == ["bare", "large-k"]
+    cases = report["cases"]
+    assert list(cases) == ["mlp128", "cnn", "encoder", "large_k"]
+    mlp = cases["mlp128"]
+    # 2048 rows: 2 applies per epoch at B = 1024, 32 at model.fit's m = 64.
+    assert {m: r["applies_per_epoch"] for m, r in mlp["methods"].items()} == {
+        "autosplit_arrays": 2, "autosplit_examples": 2, "autosplit_batched": 2,
+        "bare_loop": 2, "bare_batched": 2, "keras_at_m": 32, "keras_accumulation": 2,
+        "hand_loop": 2}
+    assert mlp["methods"]["bare_loop"]["ratio"] == 1.0
+    assert all(r["call_samples_per_s_best"] > 0 for c in cases.values()
+               for r in c["methods"].values())
+    assert cases["large_k"]["accumulation_steps"] == 32
+    # Every target twice: per epoch and per call.
+    assert len(report["checks"]) == 2 * sum(len(c["targets"]) for c in cases.values()) == 16
 
 
 @pytest.mark.slow
