@@ -1,4 +1,4 @@
-"""Tests of autosplit.units, .device and .caps: sizes, readings, budgets, peaks, caps.
+"""Tests of autosplit.units, .device, .host and .caps: sizes, readings, budgets, peaks, caps.
 
 Real readings wherever this machine allows: procfs, psutil, a TensorFlow child process
 under a real BFC cap. cgroup trees are fake directories so every layout is covered;
@@ -20,7 +20,8 @@ import pytest
 from autosplit import device
 from autosplit import host as host_readings
 from autosplit.caps import PeakMeter, capped_cpu_env, is_noise, run_capped
-from autosplit.device import DeviceInfo, budget_bytes, read_device, read_gpu
+from autosplit.device import budget_bytes, read_device, read_gpu
+from autosplit.device_info import LIMIT_SOURCES, DeviceInfo
 from autosplit.errors import MemoryLimitError
 from autosplit.host import is_tf_bfc_capped, read_cpu
 from autosplit.units import format_bytes, parse_memory
@@ -291,7 +292,7 @@ def test_read_cpu_when_bfc_is_set_after_tensorflow_made_its_allocator():
 
 def test_read_cpu_real_machine():
     info = read_cpu()
-    assert info.kind == "CPU" and info.limit_source in device.LIMIT_SOURCES
+    assert info.kind == "CPU" and info.limit_source in LIMIT_SOURCES
     assert 0 < info.available_bytes <= info.total_bytes
     assert info.identity.startswith("cpu:") and info.name
     assert DeviceInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
