@@ -51,9 +51,9 @@ def read_gpu(
     is on), so NVML's ``free`` after TF starts says little. The budget is therefore
     ``available = total - used_by_others``: what TensorFlow may hold, with memory of
     every other process subtracted. What one step needs is read from TensorFlow's
-    allocator with :class:`PeakMeter`. Inside a container with its own PID
-    namespace NVML reports host PIDs, so this process may be counted as "other";
-    pass ``memory_limit`` to :func:`budget_bytes` there.
+    allocator with :class:`~autosplit.peak_meter.PeakMeter`. Inside a container with
+    its own PID namespace NVML reports host PIDs, so this process may be counted as
+    "other"; pass ``memory_limit`` to :func:`budget_bytes` there.
 
     Args:
         tf_device: TensorFlow's name for the GPU, ``"GPU:0"`` or ``"/device:GPU:0"``.

@@ -9,7 +9,7 @@ model's fixed part is the weights, the optimizer slots, the float32 sums and the
 pipeline's few buffered micro-batches, whatever the input kind.
 
 Phases: validate and read the device and the budget (``autosplit.device``,
-``autosplit.caps``), look up the cache (``autosplit.cache``), search
+``autosplit.peak_meter``), look up the cache (``autosplit.cache``), search
 (``autosplit.search``), build the immutable :class:`ProbeResult` from the trials. The
 model, the optimizer and the metrics are restored bitwise after the trials.
 Out-of-memory is detected by type (``tf.errors.ResourceExhaustedError``).
@@ -29,11 +29,11 @@ import keras
 import tensorflow as tf
 
 from autosplit import cache as _cache
-from autosplit.caps import PeakMeter
 from autosplit.device import budget_bytes, read_device
 from autosplit.distribute import layout
 from autosplit.errors import MemoryLimitError, NothingFitsError
 from autosplit.inputs import ArrayInput, InputAdapter, get_input
+from autosplit.peak_meter import PeakMeter
 from autosplit.pipeline import MicroBatches
 from autosplit.search import (
     OBJECTIVES,
