@@ -21,7 +21,7 @@ import warnings
 from typing import Any
 
 from autosplit.device_info import LIMIT_SOURCES, DeviceInfo, split_device
-from autosplit.errors import MemoryLimitError
+from autosplit.errors import MemoryLimitError, describe
 from autosplit.host import read_cpu
 from autosplit.units import parse_memory
 
@@ -29,6 +29,7 @@ __all__ = [
     "LIMIT_SOURCES",  # re-exported from autosplit.device_info, their home
     "DeviceInfo",
     "budget_bytes",
+    "check_headroom",
     "read_device",
     "read_gpu",
     "split_device",
@@ -226,13 +227,27 @@ def budget_bytes(device: DeviceInfo, memory_limit: int | None, headroom: float =
         >>> budget_bytes(read_device(), parse_memory("6GiB"))  # doctest: +SKIP
         5798205849
     """
-    if (isinstance(headroom, bool) or not isinstance(headroom, numbers.Real)
-            or not 0 <= headroom < 1):
-        raise MemoryLimitError(
-            "Expected `headroom` to be a fraction in [0, 1), like 0.1 to keep 10% free. "
-            f"Received: headroom={headroom!r}")
+    headroom = check_headroom(headroom)
     limit = device.available_bytes
     cap = parse_memory(memory_limit)
     if cap is not None:
         limit = min(limit, cap)
     return math.floor(limit * (1 - headroom))
+
+
+def check_headroom(headroom: Any) -> float:
+    """``headroom`` as a float in ``[0, 1)``; every entry point checks it here.
+
+    Raises:
+        MemoryLimitError: ``headroom`` is not a real number in ``[0, 1)``.
+
+    Example:
+        >>> check_headroom(0.1)
+        0.1
+    """
+    if (isinstance(headroom, bool) or not isinstance(headroom, numbers.Real)
+            or not 0 <= headroom < 1):
+        raise MemoryLimitError(
+            "Expected `headroom` to be a fraction in [0, 1), like 0.1 to keep 10% free. "
+            f"Received: headroom={describe(headroom)}.")
+    return float(headroom)

@@ -29,7 +29,7 @@ import keras
 import tensorflow as tf
 
 from autosplit import cache as _cache
-from autosplit.device import budget_bytes, read_device
+from autosplit.device import budget_bytes, check_headroom, read_device
 from autosplit.distribute import layout
 from autosplit.errors import MemoryLimitError, NothingFitsError
 from autosplit.inputs import ArrayInput, InputAdapter, get_input
@@ -48,7 +48,7 @@ from autosplit.split import split_batch
 from autosplit.state import Snapshot
 from autosplit.step import build_for, train_step
 from autosplit.units import format_bytes, parse_memory
-from autosplit.validation import check_choice, check_fraction, check_model, check_size
+from autosplit.validation import check_choice, check_model, check_size
 
 __all__ = ["ProbeResult", "Trial", "invalidate_cache", "probe", "search_micro_batch"]
 
@@ -210,7 +210,7 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     started = time.perf_counter()
     check_choice("objective", objective, OBJECTIVES)
     limit = parse_memory(memory_limit)
-    check_fraction("headroom", headroom)
+    check_headroom(headroom)
     where = layout(model.distribute_strategy)
     if objective == "speed" and where.multi_worker:
         raise ValueError(
