@@ -89,7 +89,7 @@ def fit_large_batch(
     callbacks: Sequence[keras.callbacks.Callback] | None = None,
     validation_split: float = 0.0,
     validation_data: Any = None,
-    shuffle: bool = True,
+    shuffle: bool | Literal["batch"] = True,
     class_weight: dict[int, float] | None = None,
     sample_weight: Any = None,
     initial_epoch: int = 0,
@@ -122,10 +122,19 @@ def fit_large_batch(
         micro_batch_size: the most rows per micro-batch, or ``"auto"`` to find the
             largest that fits by real trial steps (``autosplit.probe``). The rows used
             are balanced: ``ceil(B / ceil(B / m))``. ``>= batch_size``: no split.
-        epochs, verbose, callbacks, validation_split, validation_data, shuffle,
+        epochs, verbose, callbacks, validation_split, validation_data,
         class_weight, sample_weight, initial_epoch, steps_per_epoch (in large batches),
         validation_steps, validation_batch_size, validation_freq: as in ``model.fit``.
             Validation runs at the micro-batch size unless ``validation_batch_size``.
+        shuffle: for arrays, as in ``model.fit``: ``True`` shuffles every row before
+            each epoch; ``"batch"`` is Keras's batch-wise shuffle: large batch i keeps
+            the rows ``[i*B, (i+1)*B)`` it has with ``False``, in a new order each
+            epoch (for data read in blocks, such as HDF5). Every row is used once per
+            epoch either way. A large batch's gradient does not depend on the order of
+            its rows, so ``"batch"`` trains as ``False`` does, up to float rounding
+            (with ``batch_norm="micro"`` the micro-batches differ). A ``PyDataset``
+            gets ``shuffle`` as ``model.fit`` passes it; datasets and generators keep
+            their own order.
         jit_compile: XLA for the per-micro-batch computation; default ``model.compile``'s.
         on_oom: ``"recover"`` (default) finishes a batch that ran out of memory with
             smaller micro-batches; ``"raise"`` re-raises the error.
@@ -173,7 +182,7 @@ def _validate(model: Any, given: dict) -> _Args:
     check_choice("batch_norm", given["batch_norm"], MODES)
     check_choice("objective", given["objective"], OBJECTIVES)
     if given["shuffle"] not in (True, False, "batch"):
-        raise ArgumentError(f"Expected `shuffle` to be True or False. Received: "
+        raise ArgumentError(f"Expected `shuffle` to be True, False or 'batch'. Received: "
                             f"shuffle={describe(given['shuffle'])}.")
     if isinstance(given["y"], int) and not isinstance(given["y"], bool):
         raise ArgumentError(

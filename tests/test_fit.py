@@ -325,7 +325,8 @@ def test_errors_are_builtin_subclasses():
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"verbose": 3}, "Expected `verbose` to be 'auto', 0, 1 or 2"),
     ({"on_oom": "ignore"}, "Expected `on_oom` to be one of"),
-    ({"shuffle": "yes"}, "Expected `shuffle` to be True or False. Received: shuffle='yes'"),
+    ({"shuffle": "yes"}, "Expected `shuffle` to be True, False or 'batch'. Received: "
+                         "shuffle='yes'"),
     ({"jit_compile": "xla"}, "Expected `jit_compile` to be None, True or False"),
     ({"validation_split": 1.0}, r"Expected `validation_split` to be a number in \[0, 1\)"),
     ({"epochs": 0}, r"Expected `epochs` to be a positive integer. Received: epochs=0 "
@@ -359,3 +360,15 @@ def test_bad_headroom_is_a_memory_limit_error_in_fit_and_probe(headroom):
         autosplit.fit_large_batch(make_mlp(), x, y, batch_size=8, headroom=headroom)
     with pytest.raises(MemoryLimitError, match=match):
         autosplit.probe(make_mlp(), x, y, batch_size=8, headroom=headroom)
+
+
+def test_shuffle_batch_keeps_each_large_batch_so_it_trains_as_unshuffled():
+    """Keras's shuffle="batch": large batch i holds rows [i*B, (i+1)*B) in a new order
+    each epoch; a large batch's gradient does not depend on that order. (A full shuffle,
+    what "batch" used to become, moves rows between large batches and fails this.)"""
+    x, y = data(230)
+    reference, candidate = twin(make_mlp, (x[:16], y[:16], None))
+    reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    autosplit.fit_large_batch(candidate, x, y, batch_size=64, micro_batch_size=16, epochs=2,
+                              shuffle="batch", verbose=0)
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
