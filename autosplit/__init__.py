@@ -17,6 +17,7 @@ _EXPORTS = {
     "accumulate_iterator": "autosplit.accumulate",
     "CheckReport": "autosplit.equivalence",
     "check": "autosplit.equivalence",
+    "ArgumentError": "autosplit.errors",
     "AutosplitError": "autosplit.errors",
     "BatchSizeError": "autosplit.errors",
     "DatasetError": "autosplit.errors",
@@ -38,6 +39,7 @@ _EXPORTS = {
 
 __all__ = [
     "Accumulated",
+    "ArgumentError",
     "AutosplitError",
     "BatchSizeError",
     "CheckReport",
@@ -79,6 +81,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from autosplit.accumulate import Accumulated, accumulate_gradients, accumulate_iterator
     from autosplit.equivalence import CheckReport, check
     from autosplit.errors import (
+        ArgumentError,
         AutosplitError,
         BatchSizeError,
         DatasetError,

@@ -6,7 +6,7 @@ not exact, 2 usage error (bad arguments, unknown model, bad memory string), 3 no
 fits (not even one example).
 
 With ``--memory-limit`` the work runs in a child process under a real cap
-(``autosplit.caps.run_capped``): on the CPU through TensorFlow's BFC allocator capped
+(``autosplit.capped.run_capped``): on the CPU through TensorFlow's BFC allocator capped
 at the limit (``TF_CPU_BFC_MEM_LIMIT_IN_MB``, so the limit means the memory TensorFlow
 may allocate, as on a GPU), on a GPU through a logical-device memory limit. A crash
 under the cap cannot take the CLI down. Run as the ``autosplit`` program, the work
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_child(argv: list[str], limit: int | None, *, verbose: bool) -> int:
     """Re-run this command in a child process (under a real cap when ``limit``)."""
-    from autosplit.caps import run_capped
+    from autosplit.capped import run_capped
 
     env = {_CHILD_ENV: "1"}
     if verbose:
@@ -161,7 +161,7 @@ def _run_child(argv: list[str], limit: int | None, *, verbose: bool) -> int:
 
 def _configure_gpu_cap() -> None:
     """In the child: cap the first GPU through a logical device, before TF starts."""
-    from autosplit.caps import GPU_LIMIT_ENV
+    from autosplit.capped import GPU_LIMIT_ENV
 
     limit = os.environ.get(GPU_LIMIT_ENV)
     if not limit:
@@ -345,7 +345,7 @@ def _demo(args: argparse.Namespace) -> int:
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     loss_before = model.evaluate(x, y, batch_size=1024, verbose=0, return_dict=True)["loss"]
-    from autosplit.caps import GPU_LIMIT_ENV
+    from autosplit.capped import GPU_LIMIT_ENV
 
     cap = os.environ.get(GPU_LIMIT_ENV)
     print(f"autosplit demo: {args.examples} synthetic examples, MLP {features}-1024-1024-"

@@ -1,6 +1,7 @@
 """Device memory readings: how much a GPU (NVML) lets this process use, which device a
 model trains on, and the budget from a reading. The host's own readings (psutil,
-cgroups, ``RLIMIT_AS``, TensorFlow's BFC cap) are in ``autosplit.host``.
+cgroups, ``RLIMIT_AS``, TensorFlow's BFC cap) are in ``autosplit.host``; the record
+both return, :class:`~autosplit.device_info.DeviceInfo`, is in ``autosplit.device_info``.
 
 The GPU reading is what ``nvidia-smi`` shows (NVML); the CPU reading is what the
 kernel enforces (cgroups, ``RLIMIT_AS``) and what TensorFlow's own CPU allocator
@@ -13,100 +14,26 @@ What TensorFlow's allocator does under a cap is shown by the real-cap tests in
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import numbers
 import os
-import re
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
-from autosplit.errors import MemoryLimitError
+from autosplit.device_info import LIMIT_SOURCES, DeviceInfo, split_device
+from autosplit.errors import MemoryLimitError, describe
+from autosplit.host import read_cpu
 from autosplit.units import parse_memory
 
 __all__ = [
-    "LIMIT_SOURCES",
+    "LIMIT_SOURCES",  # re-exported from autosplit.device_info, their home
     "DeviceInfo",
     "budget_bytes",
+    "check_headroom",
     "read_device",
     "read_gpu",
     "split_device",
 ]
-
-LIMIT_SOURCES = ("nvml", "psutil", "cgroup-v2", "cgroup-v1", "rlimit-as", "tf-bfc-cap")
-"""Every value :attr:`DeviceInfo.limit_source` can take."""
-
-_DEVICE_RE = re.compile(r"(?:^|[/:])(CPU|GPU):(\d+)$", re.I)
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceInfo:
-    """One reading of one device's memory; every size is in bytes.
-
-    Attributes:
-        kind: ``"GPU"`` or ``"CPU"``.
-        name: The device's name (``"NVIDIA H100 80GB HBM3"``, the CPU model).
-        identity: A stable key for caching results per device: the GPU UUID, or
-            ``"cpu:<model name>:<physical RAM bytes>"`` (no hostname).
-        total_bytes: The tightest hard total: GPU memory, or the smallest of RAM,
-            cgroup limit, ``RLIMIT_AS`` and TensorFlow's BFC cap.
-        available_bytes: What this process may still use. On GPU this is
-            ``total - used_by_others`` (see :func:`read_gpu`).
-        used_by_others_bytes: GPU memory that other processes hold, per NVML;
-            ``None`` on CPU.
-        limit_source: Which reading bounded ``available_bytes``, one of
-            :data:`LIMIT_SOURCES`.
-        tf_device: The TensorFlow device, ``"GPU:0"`` or ``"CPU:0"``.
-        pci_bus_id: The GPU's PCI bus id as ``"0000:3b:00.0"``; ``None`` on CPU.
-
-    Example:
-        >>> import json
-        >>> from autosplit.host import read_cpu
-        >>> info = read_cpu()
-        >>> DeviceInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
-        True
-    """
-
-    kind: str
-    name: str
-    identity: str
-    total_bytes: int
-    available_bytes: int
-    used_by_others_bytes: int | None
-    limit_source: str
-    tf_device: str
-    pci_bus_id: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("GPU", "CPU"):
-            raise ValueError(f"Expected `kind` to be 'GPU' or 'CPU'. Received: kind={self.kind!r}")
-        if self.limit_source not in LIMIT_SOURCES:
-            raise ValueError(
-                f"Expected `limit_source` to be one of {LIMIT_SOURCES}. "
-                f"Received: limit_source={self.limit_source!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Returns a JSON-serialisable dict of every field."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DeviceInfo:
-        """Builds a reading from :meth:`to_dict` output.
-
-        Raises:
-            ValueError: A required field is missing or an unknown one is present.
-        """
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        missing = sorted(
-            n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING)
-        unknown = sorted(set(data) - set(fields))
-        if missing or unknown:
-            raise ValueError(
-                f"Expected a dict with the fields of DeviceInfo ({', '.join(fields)}). "
-                f"Received: missing={missing}, unknown={unknown}")
-        return cls(**data)
-
 
 # ---------------------------------------------------------------------------- GPU
 
@@ -125,9 +52,9 @@ def read_gpu(
     is on), so NVML's ``free`` after TF starts says little. The budget is therefore
     ``available = total - used_by_others``: what TensorFlow may hold, with memory of
     every other process subtracted. What one step needs is read from TensorFlow's
-    allocator with :class:`PeakMeter`. Inside a container with its own PID
-    namespace NVML reports host PIDs, so this process may be counted as "other";
-    pass ``memory_limit`` to :func:`budget_bytes` there.
+    allocator with :class:`~autosplit.peak_meter.PeakMeter`. Inside a container with
+    its own PID namespace NVML reports host PIDs, so this process may be counted as
+    "other"; pass ``memory_limit`` to :func:`budget_bytes` there.
 
     Args:
         tf_device: TensorFlow's name for the GPU, ``"GPU:0"`` or ``"/device:GPU:0"``.
@@ -250,8 +177,6 @@ def read_device(tf_device: str | None = None) -> DeviceInfo:
         >>> info.kind, info.limit_source  # doctest: +SKIP
         ('GPU', 'nvml')
     """
-    from autosplit.host import read_cpu
-
     if tf_device is not None:
         kind, index = split_device(tf_device)
         if kind == "CPU":
@@ -302,11 +227,7 @@ def budget_bytes(device: DeviceInfo, memory_limit: int | None, headroom: float =
         >>> budget_bytes(read_device(), parse_memory("6GiB"))  # doctest: +SKIP
         5798205849
     """
-    if (isinstance(headroom, bool) or not isinstance(headroom, numbers.Real)
-            or not 0 <= headroom < 1):
-        raise MemoryLimitError(
-            "Expected `headroom` to be a fraction in [0, 1), like 0.1 to keep 10% free. "
-            f"Received: headroom={headroom!r}")
+    headroom = check_headroom(headroom)
     limit = device.available_bytes
     cap = parse_memory(memory_limit)
     if cap is not None:
@@ -314,10 +235,19 @@ def budget_bytes(device: DeviceInfo, memory_limit: int | None, headroom: float =
     return math.floor(limit * (1 - headroom))
 
 
-def split_device(tf_device: str) -> tuple[str, int]:
-    """'GPU:0', '/device:GPU:0', '/physical_device:gpu:0' -> ('GPU', 0)."""
-    match = _DEVICE_RE.search(tf_device) if isinstance(tf_device, str) else None
-    if match is None:
-        raise ValueError(f"Expected `tf_device` to be like 'GPU:0' or 'CPU:0'. "
-                         f"Received: tf_device={tf_device!r}")
-    return match.group(1).upper(), int(match.group(2))
+def check_headroom(headroom: Any) -> float:
+    """``headroom`` as a float in ``[0, 1)``; every entry point checks it here.
+
+    Raises:
+        MemoryLimitError: ``headroom`` is not a real number in ``[0, 1)``.
+
+    Example:
+        >>> check_headroom(0.1)
+        0.1
+    """
+    if (isinstance(headroom, bool) or not isinstance(headroom, numbers.Real)
+            or not 0 <= headroom < 1):
+        raise MemoryLimitError(
+            "Expected `headroom` to be a fraction in [0, 1), like 0.1 to keep 10% free. "
+            f"Received: headroom={describe(headroom)}.")
+    return float(headroom)

@@ -9,6 +9,7 @@ errors are raised before any model, optimizer or metric state changes.
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentError",
     "AutosplitError",
     "BatchSizeError",
     "DatasetError",
@@ -24,8 +25,19 @@ class AutosplitError(Exception):
     """Base class of every error autosplit raises on purpose."""
 
 
+class ArgumentError(AutosplitError, ValueError):
+    """An argument is outside the values it takes (``epochs=0``, ``verbose=3``...).
+
+    Raised for ``epochs``, ``initial_epoch``, ``steps_per_epoch``, ``validation_steps``,
+    ``validation_freq``, ``validation_split``, ``verbose``, ``shuffle``, ``jit_compile``
+    and the choices (``on_oom``, ``batch_norm``, ``objective``). Sizes, the data and the
+    memory settings have their own types: :class:`BatchSizeError`,
+    :class:`DatasetError` and :class:`MemoryLimitError`.
+    """
+
+
 class BatchSizeError(AutosplitError, ValueError):
-    """A batch or micro-batch size is not a positive integer."""
+    """A batch or micro-batch size is not a positive integer, or does not divide as needed."""
 
 
 class ModelNotReadyError(AutosplitError, ValueError):
@@ -37,11 +49,11 @@ class UnsupportedModelError(AutosplitError, TypeError):
 
 
 class DatasetError(AutosplitError, ValueError):
-    """The data is not a dataset of single ``(x, y[, sample_weight])`` examples."""
+    """The data's structure, shapes or row counts do not make ``(x, y[, sample_weight])`` rows."""
 
 
 class MemoryLimitError(AutosplitError, ValueError):
-    """A memory limit could not be parsed, or is too small to hold the model."""
+    """A memory setting (``memory_limit``, ``headroom``) is invalid, or the limit too small."""
 
 
 class WorkerLostError(AutosplitError, RuntimeError):

@@ -24,8 +24,15 @@ import tensorflow as tf
 from autosplit import _keras
 from autosplit.batchnorm import MODES
 from autosplit.custom_step import has_custom_step
+from autosplit.device import check_headroom
 from autosplit.distribute import Layout, layout
-from autosplit.errors import BatchSizeError, DatasetError, UnsupportedModelError, describe
+from autosplit.errors import (
+    ArgumentError,
+    BatchSizeError,
+    DatasetError,
+    UnsupportedModelError,
+    describe,
+)
 from autosplit.evaluate import Evaluator, validation_input
 from autosplit.inputs import InputAdapter, get_input
 from autosplit.model_state import model_state
@@ -36,9 +43,11 @@ from autosplit.split import Split, split_batch
 from autosplit.step import TrainStep, build_for, train_step
 from autosplit.validation import (
     check_choice,
+    check_count,
     check_fraction,
     check_initial_epoch,
     check_model,
+    check_optional_count,
     check_optional_size,
     check_size,
     check_verbose,
@@ -140,7 +149,7 @@ def fit_large_batch(
     callbacks: Sequence[keras.callbacks.Callback] | None = None,
     validation_split: float = 0.0,
     validation_data: Any = None,
-    shuffle: bool = True,
+    shuffle: bool | Literal["batch"] = True,
     class_weight: dict[int, float] | None = None,
     sample_weight: Any = None,
     initial_epoch: int = 0,
@@ -181,7 +190,15 @@ def fit_large_batch(
         validation_split: as in ``model.fit``.
         validation_data: as in ``model.fit``: ``(x, y[, sample_weight])`` or any input
             ``x`` takes.
-        shuffle: as in ``model.fit``.
+        shuffle: for arrays, as in ``model.fit``: ``True`` shuffles every row before
+            each epoch; ``"batch"`` is Keras's batch-wise shuffle: large batch i keeps
+            the rows ``[i*B, (i+1)*B)`` it has with ``False``, in a new order each
+            epoch (for data read in blocks, such as HDF5). Every row is used once per
+            epoch either way. A large batch's gradient does not depend on the order of
+            its rows, so ``"batch"`` trains as ``False`` does, up to float rounding
+            (with ``batch_norm="micro"`` the micro-batches differ). A ``PyDataset``
+            gets ``shuffle`` as ``model.fit`` passes it; datasets and generators keep
+            their own order.
         class_weight: as in ``model.fit``.
         sample_weight: as in ``model.fit``.
         initial_epoch: as in ``model.fit``.
@@ -235,15 +252,15 @@ def _validate(model: Any, given: dict) -> _Args:
     micro = given["micro_batch_size"]
     micro = None if (isinstance(micro, str) and micro == "auto") else check_size(
         "micro_batch_size", micro)
-    epochs = check_size("epochs", given["epochs"])
+    epochs = check_count("epochs", given["epochs"])
     check_choice("on_oom", given["on_oom"], ("recover", "raise"))
     check_choice("batch_norm", given["batch_norm"], MODES)
     check_choice("objective", given["objective"], OBJECTIVES)
     if given["shuffle"] not in (True, False, "batch"):
-        raise ValueError(f"Expected `shuffle` to be True or False. Received: "
-                         f"shuffle={describe(given['shuffle'])}.")
+        raise ArgumentError(f"Expected `shuffle` to be True, False or 'batch'. Received: "
+                            f"shuffle={describe(given['shuffle'])}.")
     if isinstance(given["y"], int) and not isinstance(given["y"], bool):
-        raise BatchSizeError(
+        raise ArgumentError(
             f"Expected targets as the third argument. Received: y={given['y']}. Pass the "
             "batch size by name: fit_large_batch(model, x, y, batch_size=...).")
     args = _Args(
@@ -252,19 +269,19 @@ def _validate(model: Any, given: dict) -> _Args:
         epochs=epochs,
         verbose=check_verbose(given["verbose"]),
         initial_epoch=check_initial_epoch(given["initial_epoch"], epochs),
-        steps_per_epoch=check_optional_size("steps_per_epoch", given["steps_per_epoch"]),
-        validation_steps=check_optional_size("validation_steps", given["validation_steps"]),
+        steps_per_epoch=check_optional_count("steps_per_epoch", given["steps_per_epoch"]),
+        validation_steps=check_optional_count("validation_steps", given["validation_steps"]),
         validation_batch_size=check_optional_size("validation_batch_size",
                                                   given["validation_batch_size"]),
-        validation_freq=check_size("validation_freq", given["validation_freq"]),
+        validation_freq=check_count("validation_freq", given["validation_freq"]),
         validation_split=check_fraction("validation_split", given["validation_split"]),
         on_oom=given["on_oom"],
         batch_norm=given["batch_norm"],
     )
-    check_fraction("headroom", given["headroom"])
+    check_headroom(given["headroom"])
     if given["jit_compile"] not in (None, True, False):
-        raise ValueError(f"Expected `jit_compile` to be None, True or False. Received: "
-                         f"jit_compile={describe(given['jit_compile'])}.")
+        raise ArgumentError(f"Expected `jit_compile` to be None, True or False. Received: "
+                            f"jit_compile={describe(given['jit_compile'])}.")
     if args.validation_split and given["validation_data"] is not None:
         warnings.warn("Both `validation_split` and `validation_data` were given; "
                       "`validation_data` is used, as in model.fit.", stacklevel=3)
@@ -294,7 +311,7 @@ def _split_off_validation(x, y, sample_weight, fraction):
 
 def _check_input(adapter: InputAdapter, args: _Args) -> None:
     if getattr(adapter, "infinite", False) and args.steps_per_epoch is None:
-        raise ValueError(
+        raise ArgumentError(
             "Expected `steps_per_epoch` with an infinite (repeated) dataset. Received: "
             "steps_per_epoch=None. Pass steps_per_epoch= or drop the `.repeat()`.")
 

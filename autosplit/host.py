@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import psutil
 
-from autosplit.device import DeviceInfo, split_device
+from autosplit.device_info import DeviceInfo, split_device
 from autosplit.units import MIB
 
 try:

@@ -23,6 +23,7 @@ checks run before any state changes and raise ``DatasetError``.
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -101,8 +102,15 @@ class InputAdapter:
     _class_weight: Any = None  # (y, sample_weight) -> sample_weight, from ``class_weight``
     _arity = 2  # elements (x, y) = 2, (x, y, w) = 3, x alone (no targets) = 0
 
-    def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
-        """One epoch as ``tf.data`` batches of rows (leading dimension = rows)."""
+    def rows_dataset(self, *, shuffle_seed: int | None = None,
+                     batch_size: int | None = None) -> tf.data.Dataset:
+        """One epoch as ``tf.data`` batches of rows (leading dimension = rows).
+
+        Args:
+            shuffle_seed: the same seed gives the same order in every process.
+            batch_size: B, the large batch the rows are cut into; what arrays with
+                ``shuffle="batch"`` shuffle within.
+        """
         raise NotImplementedError
 
     def materialize(self, rows: Any) -> tuple:
@@ -180,8 +188,9 @@ class ArrayInput(InputAdapter):
 
     kind = "arrays"
 
-    def __init__(self, x: Any, y: Any, sample_weight: Any = None, *, shuffle: bool = True,
-                 class_weight: dict | None = None, name: str = "x") -> None:
+    def __init__(self, x: Any, y: Any, sample_weight: Any = None, *,
+                 shuffle: bool | str = True, class_weight: dict | None = None,
+                 name: str = "x") -> None:
         if y is None and sample_weight is not None:
             raise DatasetError(f"Expected targets `y` next to `{name}` and `sample_weight`. "
                                "Received: y=None.")
@@ -212,12 +221,17 @@ class ArrayInput(InputAdapter):
             raise DatasetError("Expected non-empty arrays. Received: arrays of 0 rows.")
         _check_class_weight_alone(class_weight, sample_weight is not None)
         self.arrays = arrays
-        self.shuffle = bool(shuffle)
+        self.shuffle = "batch" if _is_batch(shuffle) else bool(shuffle)
         self._class_weight = class_weight_fn(class_weight) if class_weight else None
 
-    def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
+    def rows_dataset(self, *, shuffle_seed: int | None = None,
+                     batch_size: int | None = None) -> tf.data.Dataset:
         """Row numbers, shuffled per iteration; with ``shuffle_seed`` the order depends on
-        that seed alone (stateless), so processes seeded differently agree on it."""
+        that seed alone (stateless), so processes seeded differently agree on it.
+
+        With ``shuffle="batch"`` (Keras's meaning) large batch i holds the rows
+        ``[i*B, (i+1)*B)``, as unshuffled, each epoch in a new order.
+        """
         rows = self.rows
         if self.shuffle and shuffle_seed is not None:
             def permutation(_):
@@ -229,6 +243,11 @@ class ArrayInput(InputAdapter):
             index = tf.data.Dataset.range(rows)
             if self.shuffle:
                 index = index.shuffle(rows, reshuffle_each_iteration=True)
+        if self.shuffle == "batch":
+            if batch_size is None:
+                raise TypeError("shuffle='batch' needs the large batch's `batch_size`.")
+            index = index.batch(rows).map(
+                functools.partial(_within_batches, batch_size=batch_size)).unbatch()
         return index.batch(_EXAMPLE_CHUNK)
 
     def materialize(self, rows: Any) -> tuple:
@@ -237,6 +256,17 @@ class ArrayInput(InputAdapter):
 
     def sample(self, n: int) -> tuple:
         return self._weighted(*map_present(lambda t: t[:n], self.arrays))
+
+
+def _is_batch(shuffle: Any) -> bool:
+    return isinstance(shuffle, str) and shuffle == "batch"
+
+
+def _within_batches(permutation: tf.Tensor, batch_size: int) -> tf.Tensor:
+    """A random permutation of the rows -> each run of ``batch_size`` rows in place, in
+    random order. A stable sort by run keeps the permutation's order inside each run,
+    which is uniformly random, and every row once."""
+    return tf.gather(permutation, tf.argsort(permutation // batch_size, stable=True))
 
 
 def _to_tensor(leaf: Any) -> Any:
@@ -304,7 +334,8 @@ class DatasetInput(InputAdapter):
                 "Pad the examples first (e.g. `.padded_batch(32)`: autosplit rebatches "
                 "batched datasets) so every micro-batch has one shape.")
 
-    def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
+    def rows_dataset(self, *, shuffle_seed: int | None = None,
+                     batch_size: int | None = None) -> tf.data.Dataset:
         if self.batched:
             return self.dataset.map(_assert_shared_rows)
         return self.dataset.batch(_EXAMPLE_CHUNK)
@@ -341,7 +372,8 @@ class KerasInput(InputAdapter):
             check_shared_rows(batch if isinstance(batch, tuple) else (batch,),
                               f"the {self.kind}")
 
-    def rows_dataset(self, *, shuffle_seed: int | None = None) -> tf.data.Dataset:
+    def rows_dataset(self, *, shuffle_seed: int | None = None,
+                     batch_size: int | None = None) -> tf.data.Dataset:
         if self.generator:
             # One pass only: the same dataset object, so a second epoch ends at once.
             if self._dataset is None:
@@ -382,7 +414,7 @@ def _with_y_check(generator):
     return restored()
 
 
-def get_input(x: Any, y: Any = None, sample_weight: Any = None, *, shuffle: bool = True,
+def get_input(x: Any, y: Any = None, sample_weight: Any = None, *, shuffle: bool | str = True,
               class_weight: dict | None = None, name: str = "x") -> InputAdapter:
     """The adapter for ``x`` (and ``y``, ``sample_weight`` when ``x`` is an array)."""
     if isinstance(x, tf.data.Dataset):

@@ -135,7 +135,8 @@ class MicroBatches:
 
     def _build(self, *, repeat: bool, shuffle_seed: int | None) -> tf.data.Dataset:
         with tf.device(HOST):
-            ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed)
+            ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed,
+                                           batch_size=self.batch_size)
             sizes = [p.rows for p in self.pattern]
             ds = ds.rebatch(sizes if len(sizes) > 1 else sizes[0])
             keep = [p.keep for p in self.pattern]

@@ -9,7 +9,7 @@ model's fixed part is the weights, the optimizer slots, the float32 sums and the
 pipeline's few buffered micro-batches, whatever the input kind.
 
 Phases: validate and read the device and the budget (``autosplit.device``,
-``autosplit.caps``), look up the cache (``autosplit.cache``), search
+``autosplit.peak_meter``), look up the cache (``autosplit.cache``), search
 (``autosplit.search``), build the immutable :class:`ProbeResult` from the trials. The
 model, the optimizer and the metrics are restored bitwise after the trials.
 Out-of-memory is detected by type (``tf.errors.ResourceExhaustedError``).
@@ -29,11 +29,11 @@ import keras
 import tensorflow as tf
 
 from autosplit import cache as _cache
-from autosplit.caps import PeakMeter
-from autosplit.device import budget_bytes, read_device
+from autosplit.device import budget_bytes, check_headroom, read_device
 from autosplit.distribute import layout
 from autosplit.errors import MemoryLimitError, NothingFitsError
 from autosplit.inputs import ArrayInput, InputAdapter, get_input
+from autosplit.peak_meter import PeakMeter
 from autosplit.pipeline import MicroBatches
 from autosplit.search import (
     OBJECTIVES,
@@ -48,7 +48,7 @@ from autosplit.split import split_batch
 from autosplit.state import Snapshot
 from autosplit.step import build_for, train_step
 from autosplit.units import format_bytes, parse_memory
-from autosplit.validation import check_choice, check_fraction, check_model, check_size
+from autosplit.validation import check_choice, check_model, check_size
 
 __all__ = ["ProbeResult", "Trial", "invalidate_cache", "probe", "search_micro_batch"]
 
@@ -212,7 +212,7 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     started = time.perf_counter()
     check_choice("objective", objective, OBJECTIVES)
     limit = parse_memory(memory_limit)
-    check_fraction("headroom", headroom)
+    check_headroom(headroom)
     where = layout(model.distribute_strategy)
     if objective == "speed" and where.multi_worker:
         raise ValueError(

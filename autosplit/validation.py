@@ -12,15 +12,23 @@ from typing import Any
 import keras
 
 from autosplit.custom_step import has_custom_step
-from autosplit.errors import BatchSizeError, ModelNotReadyError, UnsupportedModelError, describe
+from autosplit.errors import (
+    ArgumentError,
+    BatchSizeError,
+    ModelNotReadyError,
+    UnsupportedModelError,
+    describe,
+)
 from autosplit.split import check_size
 
 __all__ = [
     "check_choice",
     "check_compiled_loss",
+    "check_count",
     "check_fraction",
     "check_initial_epoch",
     "check_model",
+    "check_optional_count",
     "check_optional_size",
     "check_size",
     "check_trainable",
@@ -34,13 +42,13 @@ def check_verbose(verbose: Any) -> int:
         return 1
     if verbose in (0, 1, 2) and not isinstance(verbose, bool):
         return int(verbose)
-    raise ValueError(
+    raise ArgumentError(
         f"Expected `verbose` to be 'auto', 0, 1 or 2. Received: verbose={describe(verbose)}.")
 
 
 def check_choice(name: str, value: Any, choices: tuple) -> Any:
     if not any(type(value) is type(c) and value == c for c in choices):
-        raise ValueError(
+        raise ArgumentError(
             f"Expected `{name}` to be one of {', '.join(repr(c) for c in choices)}. "
             f"Received: {name}={describe(value)}.")
     return value
@@ -50,24 +58,44 @@ def check_optional_size(name: str, value: Any) -> int | None:
     return None if value is None else check_size(name, value)
 
 
+def check_count(name: str, value: Any) -> int:
+    """A positive whole number of epochs or steps: the test of ``check_size``, which is
+    for numbers of examples, with an error of its own.
+
+    >>> check_count("epochs", 3)
+    3
+    """
+    try:
+        return check_size(name, value)
+    except BatchSizeError:
+        raise ArgumentError(
+            f"Expected `{name}` to be a positive integer. Received: {name}={describe(value)}. "
+            f"Pass a whole number such as {name}=1.") from None
+
+
+def check_optional_count(name: str, value: Any) -> int | None:
+    return None if value is None else check_count(name, value)
+
+
 def check_fraction(name: str, value: Any, *, upper_open: bool = True) -> float:
     """A float in [0, 1) (or [0, 1] with ``upper_open=False``)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok:
         ok = 0 <= value < 1 if upper_open else 0 <= value <= 1
     if not ok:
-        raise ValueError(
+        raise ArgumentError(
             f"Expected `{name}` to be a number in [0, 1{')' if upper_open else ']'}. "
-            f"Received: {name}={describe(value)}.")
+            f"Received: {name}={describe(value)}. Pass a fraction such as {name}=0.2.")
     return float(value)
 
 
 def check_initial_epoch(initial_epoch: Any, epochs: int) -> int:
     if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int) or not (
             0 <= initial_epoch < epochs):
-        raise BatchSizeError(
+        raise ArgumentError(
             f"Expected `initial_epoch` to be an int in [0, epochs={epochs}). "
-            f"Received: initial_epoch={describe(initial_epoch)}.")
+            f"Received: initial_epoch={describe(initial_epoch)}. Pass the number of epochs "
+            "already run, 0 for a fresh start.")
     return initial_epoch
 
 

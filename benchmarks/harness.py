@@ -6,7 +6,7 @@ lives here once; ``benchmarks.workloads`` holds the models, data and training me
 - the command line every script takes (:func:`parser`: ``--quick``, ``--out``,
   ``--repeats``, ``--jobs``) and the machine it ran on (:func:`machine_info`);
 - one measurement in a fresh child process under a real TensorFlow memory cap
-  (:func:`run_child`, a thin wrapper over ``autosplit.caps.run_capped``;
+  (:func:`run_child`, a thin wrapper over ``autosplit.capped.run_capped``;
   :func:`serve_child` on the child's side);
 - side-by-side timing (:func:`round_robin`, :func:`speed_summary`) and the growth of a
   peak with the batch (:func:`growth_check`);
@@ -164,7 +164,7 @@ def run_child(module: str, task: Mapping[str, Any], limit_mib: int | None, *,
     a signal under the cap counts as out of memory (TF 2.21 has died of SIGSEGV when
     an allocation inside tf.data failed at the cap), any other failure is an error.
     """
-    from autosplit.caps import run_capped
+    from autosplit.capped import run_capped
 
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "CUDA_VISIBLE_DEVICES": "-1"}
@@ -197,7 +197,7 @@ def run_all(calls: Sequence[Callable[[], dict[str, Any]]], jobs: int) -> list[di
 
 def serve_child(task_json: str, run: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
     """The child's side of :func:`run_child`: run the task, hand the result back."""
-    from autosplit.caps import write_result
+    from autosplit.capped import write_result
 
     write_result(run(json.loads(task_json)))
     return 0

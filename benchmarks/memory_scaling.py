@@ -16,7 +16,7 @@ trained six ways (``benchmarks.workloads.METHODS``):
 The data set is the same for every B: 2 x 16384 rows, so every epoch holds at least
 two large batches (a prefetched large batch would show). Every point (model, B,
 method) runs in its own fresh child process whose TensorFlow CPU allocator is a BFC
-allocator hard-capped at the model's cap (``autosplit.caps.run_capped``): going past it
+allocator hard-capped at the model's cap (``autosplit.capped.run_capped``): going past it
 raises a real ``ResourceExhaustedError``. One warm-up epoch, then ``--repeats``
 measured epochs; the ``PeakMeter`` (``tf.config.experimental.get_memory_info``) is
 reset at the start of each and read at its end. A point's peak is the smallest over

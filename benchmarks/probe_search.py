@@ -3,7 +3,7 @@
 Every method searches the same model (the MLP 128-1024-1024-10 with Adam), the same
 data (B rows) and the same large batch B under the same real memory cap: each runs
 in its own fresh child process whose TensorFlow CPU allocator is hard-capped
-(``autosplit.caps.run_capped``; a real ``ResourceExhaustedError`` at the cap, about
+(``autosplit.capped.run_capped``; a real ``ResourceExhaustedError`` at the cap, about
 10 s per OOM while the allocator retries).
 
 1. ``exhaustive``: the ground truth, the largest micro-batch with which
@@ -156,8 +156,8 @@ def run_method(task: dict[str, Any]) -> dict[str, Any]:
     import tensorflow as tf
 
     import autosplit
-    from autosplit.caps import PeakMeter
     from autosplit.host import is_tf_bfc_capped
+    from autosplit.peak_meter import PeakMeter
     from benchmarks import workloads
 
     s = Settings(**{**task["settings"], "hidden": tuple(task["settings"]["hidden"]),
@@ -165,7 +165,7 @@ def run_method(task: dict[str, Any]) -> dict[str, Any]:
     method, B = task["method"], task["batch_size"]
     cap = is_tf_bfc_capped()
     if cap is None:
-        raise SystemExit("Expected a child of autosplit.caps.run_capped. Received: "
+        raise SystemExit("Expected a child of autosplit.capped.run_capped. Received: "
                          "TF_CPU_ALLOCATOR_USE_BFC unset. Run without --child.")
     x, y = workloads.synthetic(task["rows"], (s.features,), seed=s.seed)
     model = workloads.build_model(workloads.mlp_spec(s.features, s.hidden), seed=s.seed)

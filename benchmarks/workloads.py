@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 import autosplit
-from autosplit.caps import PeakMeter
+from autosplit.peak_meter import PeakMeter
 from benchmarks.harness import MIB, OOM, error_text
 
 CLASSES = 10

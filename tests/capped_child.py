@@ -1,7 +1,7 @@
 """Child-process scenarios run under a real TensorFlow memory cap (capped BFC allocator).
 
-Started by ``autosplit.caps.run_capped(["tests/capped_child.py", SCENARIO, DIR], cap)``;
-each scenario hands its report back with ``autosplit.caps.write_result`` and may leave
+Started by ``autosplit.capped.run_capped(["tests/capped_child.py", SCENARIO, DIR], cap)``;
+each scenario hands its report back with ``autosplit.capped.write_result`` and may leave
 files (weights) in DIR.
 """
 
@@ -19,7 +19,8 @@ import tensorflow as tf
 from common import labelled
 
 import autosplit
-from autosplit.caps import PeakMeter, write_result
+from autosplit.capped import write_result
+from autosplit.peak_meter import PeakMeter
 from autosplit.testing import train_on_large_batch
 
 

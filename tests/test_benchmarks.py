@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import pytest
 
-from autosplit import caps
+from autosplit import capped
 from benchmarks import (
     batchnorm_stats,
     gpu_check,
@@ -71,16 +71,16 @@ def test_quick_runs_write_files_only_where_asked(tmp_path):
 
 def test_run_child_is_run_capped_and_says_how_the_child_ended(monkeypatch):
     calls, ends = [], iter([
-        caps.CappedRun(0, {"status": "ok", "x": 1}, "", "", 2.0),
-        caps.CappedRun(-11, None, "", "Fatal Python error\n", 3.0),
-        caps.CappedRun(1, None, "", "Traceback: boom\n", 4.0),
+        capped.CappedRun(0, {"status": "ok", "x": 1}, "", "", 2.0),
+        capped.CappedRun(-11, None, "", "Fatal Python error\n", 3.0),
+        capped.CappedRun(1, None, "", "Traceback: boom\n", 4.0),
     ])
 
     def fake(argv, limit, *, timeout, env, capture):
         calls.append((argv, limit, timeout, env, capture))
         return next(ends)
 
-    monkeypatch.setattr(caps, "run_capped", fake)
+    monkeypatch.setattr(capped, "run_capped", fake)
     ok = harness.run_child("memory_scaling", {"b": 512}, 64, timeout=9)
     crashed = harness.run_child("memory_scaling", {"b": 512}, 64, timeout=9)
     failed = harness.run_child("memory_scaling", {"b": 512}, 64, timeout=9)
@@ -95,13 +95,13 @@ def test_run_child_is_run_capped_and_says_how_the_child_ended(monkeypatch):
     def late(*args, **kwargs):
         raise subprocess.TimeoutExpired("python", 9)
 
-    monkeypatch.setattr(caps, "run_capped", late)
+    monkeypatch.setattr(capped, "run_capped", late)
     assert harness.run_child("memory_scaling", {}, 64, timeout=9)["status"] == "error"
 
 
 def test_serve_child_hands_the_result_back(tmp_path, monkeypatch):
     path = tmp_path / "result.json"
-    monkeypatch.setenv(caps.RESULT_ENV, str(path))
+    monkeypatch.setenv(capped.RESULT_ENV, str(path))
     assert harness.serve_child('{"a": 1}', lambda task: {"b": task["a"] + 1}) == 0
     assert json.loads(path.read_text()) == {"b": 2}
 

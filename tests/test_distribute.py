@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import assert_weights_close
 
-from autosplit.caps import capped_cpu_env
+from autosplit.capped import capped_cpu_env
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow

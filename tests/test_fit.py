@@ -15,8 +15,10 @@ from conftest import assert_weights_close, twin
 
 import autosplit
 from autosplit.errors import (
+    ArgumentError,
     BatchSizeError,
     DatasetError,
+    MemoryLimitError,
     ModelNotReadyError,
     UnsupportedModelError,
 )
@@ -333,16 +335,61 @@ def test_not_data_at_all():
 
 
 def test_errors_are_builtin_subclasses():
+    assert issubclass(ArgumentError, ValueError)
     assert issubclass(BatchSizeError, ValueError)
     assert issubclass(DatasetError, ValueError)
+    assert issubclass(MemoryLimitError, ValueError)
     assert issubclass(ModelNotReadyError, ValueError)
     assert issubclass(UnsupportedModelError, TypeError)
 
 
-def test_bad_verbose_and_on_oom():
-    with pytest.raises(ValueError, match="verbose"):
-        autosplit.fit_large_batch(make_mlp(), data(), batch_size=8, micro_batch_size=4,
-                                  verbose=3)
-    with pytest.raises(ValueError, match="on_oom"):
-        autosplit.fit_large_batch(make_mlp(), data(), batch_size=8, micro_batch_size=4,
-                                  on_oom="ignore")
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"verbose": 3}, "Expected `verbose` to be 'auto', 0, 1 or 2"),
+    ({"on_oom": "ignore"}, "Expected `on_oom` to be one of"),
+    ({"shuffle": "yes"}, "Expected `shuffle` to be True, False or 'batch'. Received: "
+                         "shuffle='yes'"),
+    ({"jit_compile": "xla"}, "Expected `jit_compile` to be None, True or False"),
+    ({"validation_split": 1.0}, r"Expected `validation_split` to be a number in \[0, 1\)"),
+    ({"epochs": 0}, r"Expected `epochs` to be a positive integer. Received: epochs=0 "
+                    r"\(type int\). Pass a whole number such as epochs=1"),
+    ({"epochs": 2.0}, "Expected `epochs` to be a positive integer"),
+    ({"validation_freq": 0}, "Expected `validation_freq` to be a positive integer"),
+    ({"steps_per_epoch": -1}, "Expected `steps_per_epoch` to be a positive integer"),
+    ({"validation_steps": True}, "Expected `validation_steps` to be a positive integer"),
+    ({"initial_epoch": 3, "epochs": 3}, r"Expected `initial_epoch` to be an int in \[0, "
+                                        r"epochs=3\). Received: initial_epoch=3"),
+    ({"y": 64}, "Expected targets as the third argument"),
+])
+def test_bad_arguments_raise_argument_error(kwargs, message):
+    """Epochs, steps and choices are not batch sizes: ArgumentError, still a ValueError."""
+    model = make_mlp()
+    model.build((None, 6))
+    before = [w.copy() for w in model.get_weights()]
+    x, y = data(16)
+    kwargs = {"y": y, **kwargs}
+    with pytest.raises(ArgumentError, match=message) as info:
+        autosplit.fit_large_batch(model, x, batch_size=8, micro_batch_size=4, **kwargs)
+    assert isinstance(info.value, ValueError) and not isinstance(info.value, BatchSizeError)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
+@pytest.mark.parametrize("headroom", [1.0, -0.1, "0.1", True])
+def test_bad_headroom_is_a_memory_limit_error_in_fit_and_probe(headroom):
+    x, y = data(16)
+    match = r"Expected `headroom` to be a fraction in \[0, 1\)"
+    with pytest.raises(MemoryLimitError, match=match):
+        autosplit.fit_large_batch(make_mlp(), x, y, batch_size=8, headroom=headroom)
+    with pytest.raises(MemoryLimitError, match=match):
+        autosplit.probe(make_mlp(), x, y, batch_size=8, headroom=headroom)
+
+
+def test_shuffle_batch_keeps_each_large_batch_so_it_trains_as_unshuffled():
+    """Keras's shuffle="batch": large batch i holds rows [i*B, (i+1)*B) in a new order
+    each epoch; a large batch's gradient does not depend on that order. (A full shuffle,
+    what "batch" used to become, moves rows between large batches and fails this.)"""
+    x, y = data(230)
+    reference, candidate = twin(make_mlp, (x[:16], y[:16], None))
+    reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    autosplit.fit_large_batch(candidate, x, y, batch_size=64, micro_batch_size=16, epochs=2,
+                              shuffle="batch", verbose=0)
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)

@@ -6,6 +6,7 @@ structure of the traced step: nothing with B rows in it, the iterator on the hos
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import keras
@@ -152,6 +153,33 @@ def test_pipeline_cuts_balanced_micro_batches_and_marks_the_padding():
     assert all(e[0].shape == (63, 6) for e in elements)
     rows = np.concatenate([e[0].numpy()[v > 0] for e, v in zip(elements, valid, strict=True)])
     np.testing.assert_array_equal(rows, x)  # every row once, in order
+
+
+def row_ids_per_large_batch(pipeline, **kwargs):
+    """One epoch of ``pipeline`` whose x is the row number: each large batch's rows."""
+    elements = iter(pipeline.dataset(**kwargs))
+    epoch = []
+    for step in range(pipeline.steps()):
+        pieces = itertools.islice(elements, pipeline.elements(step))
+        epoch.append(np.concatenate([e[0].numpy()[e[3].numpy() > 0, 0] for e in pieces]))
+    assert next(elements, None) is None
+    return [batch.astype(int) for batch in epoch]
+
+
+def test_shuffle_batch_shuffles_within_each_large_batch_only():
+    ids = np.arange(N, dtype="float32")[:, None]
+    pipeline = MicroBatches(get_input(ids, np.zeros(N), shuffle="batch"), B, M)
+    unshuffled = [list(range(i, min(i + B, N))) for i in range(0, N, B)]
+    first, second = row_ids_per_large_batch(pipeline), row_ids_per_large_batch(pipeline)
+    # Every row once per epoch, in the large batch it has unshuffled...
+    assert [sorted(b) for b in first] == [sorted(b) for b in second] == unshuffled
+    # ... in an order that is not the unshuffled one, and new each epoch.
+    assert any(list(b) != u for b, u in zip(first, unshuffled, strict=True))
+    assert any((a != b).any() for a, b in zip(first, second, strict=True))
+    # A shared seed (every worker of a multi-worker job) gives one order, still batch-wise.
+    seeded = [row_ids_per_large_batch(pipeline, shuffle_seed=5) for _ in range(2)]
+    assert all((a == b).all() for a, b in zip(*seeded, strict=True))
+    assert [sorted(b) for b in seeded[0]] == unshuffled
 
 
 def test_worker_shares_and_local_replicas_cover_every_row_once():

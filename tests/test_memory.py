@@ -1,4 +1,5 @@
-"""Tests of autosplit.units, .device and .caps: sizes, readings, budgets, peaks, caps.
+"""Tests of autosplit.units, .device, .host, .peak_meter and .capped: sizes, readings,
+budgets, peaks, capped children.
 
 Real readings wherever this machine allows: procfs, psutil, a TensorFlow child process
 under a real BFC cap. cgroup trees are fake directories so every layout is covered;
@@ -19,10 +20,12 @@ import pytest
 
 from autosplit import device
 from autosplit import host as host_readings
-from autosplit.caps import PeakMeter, capped_cpu_env, is_noise, run_capped
-from autosplit.device import DeviceInfo, budget_bytes, read_device, read_gpu
+from autosplit.capped import capped_cpu_env, is_noise, run_capped
+from autosplit.device import budget_bytes, read_device, read_gpu
+from autosplit.device_info import LIMIT_SOURCES, DeviceInfo
 from autosplit.errors import MemoryLimitError
 from autosplit.host import is_tf_bfc_capped, read_cpu
+from autosplit.peak_meter import PeakMeter
 from autosplit.units import format_bytes, parse_memory
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -291,7 +294,7 @@ def test_read_cpu_when_bfc_is_set_after_tensorflow_made_its_allocator():
 
 def test_read_cpu_real_machine():
     info = read_cpu()
-    assert info.kind == "CPU" and info.limit_source in device.LIMIT_SOURCES
+    assert info.kind == "CPU" and info.limit_source in LIMIT_SOURCES
     assert 0 < info.available_bytes <= info.total_bytes
     assert info.identity.startswith("cpu:") and info.name
     assert DeviceInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
@@ -483,7 +486,7 @@ def test_budget_bytes_rejects_bad_limit():
         budget_bytes(_info(), 0)
 
 
-# ----------------------------------------------------------------- caps and peaks
+# ------------------------------------------------------- capped children and peaks
 
 
 def test_capped_cpu_env_copies_base_and_sets_the_cap():
@@ -580,7 +583,7 @@ def _run_capped_child(script: str, limit_bytes: int) -> dict:
 _PEAK_SCRIPT = """
 import json
 import tensorflow as tf
-from autosplit.caps import PeakMeter
+from autosplit.peak_meter import PeakMeter
 from autosplit.host import read_cpu
 
 meter = PeakMeter("CPU:0")
@@ -644,7 +647,7 @@ def test_real_resource_exhausted_under_bfc_cap_and_process_survives():
 def test_run_capped_hands_back_json_and_hides_tensorflow_start_up_lines():
     """The CLI, the tests and the benchmarks start capped children this one way."""
     script = ("import sys, tensorflow as tf\n"
-              "from autosplit.caps import write_result\n"
+              "from autosplit.capped import write_result\n"
               "print('a real error line', file=sys.stderr)\n"
               "write_result({'cap': tf.config.experimental.get_memory_info('CPU:0')['peak'] >= 0,"
               " 'env': __import__('os').environ['TF_CPU_BFC_MEM_LIMIT_IN_MB']})\n")

@@ -28,3 +28,40 @@ def test_every_export_resolves_and_the_functions_stay_functions_after_every_impo
     assert callable(autosplit.probe) and callable(autosplit.check)
     assert autosplit.probe.__module__ == "autosplit.trials"
     assert autosplit.check.__module__ == "autosplit.equivalence"
+
+
+def _imported_modules(path) -> set[str]:
+    """The autosplit modules ``path`` imports anywhere, inside functions too."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "autosplit":
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autosplit."):
+            names.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            names.update(a.name.split(".")[1] for a in node.names
+                         if a.name.startswith("autosplit."))
+    return names
+
+
+def test_modules_import_one_way():
+    """No cycle, not even through an import inside a function (device <-> host was one)."""
+    from pathlib import Path
+
+    files = {p.stem: p for p in Path(autosplit.__file__).parent.glob("*.py")}
+    del files["__init__"]
+    graph = {name: _imported_modules(path) & set(files) - {name}
+             for name, path in files.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import cycle: {' -> '.join((*path, name))}"
+        if name not in done:
+            for imported in sorted(graph[name]):
+                visit(imported, (*path, name))
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, ())

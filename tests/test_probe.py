@@ -11,8 +11,9 @@ import pytest
 from conftest import classifier, labelled
 
 import autosplit
-from autosplit.caps import PeakMeter, run_capped
+from autosplit.capped import run_capped
 from autosplit.errors import MemoryLimitError
+from autosplit.peak_meter import PeakMeter
 from autosplit.trials import ProbeResult, invalidate_cache, probe
 
 HERE = Path(__file__).parent

@@ -1,9 +1,9 @@
-"""Measuring and capping memory: the peak of a step, and real caps for child processes.
+"""Child processes under a real memory cap, for the CLI, the tests and the benchmarks.
 
-:class:`PeakMeter` reads TensorFlow's allocator (or the process's high-water mark).
 :func:`capped_cpu_env` and :func:`run_capped` start a child process in which
 TensorFlow's CPU allocator has a hard cap: it raises a genuine
-``ResourceExhaustedError`` there and the process lives on, as on a GPU. The CLI, the
+``ResourceExhaustedError`` there and the process lives on, as on a GPU. The child
+hands its result back with :func:`write_result`. ``autosplit --memory-limit``, the
 tests and the benchmarks all start their capped children through :func:`run_capped`.
 """
 
@@ -21,92 +21,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import psutil
-
-from autosplit.device import split_device
-from autosplit.host import bfc_enabled, status_bytes
 from autosplit.units import MIB, memory_error, parse_memory
 
-__all__ = ["CappedRun", "PeakMeter", "capped_cpu_env", "is_noise", "run_capped",
-           "write_result"]
+__all__ = ["CappedRun", "capped_cpu_env", "is_noise", "run_capped", "write_result"]
 
 RESULT_ENV = "AUTOSPLIT_RESULT"
 GPU_LIMIT_ENV = "AUTOSPLIT_GPU_MEMORY_LIMIT_BYTES"
-
-
-class PeakMeter:
-    """The peak memory of one device between :meth:`reset` and :meth:`peak_bytes`.
-
-    Attributes:
-        tf_device: The device measured, ``"GPU:0"`` or ``"CPU:0"``.
-        source: Where the numbers come from. ``"tf-allocator"``:
-            ``tf.config.experimental.get_memory_info`` on a GPU, or on the CPU when
-            the process started with ``TF_CPU_ALLOCATOR_USE_BFC=true`` (set before
-            TensorFlow loads; see :func:`capped_cpu_env`); the figures are allocator
-            chunks, so they include fragmentation. ``"rss-hwm"``: the process's
-            resident set (``VmRSS``) and its high-water mark (``VmHWM``), reset by
-            writing ``5`` to ``/proc/self/clear_refs``; they cover the whole process
-            and are only repeatable when ``MALLOC_MMAP_THRESHOLD_`` is fixed, because
-            glibc otherwise raises its mmap threshold as blocks are freed and keeps
-            later ones in the heap.
-        baseline_bytes: :meth:`current_bytes` at the last :meth:`reset`; a step used
-            ``peak_bytes() - baseline_bytes`` on top of what was already held.
-
-    Example:
-        >>> meter = PeakMeter("CPU:0")  # doctest: +SKIP
-        >>> meter.reset()  # doctest: +SKIP
-        >>> run_step()  # doctest: +SKIP
-        >>> step_bytes = meter.peak_bytes() - meter.baseline_bytes  # doctest: +SKIP
-    """
-
-    def __init__(self, tf_device: str = "CPU:0", *,
-                 proc_root: str | os.PathLike[str] = "/proc") -> None:
-        kind, index = split_device(tf_device)
-        self.tf_device = f"{kind}:{index}"
-        # Without BFC, get_memory_info("CPU:0") returns zeros instead of raising.
-        tf_allocator = kind == "GPU" or bfc_enabled(os.environ)
-        self.source = "tf-allocator" if tf_allocator else "rss-hwm"
-        self.baseline_bytes = 0
-        self._proc_root = Path(proc_root)
-
-    def reset(self) -> None:
-        """Starts a new measurement: the peak drops to what is in use now."""
-        if self.source == "tf-allocator":
-            import tensorflow as tf
-
-            tf.config.experimental.reset_memory_stats(self.tf_device)
-        else:
-            # "5" resets only the high-water mark (Linux >= 4.0).
-            (self._proc_root / "self" / "clear_refs").write_text("5")
-        self.baseline_bytes = self.current_bytes()
-
-    def peak_bytes(self) -> int:
-        """The most bytes in use since the last :meth:`reset`.
-
-        Never below :attr:`baseline_bytes` or what is in use now. The kernel keeps a
-        thread's RSS changes in a per-CPU cache, so ``VmHWM`` can trail ``VmRSS`` by
-        a few pages; taken raw, a step could seem to peak below what it started with.
-        """
-        if self.source == "tf-allocator":
-            peak = int(self._tf_info()["peak"])
-        else:
-            peak = status_bytes(self._proc_root, "VmHWM") or 0
-        return max(peak, self.baseline_bytes, self.current_bytes())
-
-    def current_bytes(self) -> int:
-        """The bytes in use now."""
-        if self.source == "tf-allocator":
-            return int(self._tf_info()["current"])
-        current = status_bytes(self._proc_root, "VmRSS")
-        return current if current is not None else int(psutil.Process().memory_info().rss)
-
-    def _tf_info(self) -> dict[str, int]:
-        import tensorflow as tf
-
-        return tf.config.experimental.get_memory_info(self.tf_device)
-
-    def __repr__(self) -> str:
-        return f"PeakMeter(tf_device={self.tf_device!r}, source={self.source!r})"
 
 
 def capped_cpu_env(limit_bytes: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -128,8 +48,8 @@ def capped_cpu_env(limit_bytes: int, base: Mapping[str, str] | None = None) -> d
         A copy of ``base`` with ``TF_CPU_ALLOCATOR_USE_BFC=true``,
         ``TF_CPU_BFC_MEM_LIMIT_IN_MB``, ``TF_ENABLE_ONEDNN_OPTS=0`` (oneDNN kernels
         segfaulted on allocation failure), ``MALLOC_MMAP_THRESHOLD_=65536`` (so the
-        ``rss-hwm`` fallback of :class:`PeakMeter` is repeatable) and
-        ``TF_CPP_MIN_LOG_LEVEL=2`` unless ``base`` already sets a level.
+        ``rss-hwm`` fallback of :class:`~autosplit.peak_meter.PeakMeter` is
+        repeatable) and ``TF_CPP_MIN_LOG_LEVEL=2`` unless ``base`` already sets a level.
 
     Raises:
         MemoryLimitError: ``limit_bytes`` is not a positive size.
@@ -265,6 +185,6 @@ def write_result(data: Any) -> None:
     """In a child of :func:`run_capped`: hand ``data`` (JSON-serialisable) back."""
     path = os.environ.get(RESULT_ENV)
     if not path:
-        raise RuntimeError(f"Expected to run under autosplit.caps.run_capped (${RESULT_ENV} "
+        raise RuntimeError(f"Expected to run under autosplit.capped.run_capped (${RESULT_ENV} "
                            "is not set). Received: a process started some other way.")
     Path(path).write_text(json.dumps(data))
