@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from autosplit import _keras
-from autosplit.errors import BatchSizeError
+from autosplit.errors import BatchSizeError, DatasetError
 from autosplit.piece import (
     LossPlan,
     Piece,
@@ -257,12 +257,12 @@ def accumulate_iterator(
     """
     spec = iterator.element_spec
     if not isinstance(spec, tuple) or len(spec) not in (2, 3, 4):
-        raise BatchSizeError(
+        raise DatasetError(
             "Expected iterator elements (x, y[, sample_weight[, valid]]). Received: "
-            f"element_spec={spec}.")
+            f"element_spec={spec}. Map the dataset to such tuples before iter().")
     rows = tf.nest.flatten(spec[0])[0].shape[0]
     if rows is None:
-        raise BatchSizeError(
+        raise DatasetError(
             "Expected micro-batches with a static number of rows. Received: "
             f"element_spec={spec}. Batch with `drop_remainder=True`, or pad and pass `valid`.")
 
