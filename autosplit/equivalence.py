@@ -193,28 +193,16 @@ def check(
                                     (x, y, sample_weight))
         _keras.symbolic_build(model, sample)
 
-    culprits = _layer_culprits(model)
+    culprits = _static_culprits(model)
     explains = bool(culprits)
-    for method in overridden_steps(model):
-        culprits.append(Culprit(
-            model.name, type(model).__name__,
-            f"overrides `{method}`: this check compares the compiled loss; "
-            "fit_large_batch runs the model's own step per micro-batch, exact when its "
-            "loss is a mean over the micro-batch's examples"))
-        explains = True
-    unreduced = [f for f in _keras.flat_losses(model)
-                 if getattr(f.loss, "reduction", None) in (None, "none")]
+    unreduced = _unreduced_culprits(model)
     if unreduced:
-        culprits += [Culprit(f.loss.name, type(f.loss).__name__,
-                             f"reduction={f.loss.reduction!r}: the loss is not reduced to a "
-                             "sum over examples, so it cannot be split")
-                     for f in unreduced]
         return CheckReport(
             batch_size=split.batch_size, micro_batch_size=split.micro_batch_size,
             accumulation_steps=split.accumulation_steps, tolerance=float(tolerance),
             exact=False, max_relative_difference=None, loss_full=None, loss_split=None,
             decomposes=False, loss_decomposition_difference=None, per_variable=(),
-            culprits=tuple(culprits), hint=None)
+            culprits=tuple(culprits + unreduced), hint=None)
 
     snapshot = Snapshot(model)
     try:
@@ -238,23 +226,37 @@ def check(
         explains = True
     explains = explains or not decomposes
     return CheckReport(
-        batch_size=split.batch_size,
-        micro_batch_size=split.micro_batch_size,
-        accumulation_steps=split.accumulation_steps,
-        tolerance=float(tolerance),
-        exact=exact,
-        max_relative_difference=worst,
-        loss_full=float(full.loss),
-        loss_split=float(split_loss),
-        decomposes=decomposes,
-        loss_decomposition_difference=decomposition,
-        per_variable=tuple(per_variable),
-        culprits=tuple(culprits),
-        hint=None if exact or explains else HINT,
-    )
+        batch_size=split.batch_size, micro_batch_size=split.micro_batch_size,
+        accumulation_steps=split.accumulation_steps, tolerance=float(tolerance),
+        exact=exact, max_relative_difference=worst, loss_full=float(full.loss),
+        loss_split=float(split_loss), decomposes=decomposes,
+        loss_decomposition_difference=decomposition, per_variable=tuple(per_variable),
+        culprits=tuple(culprits), hint=None if exact or explains else HINT)
 
 
 # ---------------------------------------------------------------- pieces
+
+
+def _static_culprits(model: keras.Model) -> list[Culprit]:
+    """What the model's structure alone says cannot match: its layers, and a train step
+    or loss of its own (compared here through the compiled loss only)."""
+    culprits = _layer_culprits(model)
+    for method in overridden_steps(model):
+        culprits.append(Culprit(
+            model.name, type(model).__name__,
+            f"overrides `{method}`: this check compares the compiled loss; "
+            "fit_large_batch runs the model's own step per micro-batch, exact when its "
+            "loss is a mean over the micro-batch's examples"))
+    return culprits
+
+
+def _unreduced_culprits(model: keras.Model) -> list[Culprit]:
+    """Compiled losses that are not reduced to a sum over examples (cannot be split)."""
+    return [Culprit(f.loss.name, type(f.loss).__name__,
+                    f"reduction={f.loss.reduction!r}: the loss is not reduced to a sum over "
+                    "examples, so it cannot be split")
+            for f in _keras.flat_losses(model)
+            if getattr(f.loss, "reduction", None) in (None, "none")]
 
 
 def _layer_culprits(model: keras.Model) -> list[Culprit]:

@@ -30,8 +30,9 @@ import tensorflow as tf
 
 from autosplit import cache as _cache
 from autosplit.device import budget_bytes, check_headroom, read_device
-from autosplit.distribute import layout
-from autosplit.errors import MemoryLimitError, NothingFitsError
+from autosplit.device_info import DeviceInfo
+from autosplit.distribute import Layout, layout
+from autosplit.errors import ArgumentError, MemoryLimitError, NothingFitsError
 from autosplit.inputs import ArrayInput, InputAdapter, get_input
 from autosplit.peak_meter import PeakMeter
 from autosplit.pipeline import MicroBatches
@@ -215,7 +216,7 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     check_headroom(headroom)
     where = layout(model.distribute_strategy)
     if objective == "speed" and where.multi_worker:
-        raise ValueError(
+        raise ArgumentError(
             "Expected objective='memory' in a multi-worker job (each worker's speed is its "
             "own; the workers' search runs in lockstep). Received: objective='speed'.")
     local_batch = batch_size // where.replicas
@@ -224,6 +225,41 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     pipeline = MicroBatches(trial_input, batch_size, min(local_batch, 8), where)
     spec = pipeline.element_spec()
     build_for(model, spec, where.local_replicas)
+    meter, device, budget = _measuring(limit, headroom)
+    jit = bool(model.jit_compile if jit_compile is None else jit_compile)
+    # The live budget moves with whatever else holds memory right now; the key uses
+    # what defines it: the device's total, the user's limit and the headroom.
+    key = _cache.fingerprint(
+        model, spec[:3], device=[device.kind, device.identity, device.total_bytes],
+        jit_compile=jit, memory_limit=limit, batch_size=batch_size, headroom=headroom,
+        replicas=where.replicas, objective=objective)
+    cached = _from_cache(model, key, cache, where, batch_size, spec, jit)
+    if cached is not None:
+        return cached
+    step = train_step(model, batch_size, spec, jit_compile=jit)
+    trials_runner = _Trials(step, Snapshot(model), meter, budget, trial_input, batch_size,
+                            where, _reporter(verbose, on_trial, budget))
+    try:
+        chosen, trials, speed_reason = _searched(trials_runner, local_batch, objective)
+    finally:
+        step.discard()
+        trials_runner.snapshot.restore()
+        del trials_runner
+        gc.collect()  # the trials' pipelines, before training builds its own
+    result = _result(trials, chosen, local_batch, device, budget, limit, headroom, meter,
+                     key, time.perf_counter() - started)
+    result = dataclasses.replace(result, worker=where.worker, workers=where.workers,
+                                 objective=objective, speed_reason=speed_reason)
+    if verbose:
+        print(f"  chose micro_batch_size={result.micro_batch_size} "
+              f"(k={result.accumulation_steps}): {result.reason()}", flush=True)
+    if cache:
+        _cache.store(key, result.to_dict())
+    return result
+
+
+def _measuring(limit: int | None, headroom: float) -> tuple[PeakMeter, DeviceInfo, int]:
+    """The peak meter (reset), the device it reads and the budget of the search."""
     meter_device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
     meter = PeakMeter(meter_device)
     meter.reset()
@@ -239,13 +275,13 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
             f"{', runtime' if meter.source == 'rss-hwm' else ''}). Received: "
             f"memory_limit={format_bytes(limit)}. Raise the limit or use a smaller model.")
     budget = budget_bytes(dataclasses.replace(device, available_bytes=ceiling), limit, headroom)
-    jit = bool(model.jit_compile if jit_compile is None else jit_compile)
-    # The live budget moves with whatever else holds memory right now; the key uses
-    # what defines it: the device's total, the user's limit and the headroom.
-    key = _cache.fingerprint(
-        model, spec[:3], device=[device.kind, device.identity, device.total_bytes],
-        jit_compile=jit, memory_limit=limit, batch_size=batch_size, headroom=headroom,
-        replicas=where.replicas, objective=objective)
+    return meter, device, budget
+
+
+def _from_cache(model: keras.Model, key: str, cache: bool, where: Layout, batch_size: int,
+                spec: Any, jit: bool) -> ProbeResult | None:
+    """The stored result for ``key``, if any (in a multi-worker job: only if every worker
+    has one, agreed in one collective)."""
     stored = _cache.load(key) if cache else None
     if where.multi_worker:
         # Every worker searches, or none: one that skipped the search on a cache hit
@@ -253,47 +289,34 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
         agreement = train_step(model, batch_size, spec, jit_compile=jit)
         hit, _ = agreement.agree(stored is not None, 0.0)
         stored = stored if hit else None
-    if stored is not None:
-        try:
-            return dataclasses.replace(ProbeResult.from_dict(stored), from_cache=True)
-        except (TypeError, KeyError):
-            pass
-
-    step = train_step(model, batch_size, spec, jit_compile=jit)
-    speed_reason = None
-    trials_runner = _Trials(step, Snapshot(model), meter, budget, trial_input, batch_size,
-                            where, _reporter(verbose, on_trial, budget))
+    if stored is None:
+        return None
     try:
-        if where.multi_worker:
-            chosen, trials = trials_runner.lockstep(local_batch)
-        else:
-            chosen, trials = run_search(local_batch, budget, trials_runner.trial)
-            if objective == "speed" and chosen is not None:
-                for m in speed_candidates(local_batch, chosen, trials):
-                    trials.append(trials_runner.trial(m))
-                challenger, _ = fastest(chosen, trials)
-                if challenger != chosen:
-                    # A trial times two short steps: ~10% apart run to run on a busy
-                    # machine. Both finalists are timed once more, in turn; each keeps
-                    # its best, and only then may the smaller one win.
-                    trials += [trials_runner.trial(m) for m in (chosen, challenger)]
-                chosen, speed_reason = fastest(chosen, trials)
-    finally:
-        step.discard()
-        trials_runner.snapshot.restore()
-        del trials_runner
-        gc.collect()  # the trials' pipelines, before training builds its own
-    result = _result(trials, chosen, local_batch, device, budget, limit, headroom, meter,
-                     key, time.perf_counter() - started)
-    result = dataclasses.replace(result, worker=where.worker, workers=where.workers,
-                                 objective=objective,
-                                 speed_reason=speed_reason if objective == "speed" else None)
-    if verbose:
-        print(f"  chose micro_batch_size={result.micro_batch_size} "
-              f"(k={result.accumulation_steps}): {result.reason()}", flush=True)
-    if cache:
-        _cache.store(key, result.to_dict())
-    return result
+        return dataclasses.replace(ProbeResult.from_dict(stored), from_cache=True)
+    except (TypeError, KeyError):
+        return None
+
+
+def _searched(trials_runner: _Trials, local_batch: int, objective: str
+              ) -> tuple[int | None, list[Trial], str | None]:
+    """Run the search (in lockstep across workers); with ``objective="speed"`` time the
+    sizes between half the largest and it. Returns (chosen, trials, why for speed)."""
+    if trials_runner.where.multi_worker:
+        chosen, trials = trials_runner.lockstep(local_batch)
+        return chosen, trials, None
+    chosen, trials = run_search(local_batch, trials_runner.budget, trials_runner.trial)
+    if objective != "speed" or chosen is None:
+        return chosen, trials, None
+    for m in speed_candidates(local_batch, chosen, trials):
+        trials.append(trials_runner.trial(m))
+    challenger, _ = fastest(chosen, trials)
+    if challenger != chosen:
+        # A trial times two short steps: ~10% apart run to run on a busy machine. Both
+        # finalists are timed once more, in turn; each keeps its best, and only then
+        # may the smaller one win.
+        trials += [trials_runner.trial(m) for m in (chosen, challenger)]
+    chosen, why = fastest(chosen, trials)
+    return chosen, trials, why
 
 
 class _Trials:
