@@ -25,6 +25,7 @@ from benchmarks import (
     memory_scaling,
     overhead,
     probe_search,
+    step_costs,
     workloads,
 )
 
@@ -369,6 +370,7 @@ def test_gpu_check_checks_growth_per_input_kind_and_speed():
     (probe_search, ["--quick", "--batch-size", "0"]),
     (gpu_check, ["--quick", "--repeats", "0"]),
     (batchnorm_stats, ["--quick", "--ks", "3"]),
+    (step_costs, ["--quick", "--repeats", "0"]),
 ])
 def test_bad_flags_exit_before_anything_runs(module, argv):
     with pytest.raises(SystemExit, match="Expected"):
@@ -423,6 +425,19 @@ def test_overhead_quick_run(tmp_path):
     assert cases["large_k"]["accumulation_steps"] == 32
     # Every target twice: per epoch and per call.
     assert len(report["checks"]) == 2 * sum(len(c["targets"]) for c in cases.values()) == 16
+
+
+@pytest.mark.slow
+def test_step_costs_quick_run_restores_the_library(tmp_path):
+    from autosplit import step, sums
+
+    before = (sums.Stash.put, step.update_metrics, sums.Stash.record)
+    assert step_costs.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert (sums.Stash.put, step.update_metrics, sums.Stash.record) == before
+    variants = read(tmp_path, "step_costs")["variants"]
+    assert list(variants) == list(step_costs.VARIANTS)
+    assert variants["bare"]["ratio_to_bare"] == 1.0
+    assert all(r["samples_per_s"] > 0 for r in variants.values())
 
 
 @pytest.mark.slow

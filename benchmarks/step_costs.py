@@ -1,0 +1,197 @@
+"""What does each piece of the per-micro-batch work cost inside the compiled step?
+
+The step does more per micro-batch than the bare loop (``benchmarks.workloads``): it
+copies the element to the host stash (so an out-of-memory error can resume it), pulls
+with ``get_next_as_optional`` and a ``tf.cond`` (so a short input ends cleanly), keeps
+the sums in variables (so a failed micro-batch loses nothing before it), records the
+rows done, and updates the compiled metrics. This script times one large batch of
+``TrainStep.run`` (no callbacks, no Python loop around it) against the bare loop's
+step, and again with one piece at a time switched off by patching the library while
+the step is traced:
+
+- ``nostash``: the stash keeps its counters but not the element's copy;
+- ``nometric``: no per-micro-batch metric update;
+- ``norecord``: no record of the rows done;
+- ``all-off``: the three together.
+
+Switched-off variants are not correct training (no recovery, no metrics): they only
+measure. Each variant is traced once, then timed as the best of ``--calls`` large
+batches, round-robin over ``--repeats`` passes (ratios best over best).
+
+Units: samples/s of one large batch (B / seconds of one ``run`` call).
+
+Reproduce (on an otherwise idle machine)::
+
+    python -m benchmarks.step_costs            # MLP 784-1024-1024-10, B=4096, m=256, ~3 min
+    python -m benchmarks.step_costs --quick    # a small MLP, a few calls
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from benchmarks import harness, workloads
+
+QUESTION = ("What does each piece of the per-micro-batch work (stash copy, metric update, "
+            "record of rows done) cost in the compiled step, against the bare loop's step?")
+UNITS = "samples/s of one large batch (B / seconds of one call of the compiled step)"
+VARIANTS = ("bare", "arrays", "arrays:nostash", "arrays:nometric", "arrays:norecord",
+            "arrays:all-off", "examples", "examples:all-off")
+
+
+@dataclass(frozen=True)
+class Settings:
+    features: int = 784
+    rows: int = 16384
+    batch_size: int = 4096
+    micro_batch_size: int = 256
+    calls: int = 12  # timed calls per pass (the first two of each pass are dropped)
+    repeats: int = 3
+    seed: int = 0
+
+
+FULL = Settings()
+QUICK = replace(FULL, features=64, rows=2048, batch_size=1024, micro_batch_size=64, calls=4,
+                repeats=1)
+
+
+@contextlib.contextmanager
+def switched_off(pieces: Sequence[str]) -> Iterator[None]:
+    """Patch the library so that a step traced inside leaves ``pieces`` out."""
+    from autosplit import step as step_module
+    from autosplit import sums
+
+    saved = (sums.Stash.put, step_module.update_metrics, sums.Stash.record)
+    off = set(pieces)
+    if "all-off" in off:
+        off |= {"nostash", "nometric", "norecord"}
+    if "nostash" in off:
+        sums.Stash.put = lambda self, element: [  # type: ignore[method-assign]
+            self.pulled.assign_add(1), self.done_rows.assign(0), self.pending.assign(True)]
+    if "nometric" in off:
+        step_module.update_metrics = lambda *args, **kwargs: None  # type: ignore[assignment]
+    if "norecord" in off:
+        sums.Stash.record = lambda self, end_row, rows: tf.constant(True)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        sums.Stash.put, step_module.update_metrics, sums.Stash.record = saved  # type: ignore[method-assign]
+
+
+def _bare(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings) -> Callable[[], None]:
+    """One call of the bare loop's step (as ``workloads.bare_loop``), on a repeated input."""
+    variables, optimizer = model.trainable_variables, model.optimizer
+    optimizer.build(variables)
+    summed = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    k = s.batch_size // s.micro_batch_size
+
+    @tf.function
+    def step(iterator: Any) -> tf.Tensor:
+        def body(i: tf.Tensor, loss: tf.Tensor, grads: list) -> tuple:
+            xb, yb = iterator.get_next()
+            with tf.GradientTape() as tape:
+                piece = summed(yb, model(xb, training=True)) / s.batch_size
+            new = tape.gradient(piece, variables)
+            return i + 1, loss + piece, [g + n for g, n in zip(grads, new, strict=True)]
+
+        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        _, loss, grads = tf.while_loop(lambda i, *_: i < k, body,
+                                       (tf.constant(0), tf.constant(0.0), zeros),
+                                       parallel_iterations=1)
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
+        return loss
+
+    iterator = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        s.micro_batch_size, drop_remainder=True).repeat().prefetch(2))
+    return lambda: float(step(iterator))
+
+
+def _ours(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings, kind: str
+          ) -> Callable[[], None]:
+    """One call of ``TrainStep.run`` (one large batch), its input built as ``fit`` does."""
+    from autosplit.inputs import get_input
+    from autosplit.pipeline import MicroBatches
+    from autosplit.step import build_for, train_step
+
+    data = get_input(x, y, shuffle=False) if kind == "arrays" else get_input(
+        tf.data.Dataset.from_tensor_slices((x, y)), shuffle=False)
+    pipeline = MicroBatches(data, s.batch_size, s.micro_batch_size)
+    spec = pipeline.element_spec()
+    build_for(model, spec)
+    step = train_step(model, s.batch_size, spec)
+    iterator = iter(pipeline.dataset(repeat=True))
+    k = s.batch_size // s.micro_batch_size
+    return lambda: float(step.run(iterator, k)["loss"])
+
+
+def measure(s: Settings, say: harness.Log) -> dict[str, Any]:
+    spec = workloads.mlp_spec(s.features, (1024, 1024))
+    x, y = workloads.synthetic(s.rows, spec.input_shape, seed=s.seed)
+    weights = workloads.build_model(spec, seed=s.seed).get_weights()
+    calls: dict[str, Callable[[], None]] = {}
+    for variant in VARIANTS:
+        kind, _, off = variant.partition(":")
+        model = workloads.build_model(spec, seed=s.seed, weights=weights)
+        with switched_off([off] if off else []):
+            calls[variant] = _bare(model, x, y, s) if kind == "bare" else _ours(
+                model, x, y, s, kind)
+            calls[variant]()  # traced while patched
+    best = {v: float("inf") for v in VARIANTS}
+    for repeat in range(s.repeats):
+        for variant in VARIANTS:
+            times = []
+            for _ in range(s.calls):
+                start = time.perf_counter()
+                calls[variant]()
+                times.append(time.perf_counter() - start)
+            best[variant] = min(best[variant], min(times[2:] or times))
+            say(f"  repeat {repeat + 1}/{s.repeats}  {variant:<18} "
+                f"{s.batch_size / best[variant]:>10,.0f} samples/s")
+    bare = s.batch_size / best["bare"]
+    return {v: {"samples_per_s": s.batch_size / t, "ratio_to_bare": s.batch_size / t / bare}
+            for v, t in best.items()}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    lines = harness.report_head("Per-micro-batch costs inside the compiled step", report)
+    lines += ["", f"MLP {s['features']}-1024-1024-10, Adam, B={s['batch_size']}, "
+              f"m={s['micro_batch_size']}; best of {s['calls']} calls x {s['repeats']} "
+              "passes.", ""]
+    lines += harness.md_table(["variant", "samples/s", "ratio to bare"], rows(report))
+    return "\n".join(lines) + harness.report_tail(report)
+
+
+def rows(report: dict[str, Any]) -> list[list[str]]:
+    return [[v, f"{r['samples_per_s']:,.0f}", f"{r['ratio_to_bare']:.3f}"]
+            for v, r in report["variants"].items()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = harness.parser("Per-micro-batch costs of the compiled step against the bare loop.",
+                       quick="a small MLP, a few calls", repeats=FULL.repeats)
+    args = p.parse_args(argv)
+    harness.at_least("repeats", args.repeats)
+    s = QUICK if args.quick else FULL
+    s = replace(s, repeats=args.repeats or s.repeats)
+    info = harness.machine_info()
+    harness.log(f"# {harness.machine_line(info)}")
+    variants = measure(s, harness.log)
+    report: dict[str, Any] = {"question": QUESTION, "command": harness.command("step_costs", argv),
+                              "units": UNITS, "machine": info, "settings": asdict(s),
+                              "variants": variants, "checks": []}
+    harness.log(harness.text_table(["variant", "samples/s", "ratio to bare"], rows(report)))
+    harness.conclude(harness.out_dir(args), "step_costs", report, markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
