@@ -35,6 +35,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from autosplit.compiled import trace as trace_once
 from autosplit.errors import UnsupportedModelError
 
 __all__ = ["CustomFacts", "Intercepted", "batch_data", "custom_facts", "has_custom_step",
@@ -177,7 +178,7 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
         facts.update(seen=seen, logs=logs)
         return tf.constant(0.0)
 
-    tf.function(trace, autograph=False).get_concrete_function(*specs)
+    trace_once(trace, *specs)
     seen = facts["seen"]
     if seen.calls == 0:
         raise UnsupportedModelError(

@@ -35,6 +35,7 @@ from autosplit.accumulate import (
     sum_loop,
     zero_totals,
 )
+from autosplit.compiled import run_once
 from autosplit.custom_step import overridden_steps
 from autosplit.piece import Totals, align_targets, loss_plan
 from autosplit.reduction import combined_loss, output_terms
@@ -208,9 +209,9 @@ def check(
     try:
         full = _full_batch(model, x, y, sample_weight, split)
         snapshot.restore()  # the split starts from the same seed and moving statistics
-        split_loss, split_grads = tf.function(
+        split_loss, split_grads = run_once(
             lambda x, y, w: accumulate_gradients(
-                model, x, y, w, micro_batch_size=split.micro_batch_size))(x, y, sample_weight)
+                model, x, y, w, micro_batch_size=split.micro_batch_size), x, y, sample_weight)
     finally:
         snapshot.restore()
 
@@ -349,7 +350,7 @@ def _full_batch(model, x, y, sample_weight, split) -> _Full:
         facts["per_example"] = tuple(per_example)
         return tf.cast(loss, tf.float32), grads, whole, parts
 
-    loss, grads, whole, parts = tf.function(run)(x, y, sample_weight)
+    loss, grads, whole, parts = run_once(run, x, y, sample_weight)
     return _Full(loss, grads, facts["per_example"], whole, parts)
 
 

@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from autosplit.accumulate import added, sum_loop, zero_totals
+from autosplit.compiled import FunctionCache
 from autosplit.inputs import HOST, InputAdapter, get_input
 from autosplit.piece import (
     LossPlan,
@@ -49,7 +50,7 @@ class Evaluator:
 
     def __init__(self, model: keras.Model) -> None:
         self.model = model
-        self._functions: dict = {}
+        self._functions = FunctionCache()
 
     def _plan(self, spec) -> LossPlan:
         x, y, w, _ = spec
@@ -82,12 +83,7 @@ class Evaluator:
         return sum_loop(step, count, zero_totals(len(plan.kinds)))
 
     def _function(self, spec):
-        key = repr(spec)
-        if key not in self._functions:
-            fn = self._loop
-            self._functions[key] = fn if self.model.run_eagerly else tf.function(
-                fn, reduce_retracing=True)
-        return self._functions[key]
+        return self._functions.get(repr(spec), self._loop, run_eagerly=self.model.run_eagerly)
 
     def __call__(self, pipeline: MicroBatches, *, steps: int | None = None) -> dict[str, float]:
         """Logs over the validation data in ``pipeline`` (``steps`` large batches at most)."""

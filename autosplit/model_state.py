@@ -17,7 +17,8 @@ The key holds, by identity, what ``compile()`` replaces and what the step captur
   without a recompile: a step traced for other variables would apply the wrong ones).
 
 Within one state, train steps are keyed on the batch size, on ``jit_compile`` and
-``run_eagerly`` as resolved for the call, and on the ``batch_norm`` mode (:func:`step_key`).
+``run_eagerly`` as resolved for the call (``autosplit.compiled.Compilation``), and on
+the ``batch_norm`` mode (:func:`step_key`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import keras
+
+from autosplit.compiled import Compilation
 
 __all__ = ["CompileKey", "ModelState", "model_state", "step_key"]
 
@@ -71,12 +74,10 @@ class ModelState:
     evaluator: Any = None  # autosplit.evaluate.Evaluator
 
 
-def step_key(model: keras.Model, batch_size: int, *, jit_compile: bool | None = None,
-             run_eagerly: bool | None = None, batch_norm: str = "pooled"
+def step_key(batch_size: int, compilation: Compilation, batch_norm: str = "pooled"
              ) -> tuple[int, bool, bool, str]:
-    """A train step's key within a state (``None``: what ``model.compile`` resolved)."""
-    return (batch_size, bool(model.jit_compile if jit_compile is None else jit_compile),
-            bool(model.run_eagerly if run_eagerly is None else run_eagerly), batch_norm)
+    """A train step's key within a state."""
+    return (batch_size, compilation.jit_compile, compilation.run_eagerly, batch_norm)
 
 
 def model_state(model: keras.Model) -> ModelState:

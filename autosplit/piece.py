@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from autosplit import _keras
 from autosplit.batchnorm import combined, recording
+from autosplit.compiled import trace as trace_once
 from autosplit.custom_step import (
     CustomFacts,
     batch_data,
@@ -149,7 +150,7 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
                      has_grad=tuple(g is not None for g in grads))
         return total
 
-    tf.function(trace, autograph=False).get_concrete_function(*specs)
+    trace_once(trace, *specs)
     terms = facts["terms"]
     if not terms and not facts["forward"]:
         raise ModelNotReadyError(

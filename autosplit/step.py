@@ -1,4 +1,4 @@
-"""The train step: the one place where autosplit's compiled functions are built.
+"""The train step: its compiled functions, built and cached in ``autosplit.compiled``.
 
 A ``TrainStep`` pulls the micro-batches of one large batch from a host iterator
 (``autosplit.pipeline``) inside a ``tf.while_loop`` and, per micro-batch, runs
@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from autosplit import _keras
 from autosplit.batchnorm import pooled_layers
+from autosplit.compiled import Compilation, FunctionCache
 from autosplit.custom_step import has_custom_step
 from autosplit.distribute import layout
 from autosplit.errors import DatasetError, UnsupportedModelError
@@ -97,11 +98,10 @@ class TrainStep:
         where = layout(self.strategy)
         self.replicas = where.replicas
         self.local_replicas = where.local_replicas
-        self.jit_compile = bool(model.jit_compile if jit_compile is None else jit_compile)
-        self.run_eagerly = bool(model.run_eagerly if run_eagerly is None else run_eagerly)
+        self.jit_compile, self.run_eagerly = Compilation.of(model, jit_compile, run_eagerly)
         for flat in _keras.flat_losses(model):
             check_reduction(flat.loss)
-        self._functions: dict = {}
+        self._functions = FunctionCache()
         self._template: Any = None
         self._dirty = False  # the sums may hold a partial large batch
         self.sums: Sums | None = None
@@ -199,11 +199,8 @@ class TrainStep:
 
     def _piece_function(self):
         if self.jit_compile and not self.run_eagerly:
-            key = ("piece", repr(self.piece_spec))
-            if key not in self._functions:
-                self._functions[key] = tf.function(self._piece, jit_compile=True,
-                                                   reduce_retracing=True)
-            return self._functions[key]
+            return self._functions.get(("piece", repr(self.piece_spec)), self._piece,
+                                       jit_compile=True)
         return self._piece
 
     def _run_piece(self, x, y, w, valid, end_row):
@@ -398,11 +395,8 @@ class TrainStep:
     def _function(self, name: str, fn, **static):
         spec = "" if name in self._SHARED else repr(self.piece_spec)
         key = (name, spec, tuple(sorted(static.items())))
-        if key not in self._functions:
-            call = functools.partial(fn, **static) if static else fn
-            self._functions[key] = call if self.run_eagerly else tf.function(
-                call, reduce_retracing=True)
-        return self._functions[key]
+        call = functools.partial(fn, **static) if static else fn
+        return self._functions.get(key, call, run_eagerly=self.run_eagerly)
 
     def run(self, iterator, count: int) -> dict:
         """One large batch of ``count`` elements, applied once; returns the metric logs."""
@@ -462,8 +456,7 @@ class TrainStep:
 
     def tracing_count(self) -> int:
         """Traces of every compiled function so far (0 under ``run_eagerly``)."""
-        return sum(fn.experimental_get_tracing_count() for fn in self._functions.values()
-                   if hasattr(fn, "experimental_get_tracing_count"))
+        return self._functions.tracing_count()
 
     def warn_if_inexact(self, accumulation_steps: int) -> None:
         """Warn once about what cannot equal the full batch when it is split."""
@@ -499,8 +492,7 @@ def train_step(model: keras.Model, batch_size: int, element_spec: Any, *,
     same; a ``compile()`` or a change of ``trainable`` in between gives a fresh step.
     """
     state = model_state(model)
-    key = step_key(model, batch_size, jit_compile=jit_compile, run_eagerly=run_eagerly,
-                   batch_norm=batch_norm)
+    key = step_key(batch_size, Compilation.of(model, jit_compile, run_eagerly), batch_norm)
     step = state.steps.get(key)
     if step is None:
         if state.steps:

@@ -29,6 +29,7 @@ import keras
 import tensorflow as tf
 
 from autosplit import cache as _cache
+from autosplit.compiled import Compilation
 from autosplit.device import budget_bytes, check_headroom, read_device
 from autosplit.device_info import DeviceInfo
 from autosplit.distribute import Layout, layout
@@ -226,7 +227,7 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     spec = pipeline.element_spec()
     build_for(model, spec, where.local_replicas)
     meter, device, budget = _measuring(limit, headroom)
-    jit = bool(model.jit_compile if jit_compile is None else jit_compile)
+    jit = Compilation.of(model, jit_compile).jit_compile
     # The live budget moves with whatever else holds memory right now; the key uses
     # what defines it: the device's total, the user's limit and the headroom.
     key = _cache.fingerprint(
