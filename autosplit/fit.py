@@ -51,6 +51,7 @@ from autosplit.validation import (
     check_optional_size,
     check_size,
     check_verbose,
+    warn_if_inexact,
 )
 
 if TYPE_CHECKING:
@@ -389,7 +390,9 @@ def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom,
     build_for(model, spec, where.local_replicas)
     step = train_step(model, args.batch_size, spec, jit_compile=jit_compile,
                       batch_norm=args.batch_norm)
-    step.warn_if_inexact(split.accumulation_steps)
+    warn_if_inexact(model, accumulation_steps=split.accumulation_steps, rows=step.rows,
+                    batch_size=args.batch_size, pooled=bool(step.pool),
+                    adds_losses=step.plan.forward_losses)
     return _Plan(split, where, pipeline, step, probe_result, reason,
                  _shared_seed(step, where))
 
@@ -433,7 +436,7 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
         if loop.epoch(epoch) == 0:
             adapter.on_epoch_end()
             break  # no epoch to report: a 0.0 loss would mislead EarlyStopping and co.
-        epoch_logs = plan.step.epoch_logs(loop.logs)
+        epoch_logs = _epoch_logs(plan.step, loop.logs)
         if validation is not None and (epoch + 1) % args.validation_freq == 0:
             epoch_logs.update(validation(model, recovery.rows))
         adapter.on_epoch_end()
@@ -449,6 +452,27 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
     history.autosplit = _report(plan, adapter, args, recovery, sizes,
                                 plan.step.tracing_count() - traces_before)
     return history
+
+
+def _flat_logs(result: dict) -> dict[str, float]:
+    """Logs as floats, a nested dict's entries lifted (a custom step may return the
+    compiled metrics' ``result()``, a dict, as Keras's guide does)."""
+    logs: dict[str, float] = {}
+    for name, value in result.items():
+        if isinstance(value, dict):
+            logs.update(_flat_logs(value))
+        else:
+            logs[name] = float(value)
+    return logs
+
+
+def _epoch_logs(step: TrainStep, last: dict) -> dict:
+    """The logs of an epoch, as ``model.fit`` picks them: the metrics' results, or
+    what a custom train_step returned last when it names other things."""
+    results = _flat_logs(step.model.get_metrics_result())
+    if step.plan.custom is None or set(results) == set(last):
+        return results
+    return dict(last)
 
 
 def _recovery(plan: _Plan, adapter: InputAdapter, args: _Args, callback_list) -> Recovery:
@@ -496,7 +520,7 @@ class _Batches:
             result = recovery.run(self.iterator, count, self.global_step)
             if result is None:
                 break
-            self.logs = plan.step.flat_logs(result)
+            self.logs = _flat_logs(result)
             callback_list.on_train_batch_end(index, self.logs)
             self.global_step += 1
             ran += 1

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import warnings
 from typing import Any
 
 import keras
@@ -56,17 +55,11 @@ from autosplit.reduction import check_reduction
 from autosplit.sums import Stash, Sums, after
 from autosplit.validation import check_trainable
 
-__all__ = ["TrainStep", "build_for", "has_batch_norm", "train_step"]
+__all__ = ["TrainStep", "build_for", "train_step"]
 
 def _without_replica_axis(specs: Any) -> Any:
     """Per-replica specs of elements that carry a leading local-replica axis."""
     return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), specs)
-
-
-def has_batch_norm(model: keras.Model) -> bool:
-    """Whether a BatchNormalization layer may train (a frozen one runs in inference mode)."""
-    return any(isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-               for layer in _keras.flatten_layers(model))
 
 
 class TrainStep:
@@ -353,26 +346,6 @@ class TrainStep:
                 return tf.nest.map_structure(lambda v: v.read_value(), self.logs)
             return self.model.get_metrics_result()
 
-    @staticmethod
-    def flat_logs(result: dict) -> dict[str, float]:
-        """Logs as floats, a nested dict's entries lifted (a custom step may return the
-        compiled metrics' ``result()``, a dict, as Keras's guide does)."""
-        logs: dict[str, float] = {}
-        for name, value in result.items():
-            if isinstance(value, dict):
-                logs.update(TrainStep.flat_logs(value))
-            else:
-                logs[name] = float(value)
-        return logs
-
-    def epoch_logs(self, last: dict) -> dict:
-        """The logs of an epoch, as ``model.fit`` picks them: the metrics' results, or
-        what a custom train_step returned last when it names other things."""
-        results = self.flat_logs(self.model.get_metrics_result())
-        if self.plan.custom is None or set(results) == set(last):
-            return results
-        return dict(last)
-
     def _fused(self, iterator, count):
         return self._finish(self._local(iterator, count))
 
@@ -457,28 +430,6 @@ class TrainStep:
     def tracing_count(self) -> int:
         """Traces of every compiled function so far (0 under ``run_eagerly``)."""
         return self._functions.tracing_count()
-
-    def warn_if_inexact(self, accumulation_steps: int) -> None:
-        """Warn once about what cannot equal the full batch when it is split."""
-        if accumulation_steps > 1 and has_batch_norm(self.model):
-            moving = ("their moving statistics are updated once per large batch with the "
-                      "exactly pooled statistics of all its micro-batches, as on the whole "
-                      "batch" if self.pool else
-                      "their moving statistics are updated once per micro-batch "
-                      "(batch_norm='micro'), not once per large batch")
-            warnings.warn(
-                "This model has BatchNormalization layers in training mode: they normalise "
-                f"each micro-batch of {self.rows} with its own statistics (ghost batch norm), "
-                f"not the whole batch of {self.batch_size}, and gradients are exact for that "
-                f"computation; {moving}.", stacklevel=3)
-        if accumulation_steps > 1 and self.plan.forward_losses:
-            warnings.warn(
-                "This model adds losses in call() (add_loss or activity regularizers). "
-                "autosplit weights each micro-batch's value by its share of the batch's real "
-                "rows, which equals the full batch for losses averaged over the batch (as "
-                "Keras's activity regularizers are) but not for a loss summed over the batch "
-                "(it comes out k times smaller). Run autosplit.check(model, x, y, "
-                "micro_batch_size=...) to compare with the full batch.", stacklevel=3)
 
 
 def train_step(model: keras.Model, batch_size: int, element_spec: Any, *,

@@ -2,15 +2,18 @@
 
 Each public function validates its arguments once, here, before any model, optimizer,
 metric or cache state changes; every error says what was expected, what was received
-and how to fix it, and subclasses a builtin (``autosplit.errors``).
+and how to fix it, and subclasses a builtin (``autosplit.errors``). The warnings about
+what a split cannot make equal to the full batch (:func:`warn_if_inexact`) live here too.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import keras
 
+from autosplit import _keras
 from autosplit.custom_step import has_custom_step
 from autosplit.errors import (
     ArgumentError,
@@ -33,6 +36,8 @@ __all__ = [
     "check_size",
     "check_trainable",
     "check_verbose",
+    "has_batch_norm",
+    "warn_if_inexact",
 ]
 
 
@@ -135,3 +140,39 @@ def check_trainable(model: keras.Model) -> None:
         raise ModelNotReadyError(
             "Expected a model with trainable weights. Received: a model whose "
             "`trainable_variables` is empty (are all layers frozen?).")
+
+
+def has_batch_norm(model: keras.Model) -> bool:
+    """Whether a BatchNormalization layer may train (a frozen one runs in inference mode)."""
+    return any(isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+               for layer in _keras.flatten_layers(model))
+
+
+def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
+                    batch_size: int, pooled: bool, adds_losses: bool) -> None:
+    """Warn once about what cannot equal the full batch when it is split.
+
+    ``rows`` per micro-batch of the global ``batch_size``; ``pooled``: BatchNormalization
+    statistics pooled over the large batch; ``adds_losses``: the model adds losses in
+    ``call()``. Called from ``fit_large_batch``'s plan: ``stacklevel`` counts on that
+    depth.
+    """
+    if accumulation_steps > 1 and has_batch_norm(model):
+        moving = ("their moving statistics are updated once per large batch with the "
+                  "exactly pooled statistics of all its micro-batches, as on the whole "
+                  "batch" if pooled else
+                  "their moving statistics are updated once per micro-batch "
+                  "(batch_norm='micro'), not once per large batch")
+        warnings.warn(
+            "This model has BatchNormalization layers in training mode: they normalise "
+            f"each micro-batch of {rows} with its own statistics (ghost batch norm), "
+            f"not the whole batch of {batch_size}, and gradients are exact for that "
+            f"computation; {moving}.", stacklevel=3)
+    if accumulation_steps > 1 and adds_losses:
+        warnings.warn(
+            "This model adds losses in call() (add_loss or activity regularizers). "
+            "autosplit weights each micro-batch's value by its share of the batch's real "
+            "rows, which equals the full batch for losses averaged over the batch (as "
+            "Keras's activity regularizers are) but not for a loss summed over the batch "
+            "(it comes out k times smaller). Run autosplit.check(model, x, y, "
+            "micro_batch_size=...) to compare with the full batch.", stacklevel=3)
