@@ -40,7 +40,7 @@ from autosplit.pipeline import MicroBatches
 from autosplit.recovery import OomRecovery, Recovery
 from autosplit.search import OBJECTIVES
 from autosplit.split import Split, split_batch
-from autosplit.step import TrainStep, build_for, train_step
+from autosplit.step import TrainStep, step_for
 from autosplit.validation import (
     check_choice,
     check_count,
@@ -386,10 +386,7 @@ def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom,
         reason = "given"
     split = split_batch(args.batch_size // where.replicas, micro)
     pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where)
-    spec = pipeline.element_spec()
-    build_for(model, spec, where.local_replicas)
-    step = train_step(model, args.batch_size, spec, jit_compile=jit_compile,
-                      batch_norm=args.batch_norm)
+    step = step_for(model, pipeline, jit_compile=jit_compile, batch_norm=args.batch_norm)
     warn_if_inexact(model, accumulation_steps=split.accumulation_steps, rows=step.rows,
                     batch_size=args.batch_size, pooled=bool(step.pool),
                     adds_losses=step.plan.forward_losses)

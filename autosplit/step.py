@@ -51,11 +51,12 @@ from autosplit.piece import (
     update_metrics,
     without_padding,
 )
+from autosplit.pipeline import MicroBatches
 from autosplit.reduction import check_reduction
 from autosplit.sums import Stash, Sums, after
 from autosplit.validation import check_trainable
 
-__all__ = ["TrainStep", "build_for", "train_step"]
+__all__ = ["TrainStep", "build_for", "step_for"]
 
 def _without_replica_axis(specs: Any) -> Any:
     """Per-replica specs of elements that carry a leading local-replica axis."""
@@ -432,18 +433,21 @@ class TrainStep:
         return self._functions.tracing_count()
 
 
-def train_step(model: keras.Model, batch_size: int, element_spec: Any, *,
-               jit_compile: bool | None = None, run_eagerly: bool | None = None,
-               batch_norm: str = "pooled") -> TrainStep:
-    """The model's ``TrainStep`` for this batch size, built once and reused by every call.
+def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | None = None,
+             run_eagerly: bool | None = None, batch_norm: str = "pooled") -> TrainStep:
+    """The model's ``TrainStep`` for ``pipeline``'s micro-batches, built once and reused.
 
-    As Keras keeps ``model.train_function``, a second ``fit_large_batch`` on the same
-    model reuses the compiled step (no new trace, no new variables) while its compile
-    state (``autosplit.model_state``), the batch size and the compile options are the
-    same; a ``compile()`` or a change of ``trainable`` in between gives a fresh step.
+    Builds the model for the pipeline's elements first (:func:`build_for`). As Keras
+    keeps ``model.train_function``, a second ``fit_large_batch`` on the same model
+    reuses the compiled step (no new trace, no new variables) while its compile state
+    (``autosplit.model_state``), the batch size and the compile options are the same;
+    a ``compile()`` or a change of ``trainable`` in between gives a fresh step.
     """
+    spec = pipeline.element_spec()
+    build_for(model, spec, pipeline.local_replicas)
+    compilation = Compilation.of(model, jit_compile, run_eagerly)
     state = model_state(model)
-    key = step_key(batch_size, Compilation.of(model, jit_compile, run_eagerly), batch_norm)
+    key = step_key(pipeline.batch_size, compilation, batch_norm)
     step = state.steps.get(key)
     if step is None:
         if state.steps:
@@ -451,11 +455,11 @@ def train_step(model: keras.Model, batch_size: int, element_spec: Any, *,
             # compiled functions hold it in a reference cycle).
             state.steps.clear()
             gc.collect()
-        step = TrainStep(model, batch_size, element_spec, jit_compile=jit_compile,
-                         run_eagerly=run_eagerly, batch_norm=batch_norm)
+        step = TrainStep(model, pipeline.batch_size, spec, jit_compile=compilation.jit_compile,
+                         run_eagerly=compilation.run_eagerly, batch_norm=batch_norm)
         state.steps[key] = step
     else:
-        step.rebind(element_spec)
+        step.rebind(spec)
         step.discard()
     return step
 

@@ -27,7 +27,7 @@ from autosplit.inputs import ArrayInput
 from autosplit.pipeline import MicroBatches
 from autosplit.recovery import RecoverableStep, Recovery
 from autosplit.split import split_batch
-from autosplit.step import TrainStep, build_for, train_step
+from autosplit.step import TrainStep, step_for
 
 __all__ = ["FaultyStep", "inject_oom", "train_on_large_batch"]
 
@@ -151,8 +151,6 @@ def train_on_large_batch(model: keras.Model, x: Any, y: Any, sample_weight: Any 
     batch = batch_size or data.rows
     rows = split_batch(batch, micro_batch_size).micro_batch_size
     pipeline = MicroBatches(data, batch, rows)
-    spec = pipeline.element_spec()
-    build_for(model, spec)
-    step = train_step(model, batch, spec, jit_compile=jit_compile, run_eagerly=run_eagerly)
+    step = step_for(model, pipeline, jit_compile=jit_compile, run_eagerly=run_eagerly)
     logs = step.run(iter(pipeline.dataset()), pipeline.elements(0))
     return {name: float(value) for name, value in logs.items()}, step

@@ -48,7 +48,7 @@ from autosplit.search import (
 )
 from autosplit.split import split_batch
 from autosplit.state import Snapshot
-from autosplit.step import build_for, train_step
+from autosplit.step import build_for, step_for
 from autosplit.units import format_bytes, parse_memory
 from autosplit.validation import check_choice, check_model, check_size
 
@@ -225,6 +225,8 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
         *adapter.sample(local_batch), shuffle=False)
     pipeline = MicroBatches(trial_input, batch_size, min(local_batch, 8), where)
     spec = pipeline.element_spec()
+    # Built before the meter's baseline, which then holds the weights and the optimizer
+    # state (step_for, below, finds the model built).
     build_for(model, spec, where.local_replicas)
     meter, device, budget = _measuring(limit, headroom)
     jit = Compilation.of(model, jit_compile).jit_compile
@@ -234,10 +236,10 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
         model, spec[:3], device=[device.kind, device.identity, device.total_bytes],
         jit_compile=jit, memory_limit=limit, batch_size=batch_size, headroom=headroom,
         replicas=where.replicas, objective=objective)
-    cached = _from_cache(model, key, cache, where, batch_size, spec, jit)
+    cached = _from_cache(model, key, cache, where, pipeline, jit)
     if cached is not None:
         return cached
-    step = train_step(model, batch_size, spec, jit_compile=jit)
+    step = step_for(model, pipeline, jit_compile=jit)
     trials_runner = _Trials(step, Snapshot(model), meter, budget, trial_input, batch_size,
                             where, _reporter(verbose, on_trial, budget))
     try:
@@ -279,15 +281,15 @@ def _measuring(limit: int | None, headroom: float) -> tuple[PeakMeter, DeviceInf
     return meter, device, budget
 
 
-def _from_cache(model: keras.Model, key: str, cache: bool, where: Layout, batch_size: int,
-                spec: Any, jit: bool) -> ProbeResult | None:
+def _from_cache(model: keras.Model, key: str, cache: bool, where: Layout,
+                pipeline: MicroBatches, jit: bool) -> ProbeResult | None:
     """The stored result for ``key``, if any (in a multi-worker job: only if every worker
     has one, agreed in one collective)."""
     stored = _cache.load(key) if cache else None
     if where.multi_worker:
         # Every worker searches, or none: one that skipped the search on a cache hit
         # would leave the others waiting in the trials' collectives.
-        agreement = train_step(model, batch_size, spec, jit_compile=jit)
+        agreement = step_for(model, pipeline, jit_compile=jit)
         hit, _ = agreement.agree(stored is not None, 0.0)
         stored = stored if hit else None
     if stored is None:

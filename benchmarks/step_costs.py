@@ -119,14 +119,12 @@ def _ours(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings, kind: s
     """One call of ``TrainStep.run`` (one large batch), its input built as ``fit`` does."""
     from autosplit.inputs import get_input
     from autosplit.pipeline import MicroBatches
-    from autosplit.step import build_for, train_step
+    from autosplit.step import step_for
 
     data = get_input(x, y, shuffle=False) if kind == "arrays" else get_input(
         tf.data.Dataset.from_tensor_slices((x, y)), shuffle=False)
     pipeline = MicroBatches(data, s.batch_size, s.micro_batch_size)
-    spec = pipeline.element_spec()
-    build_for(model, spec)
-    step = train_step(model, s.batch_size, spec)
+    step = step_for(model, pipeline)
     iterator = iter(pipeline.dataset(repeat=True))
     k = s.batch_size // s.micro_batch_size
     return lambda: float(step.run(iterator, k)["loss"])

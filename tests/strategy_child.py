@@ -32,7 +32,7 @@ from autosplit.distribute import Layout  # noqa: E402
 from autosplit.inputs import get_input  # noqa: E402
 from autosplit.pipeline import MicroBatches  # noqa: E402
 from autosplit.split import split_batch  # noqa: E402
-from autosplit.step import build_for, train_step  # noqa: E402
+from autosplit.step import step_for  # noqa: E402
 
 
 def make(optimizer):
@@ -108,9 +108,7 @@ def mirrored(out):
         split = split_batch(40 // 2, micro)
         pipeline = MicroBatches(get_input(x, y, w, shuffle=False), 40, split.micro_batch_size,
                                 Layout(workers=1, worker=0, local_replicas=2, replicas=2))
-        spec = pipeline.element_spec()
-        build_for(model, spec, 2)
-        step = train_step(model, 40, spec)
+        step = step_for(model, pipeline)
         graph = step.graph(iter(pipeline.dataset())).as_graph_def()
         report[f"all_reduces_k{split.accumulation_steps}"] = count_all_reduces(graph)
         report["trainable_variables"] = len(model.trainable_variables)

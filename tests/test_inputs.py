@@ -19,7 +19,7 @@ import autosplit
 from autosplit.inputs import HOST, get_input
 from autosplit.pipeline import MicroBatches, elements_per_batch
 from autosplit.split import balanced_sizes, piece_pattern, split_batch
-from autosplit.step import build_for, train_step
+from autosplit.step import step_for
 
 N, B, M = 230, 64, 16  # 230 = 3 * 64 + 38: a short last large batch every epoch
 
@@ -233,9 +233,7 @@ def test_the_traced_step_holds_no_tensor_of_b_rows_and_reads_input_on_the_host(k
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     adapter = get_input(source) if kind != "arrays" else get_input(x, y)
     pipeline = MicroBatches(adapter, batch, micro)
-    spec = pipeline.element_spec()
-    build_for(model, spec)
-    step = train_step(model, batch, spec)
+    step = step_for(model, pipeline)
     iterator = iter(pipeline.dataset())
     assert "CPU" in iterator._iterator_resource.device
     assert all("CPU" in v.device for v in tf.nest.flatten(step.stash.values))
