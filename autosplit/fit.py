@@ -388,8 +388,8 @@ def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom,
     pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where)
     step = step_for(model, pipeline, jit_compile=jit_compile, batch_norm=args.batch_norm)
     warn_if_inexact(model, accumulation_steps=split.accumulation_steps, rows=step.rows,
-                    batch_size=args.batch_size, pooled=bool(step.pool),
-                    adds_losses=step.plan.forward_losses)
+                    batch_size=args.batch_size, pooled=bool(step.update.pool),
+                    adds_losses=step.update.plan.forward_losses)
     return _Plan(split, where, pipeline, step, probe_result, reason,
                  _shared_seed(step, where))
 
@@ -467,7 +467,7 @@ def _epoch_logs(step: TrainStep, last: dict) -> dict:
     """The logs of an epoch, as ``model.fit`` picks them: the metrics' results, or
     what a custom train_step returned last when it names other things."""
     results = _flat_logs(step.model.get_metrics_result())
-    if step.plan.custom is None or set(results) == set(last):
+    if step.update.plan.custom is None or set(results) == set(last):
         return results
     return dict(last)
 

@@ -15,7 +15,7 @@ grouped by what they will be divided by:
 
 :func:`combine` turns the sums into the full-batch loss and gradients. Graph code only:
 where the sums live (loop-carried tensors in ``autosplit.accumulate``, variables in
-``autosplit.step``) is the caller's business.
+``autosplit.update``) is the caller's business.
 """
 
 from __future__ import annotations

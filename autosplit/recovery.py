@@ -1,7 +1,7 @@
 """Out-of-memory recovery: finish the same large batch with smaller micro-batches.
 
 A ``ResourceExhaustedError`` in a micro-batch leaves the step's sums holding exactly
-the micro-batches before it (``autosplit.step``). :class:`Recovery` then cuts every
+the micro-batches before it (``autosplit.update``). :class:`Recovery` then cuts every
 remaining element, starting with the stashed one, into more pieces and runs the rest
 of the large batch, so the batch is applied once, with nothing lost or counted twice.
 The input pipeline keeps its element size until the next epoch, when

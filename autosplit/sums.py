@@ -5,7 +5,8 @@ sums of every loss's numerator and denominator, of the losses added in ``call()`
 of the real rows (``autosplit.piece``). :class:`Stash` holds, on the host, a copy of the
 element being processed and how far it got, so that an out-of-memory error can resume
 exactly. Both live in variables, created once and reused for every large batch; only
-``autosplit.step`` changes them, inside its compiled functions.
+the train step's graph code (``autosplit.update``, ``autosplit.step_loop``) changes
+them, inside its compiled functions.
 """
 
 from __future__ import annotations

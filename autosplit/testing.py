@@ -8,7 +8,8 @@ and fails on cue, and ``inject_oom`` hands it to ``fit_large_batch``'s out-of-me
 recovery for the length of a ``with`` block. ``train_on_large_batch`` runs one batch
 of arrays through the host pipeline and the compiled step exactly as
 ``fit_large_batch`` does, for tests that compare one step with
-``model.train_on_batch``.
+``model.train_on_batch``; ``traced_graph`` is the graph that step runs, for tests that
+walk it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from autosplit.recovery import RecoverableStep, Recovery
 from autosplit.split import split_batch
 from autosplit.step import TrainStep, step_for
 
-__all__ = ["FaultyStep", "inject_oom", "train_on_large_batch"]
+__all__ = ["FaultyStep", "inject_oom", "traced_graph", "train_on_large_batch"]
 
 
 class FaultyStep:
@@ -154,3 +155,9 @@ def train_on_large_batch(model: keras.Model, x: Any, y: Any, sample_weight: Any 
     step = step_for(model, pipeline, jit_compile=jit_compile, run_eagerly=run_eagerly)
     logs = step.run(iter(pipeline.dataset()), pipeline.elements(0))
     return {name: float(value) for name, value in logs.items()}, step
+
+
+def traced_graph(step: TrainStep, iterator: Any) -> tf.Graph:
+    """The traced graph of ``step.run`` on ``iterator`` (for tests that walk it:
+    placement, shapes, collectives)."""
+    return step.train_function.get_concrete_function(iterator, tf.constant(1, tf.int32)).graph

@@ -66,10 +66,10 @@ QUICK = replace(FULL, features=64, rows=2048, batch_size=1024, micro_batch_size=
 @contextlib.contextmanager
 def switched_off(pieces: Sequence[str]) -> Iterator[None]:
     """Patch the library so that a step traced inside leaves ``pieces`` out."""
-    from autosplit import step as step_module
     from autosplit import sums
+    from autosplit import update as update_module
 
-    saved = (sums.Stash.put, step_module.update_metrics, sums.Stash.record)
+    saved = (sums.Stash.put, update_module.update_metrics, sums.Stash.record)
     off = set(pieces)
     if "all-off" in off:
         off |= {"nostash", "nometric", "norecord"}
@@ -77,13 +77,13 @@ def switched_off(pieces: Sequence[str]) -> Iterator[None]:
         sums.Stash.put = lambda self, element: [  # type: ignore[method-assign]
             self.pulled.assign_add(1), self.done_rows.assign(0), self.pending.assign(True)]
     if "nometric" in off:
-        step_module.update_metrics = lambda *args, **kwargs: None  # type: ignore[assignment]
+        update_module.update_metrics = lambda *args, **kwargs: None  # type: ignore[assignment]
     if "norecord" in off:
         sums.Stash.record = lambda self, end_row, rows: tf.constant(True)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        sums.Stash.put, step_module.update_metrics, sums.Stash.record = saved  # type: ignore[method-assign]
+        sums.Stash.put, update_module.update_metrics, sums.Stash.record = saved  # type: ignore[method-assign]
 
 
 def _bare(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings) -> Callable[[], None]:

@@ -429,11 +429,11 @@ def test_overhead_quick_run(tmp_path):
 
 @pytest.mark.slow
 def test_step_costs_quick_run_restores_the_library(tmp_path):
-    from autosplit import step, sums
+    from autosplit import sums, update
 
-    before = (sums.Stash.put, step.update_metrics, sums.Stash.record)
+    before = (sums.Stash.put, update.update_metrics, sums.Stash.record)
     assert step_costs.main(["--quick", "--out", str(tmp_path)]) == 0
-    assert (sums.Stash.put, step.update_metrics, sums.Stash.record) == before
+    assert (sums.Stash.put, update.update_metrics, sums.Stash.record) == before
     variants = read(tmp_path, "step_costs")["variants"]
     assert list(variants) == list(step_costs.VARIANTS)
     assert variants["bare"]["ratio_to_bare"] == 1.0

@@ -24,7 +24,7 @@ from autosplit.errors import (
 )
 from autosplit.inputs import ArrayInput
 from autosplit.pipeline import MicroBatches
-from autosplit.testing import train_on_large_batch
+from autosplit.testing import traced_graph, train_on_large_batch
 
 
 def make_mlp(optimizer=None, metrics=("accuracy",)):
@@ -119,7 +119,7 @@ def test_one_trace_serves_an_epoch_and_graph_size_does_not_grow_with_k():
         train_on_large_batch(model, x, y, micro_batch_size=micro)
         train_on_large_batch(model, x[:17], y[:17], micro_batch_size=micro, batch_size=64)
         assert step.tracing_count() == 1  # two full batches and a short one: one trace
-        graph = step.graph(iter(MicroBatches(ArrayInput(x, y), 64, micro).dataset()))
+        graph = traced_graph(step, iter(MicroBatches(ArrayInput(x, y), 64, micro).dataset()))
         definition = graph.as_graph_def()
         sizes[micro] = len(definition.node) + sum(
             len(f.node_def) for f in definition.library.function)

@@ -20,6 +20,7 @@ from autosplit.inputs import HOST, get_input
 from autosplit.pipeline import MicroBatches, elements_per_batch
 from autosplit.split import balanced_sizes, piece_pattern, split_batch
 from autosplit.step import step_for
+from autosplit.testing import traced_graph
 
 N, B, M = 230, 64, 16  # 230 = 3 * 64 + 38: a short last large batch every epoch
 
@@ -236,8 +237,8 @@ def test_the_traced_step_holds_no_tensor_of_b_rows_and_reads_input_on_the_host(k
     step = step_for(model, pipeline)
     iterator = iter(pipeline.dataset())
     assert "CPU" in iterator._iterator_resource.device
-    assert all("CPU" in v.device for v in tf.nest.flatten(step.stash.values))
-    graph = step.graph(iterator)
+    assert all("CPU" in v.device for v in tf.nest.flatten(step.update.stash.values))
+    graph = traced_graph(step, iterator)
     operations = [op for g in walk(graph) for op in g.get_operations()]
     assert len(operations) > 100
     for op in operations:

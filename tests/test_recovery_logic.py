@@ -2,7 +2,7 @@
 fake step (as ``test_search.py`` drives the search with fake trials): exact row ids,
 micro-batch sizes and agreements, in milliseconds, with no model.
 
-``FakeStep`` keeps ``TrainStep``'s contract (``autosplit.step``): elements are pulled
+``FakeStep`` keeps ``TrainStep``'s contract (``autosplit.step_loop``): elements are pulled
 one by one and stashed; each is cut into ``pieces`` micro-batches of
 ``ceil(rows / pieces)`` rows; a micro-batch is committed only if it did not run out of
 memory, and then the stash records the rows of the element done so far; ``resume``

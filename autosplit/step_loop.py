@@ -1,0 +1,102 @@
+"""The train step's loops: elements pulled from the host iterator, each cut into pieces.
+
+:func:`pull` pulls up to ``count`` elements of the host pipeline (``autosplit.pipeline``)
+inside a ``tf.while_loop`` and commits each, micro-step by micro-step
+(``autosplit.update``). It copies every element to the host-side stash as it pulls it;
+the micro-steps record how many of its rows are in the sums. After an out-of-memory
+error, ``pull(..., resume=True, pieces=q)`` first redoes the stashed element's rows not
+yet committed, then the rest of the large batch, with each element cut into q smaller
+pieces: nothing is lost or counted twice (``autosplit.recovery`` drives that).
+
+Nothing with B rows ever enters these loops: their inputs are the iterator and an
+element count, the iterator and the stash are pinned to the host CPU, and the
+accelerator sees one micro-batch at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from autosplit.inputs import HOST
+from autosplit.sums import after
+from autosplit.update import LargeBatchUpdate
+
+__all__ = ["pull", "run_element"]
+
+
+def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=None
+                ) -> tf.Tensor:
+    """All of one element (the rows from ``first_row`` on), in ``pieces`` parts."""
+    x, y, w, valid = element
+    axis = 1 if update.replicas.local > 1 else 0
+    rows = update.rows
+    if first_row is not None:
+        keep = tf.cast(tf.range(rows) >= first_row, tf.float32)
+        valid = valid * (keep[None, :] if axis else keep)
+    if pieces == 1:
+        return update.micro_step(x, y, w, valid, tf.constant(rows))
+    size = -(-rows // pieces)
+
+    def body(p):
+        with tf.device(HOST):
+            index = p * size + tf.range(size)
+            clipped = tf.minimum(index, rows - 1)
+            part = tf.nest.map_structure(lambda t: tf.gather(t, clipped, axis=axis),
+                                         (x, y, w, valid))
+            inside = tf.cast(index < rows, tf.float32)
+            part_valid = part[3] * (inside[None, :] if axis else inside)
+        done = update.micro_step(part[0], part[1], part[2], part_valid,
+                                 tf.minimum((p + 1) * size, rows))
+        with tf.control_dependencies([done]):
+            return p + 1
+
+    start = tf.constant(0) if first_row is None else first_row // size
+    loop = tf.while_loop(lambda p: p < pieces, body, [start], parallel_iterations=1)
+    return after([loop])
+
+
+def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
+         pieces: int = 1) -> tf.Tensor:
+    """Pull up to ``count`` elements and commit them; no collective communication.
+    Returns the number pulled."""
+    stash = update.stash
+    ops = [stash.pulled.assign(0), stash.exhausted.assign(False)]
+    if resume:
+        with tf.control_dependencies(ops):
+            stashed = stash.get(update.element_spec)
+            ops = [tf.cond(stash.pending.read_value(),
+                           lambda: run_element(update, stashed, pieces,
+                                               stash.done_rows.read_value()),
+                           lambda: tf.constant(True))]
+
+    def cond(i, stop):
+        return tf.logical_and(i < count, tf.logical_not(stop))
+
+    def body(i, stop):
+        with tf.device(HOST):
+            optional = iterator.get_next_as_optional()
+            has = optional.has_value()
+
+        def one():
+            with tf.device(HOST):
+                element = optional.get_value()
+                marks = stash.put(element)
+            with tf.control_dependencies(marks):
+                element = tf.nest.map_structure(tf.identity, element)
+            done = run_element(update, element, pieces)
+            with tf.control_dependencies([done]):
+                return i + 1, tf.constant(False)
+
+        def end():
+            with tf.control_dependencies([stash.exhausted.assign(True)]):
+                return i, tf.constant(True)
+
+        return tf.cond(has, one, end)
+
+    with tf.control_dependencies(ops):
+        start = tf.constant(0, count.dtype if hasattr(count, "dtype") else tf.int32)
+    loop = tf.while_loop(cond, body, [start, tf.constant(False)], parallel_iterations=1)
+    with tf.control_dependencies(loop):
+        return stash.pulled.read_value()

@@ -1,0 +1,242 @@
+"""One exact large-batch update, kept in variables: micro-steps commit, one apply.
+
+The math of the train step, as Keras's ``train_step`` is the math of ``fit``. Per
+micro-batch, :meth:`LargeBatchUpdate.micro_step` runs ``autosplit.piece.compute_piece``
+on every local replica (XLA-compiled on its own when ``jit_compile``: the iterator stays
+outside the XLA cluster, as in Keras's ``steps_per_execution`` loop) and *commits* it:
+adds its gradients and loss terms to float32 sums kept in variables
+(``autosplit.sums``), records how far the element in flight got, and updates the
+metrics. :meth:`LargeBatchUpdate.apply` divides the sums by the whole batch's
+denominators (``autosplit.piece.combine``), applies the optimizer once and zeroes the
+sums.
+
+Why that order: a micro-batch that runs out of memory must cost nothing but itself.
+Commits happen only after a micro-batch's gradients exist (under a strategy: after
+every local replica's do), so the sums hold exactly the micro-batches before the
+failure, and the stash says which rows of the element in flight they hold.
+
+Graph code only: the loops that pull elements (``autosplit.step_loop``) call it, inside
+the compiled functions of ``autosplit.step``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from autosplit.compiled import FunctionCache
+from autosplit.errors import UnsupportedModelError
+from autosplit.piece import (
+    LossPlan,
+    Piece,
+    combine,
+    compute_piece,
+    empty_to_none,
+    step_plan,
+    update_loss_trackers,
+    update_metrics,
+    without_padding,
+)
+from autosplit.replicas import Replicas, without_replica_axis
+from autosplit.sums import Stash, Sums, after
+from autosplit.validation import check_trainable
+
+__all__ = ["LargeBatchUpdate"]
+
+
+class LargeBatchUpdate:
+    """The variables of one model's large batch in flight, and the graph code that moves them.
+
+    Args:
+        model: a compiled Keras model (TensorFlow backend).
+        batch_size: B, the global large batch (under a strategy, across all replicas).
+        pool: the BatchNormalization layers whose moving statistics are pooled over
+            the large batch (``autosplit.batchnorm``); empty: updated per micro-batch.
+        functions: the train step's compiled functions; the XLA-compiled piece joins them.
+        jit: compile each micro-batch's computation with XLA.
+
+    :meth:`bind` creates the variables, and keeps them for every split of the same
+    element structure.
+    """
+
+    def __init__(self, model: keras.Model, batch_size: int, *, pool: list,
+                 functions: FunctionCache, jit: bool) -> None:
+        self.model = model
+        self.batch_size = batch_size
+        self.pool = pool
+        self.replicas = Replicas(model.distribute_strategy)
+        self._functions = functions
+        self._jit = jit
+        self._template: Any = None  # the structure of a piece, for _unflatten
+        self.sums: Sums | None = None
+        self.stash: Stash | None = None
+        self.logs: Any = None  # a custom train_step's logs, in variables
+        self.element_spec: Any = None
+        self.piece_spec: Any = None
+        self.rows = 0
+        self.plan: LossPlan | None = None
+
+    def bind(self, element_spec: Any) -> None:
+        """Use elements of ``element_spec`` (another micro-batch size) from now on."""
+        model, replicas = self.model, self.replicas
+        x, y, w, valid = element_spec
+        if replicas.local > 1:
+            x, y, w, valid = without_replica_axis((x, y, w, valid))
+        self.element_spec = element_spec
+        self.piece_spec = (x, empty_to_none(y), empty_to_none(w), valid)
+        self.rows = int(valid.shape[0])
+        self.plan = step_plan(model, self.piece_spec[:3])
+        if not model.optimizer.built:  # a custom step's model, built by its trace
+            with replicas.strategy.scope():
+                model.optimizer.build(model.trainable_variables)
+            check_trainable(model)
+        if self.plan.custom is not None and replicas.count > 1:
+            raise UnsupportedModelError(
+                f"Expected one replica for a model with its own train_step. Received: "
+                f"{type(model).__name__} under {type(replicas.strategy).__name__} with "
+                f"{replicas.count} replicas; autosplit splits a custom train_step on one "
+                "device only (yet).")
+        if self.plan.custom is not None and self.logs is None:
+            # What the step returned for the last micro-batch: the large batch's logs.
+            self.logs = tf.nest.map_structure(
+                lambda s: tf.Variable(tf.zeros([d or 1 for d in s.shape.as_list()], s.dtype),
+                                      trainable=False, shape=tf.TensorShape(None)),
+                self.plan.custom.logs)
+        # Another input structure (sample weights or not) can change the loss groups,
+        # or what is stashed; compiled functions captured the old variables.
+        if self.sums is None or self.sums.groups != self.plan.groups:
+            self._functions.clear()
+            self.sums = Sums(model, self.plan, replicas.strategy, self.pool)
+        if self.stash is None or not self.stash.fits(element_spec):
+            self._functions.clear()
+            self.stash = Stash(element_spec)
+
+    # ------------------------------------------------------------ one micro-batch
+
+    def loss_scale(self) -> tf.Tensor:
+        """The factor the optimizer's loss scaling puts on gradients (1 without it)."""
+        return tf.cast(self.model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
+
+    def piece(self, x, y, w, valid) -> list:
+        """One piece's gradients and terms, flattened (None entries dropped): the
+        computation XLA compiles on its own."""
+        piece = compute_piece(self.model, self.plan, x, y, w, valid,
+                              batch_size=self.batch_size, scale=self.loss_scale(),
+                              pool=self.pool)
+        flat = tf.nest.flatten(piece)
+        self._template = (piece, [t is not None for t in flat])
+        return [t for t in flat if t is not None]
+
+    def _unflatten(self, values: list) -> Piece:
+        piece, present = self._template
+        it = iter(values)
+        flat = [next(it) if keep else None for keep in present]
+        return tf.nest.pack_sequence_as(piece, flat)
+
+    def _piece_function(self):
+        if not self._jit:
+            return self.piece
+        return self._functions.get(("piece", repr(self.piece_spec)), self.piece,
+                                   jit_compile=True)
+
+    def _compute(self, x, y, w, valid):
+        """Per replica: one piece, on its real rows alone where the plan asks for them
+        (``autosplit.piece.without_padding``)."""
+        strip = self.plan.real_rows_only or bool(self.pool)
+        x, y, w, valid = without_padding(strip, x, empty_to_none(y), empty_to_none(w), valid)
+        return self._piece_function()(x, y, w, valid)
+
+    def _commit_sums(self, values, ready=None):
+        """Per replica: add one piece's gradients and loss terms to the sums.
+
+        ``ready`` exists once every local replica has its gradients: a strategy runs
+        replica functions in threads of their own, where the caller's control
+        dependencies do not reach, so the ordering travels as data.
+        """
+        with tf.control_dependencies([] if ready is None else [ready]):
+            return self.sums.add(self._unflatten(list(values)))
+
+    def _commit_metrics(self, values, ready=None):
+        """Per replica: update the compiled metrics from one piece (after ``ready``)."""
+        piece = self._unflatten(list(values))
+        if self.plan.custom is not None:  # the step updated its own metrics
+            with tf.control_dependencies([] if ready is None else [ready]):
+                return after([v.assign(t) for v, t in zip(
+                    tf.nest.flatten(self.logs), tf.nest.flatten(piece.logs), strict=True)])
+        with tf.control_dependencies([] if ready is None else [ready]):
+            update_metrics(self.model, piece.y, piece.y_pred, piece.sample_weight, piece.valid,
+                           piece.masks)
+            return tf.constant(True)
+
+    def micro_step(self, x, y, w, valid, end_row) -> tf.Tensor:
+        """One micro-step on every local replica: compute, then (only once all of them
+        have their gradients) add to the sums and record that the rows up to
+        ``end_row`` of the element in flight are done, then update the metrics.
+
+        Every op depends on the one before: an out-of-memory error anywhere before the
+        record leaves the sums and the record as they were, one after it cannot undo it.
+        """
+        replicas = self.replicas
+        if replicas.count == 1:
+            values = self._compute(x, y, w, valid)
+            with tf.control_dependencies(values):
+                summed = self._commit_sums(values)
+        else:
+            values = replicas.run(self._compute, *replicas.split((x, y, w, valid)))
+            summed = replicas.done(replicas.run(self._commit_sums, values,
+                                                replicas.done(values)))
+        with tf.control_dependencies([summed]):
+            recorded = self.stash.record(end_row, self.rows)
+        if replicas.count == 1:
+            with tf.control_dependencies([recorded]):
+                return self._commit_metrics(values)
+        return replicas.done(replicas.run(self._commit_metrics, values, recorded))
+
+    # ------------------------------------------------------------ the apply
+
+    def _apply_replica(self, ready=None):
+        """Per replica: all-reduce the scalar sums, combine, apply once, zero the sums.
+
+        ``ready``: a token of the loop's end (control dependencies of the caller do not
+        reach a strategy's replica threads); everything after reads the sums.
+        """
+        model = self.model
+        with tf.control_dependencies([] if ready is None else [ready]):
+            totals = self.sums.read()
+        local_rows = totals.rows
+        if self.replicas.count > 1:
+            totals = totals.summed_over_replicas(tf.distribute.get_replica_context())
+        loss, gradients, per_output = combine(model, self.plan, totals,
+                                              batch_size=self.batch_size,
+                                              scale=self.loss_scale(),
+                                              replicas=self.replicas.count)
+        pairs = [(g, v) for g, v in zip(gradients, model.trainable_variables, strict=True)
+                 if g is not None]
+        # One loss scale for the whole large batch: a LossScaleOptimizer unscales,
+        # checks the summed gradients once and skips the whole step on an overflow.
+        # Under a strategy Keras's optimizer all-reduces these gradients: once.
+        with tf.control_dependencies([loss] + [g for g, _ in pairs]):
+            model.optimizer.apply_gradients(pairs)
+            # BatchNormalization's moving statistics: one update, pooled (batchnorm.py).
+            pooled = [] if self.sums.pool is None else self.sums.pool.apply()
+        updates = [] if self.plan.custom is not None else update_loss_trackers(
+            model, loss, per_output, local_rows)
+        with tf.control_dependencies([g for g, _ in pairs] + [loss] + updates + pooled):
+            self.sums.zero()
+        return loss
+
+    def apply(self, ready=None):
+        """Apply the summed large batch once (after ``ready``) and zero the sums; returns
+        the logs: the compiled metrics' results, or a custom step's last logs."""
+        loss = self.replicas.each(self._apply_replica, ready)
+        with tf.control_dependencies(tf.nest.flatten(self.replicas.results(loss))):
+            if self.plan.custom is not None:
+                return tf.nest.map_structure(lambda v: v.read_value(), self.logs)
+            return self.model.get_metrics_result()
+
+    def zero(self) -> tf.Tensor:
+        """Forget the sums of a partial large batch, on every replica."""
+        self.replicas.each(self.sums.zero)
+        return tf.constant(0)
