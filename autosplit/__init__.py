@@ -7,6 +7,7 @@ The names below are imported on first use, so that ``import autosplit`` (and the
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
@@ -34,7 +35,14 @@ _EXPORTS = {
     "Trial": "autosplit.search",
     "Split": "autosplit.split",
     "split_batch": "autosplit.split",
-    "TrainStep": "autosplit.step",
+}
+
+# Exported up to 0.2.0, internal since: still importable, with a DeprecationWarning.
+_DEPRECATED = {
+    "TrainStep": ("autosplit.step", "autosplit.TrainStep is internal now (its constructor "
+                  "takes the pipeline's element format) and leaves the package in a "
+                  "future release: train with fit_large_batch, or write your own loop "
+                  "with accumulate_gradients or accumulate_iterator."),
 }
 
 __all__ = [
@@ -51,7 +59,6 @@ __all__ = [
     "OomRecovery",
     "ProbeResult",
     "Split",
-    "TrainStep",
     "Trial",
     "UnsupportedModelError",
     "WorkerLostError",
@@ -70,6 +77,10 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
+    if name in _DEPRECATED:
+        module, message = _DEPRECATED[name]
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'autosplit' has no attribute {name!r}")
 
 
@@ -95,5 +106,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from autosplit.recovery import OomRecovery
     from autosplit.search import Trial
     from autosplit.split import Split, split_batch
-    from autosplit.step import TrainStep
     from autosplit.trials import ProbeResult, probe

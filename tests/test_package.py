@@ -7,6 +7,8 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import autosplit
 
 
@@ -65,3 +67,11 @@ def test_modules_import_one_way():
 
     for name in sorted(graph):
         visit(name, ())
+
+
+def test_train_step_is_internal_and_its_old_export_warns():
+    from autosplit.step import TrainStep
+
+    assert "TrainStep" not in autosplit.__all__ and "TrainStep" not in dir(autosplit)
+    with pytest.warns(DeprecationWarning, match="autosplit.TrainStep is internal"):
+        assert autosplit.TrainStep is TrainStep
