@@ -58,7 +58,7 @@ class RecoverableStep(Protocol):
     def rebind(self, element_spec: Any) -> None:
         """Use elements of another size (a new epoch's pipeline) from now on."""
 
-    def run(self, iterator: Any, count: int) -> dict:
+    def run(self, iterator: Any, count: int) -> dict[str, Any]:
         """``run_local(iterator, count)`` then ``finish()``, in one call."""
 
     def run_local(self, iterator: Any, count: int, *, resume: bool = False,
@@ -67,7 +67,7 @@ class RecoverableStep(Protocol):
         ``resume``, the stashed element's rows not yet committed. Returns the elements
         pulled; runs no collective."""
 
-    def finish(self) -> dict:
+    def finish(self) -> dict[str, Any]:
         """Apply the committed sums once and zero them; returns the logs."""
 
     def agree(self, ok: bool, rows: float) -> tuple[bool, float]:
@@ -173,7 +173,7 @@ class Recovery:
         self.step.rebind(element_spec)
         self.pieces = 1
 
-    def run(self, iterator: Any, count: int, step_number: int) -> dict | None:
+    def run(self, iterator: Any, count: int, step_number: int) -> dict[str, Any] | None:
         """Train one large batch of ``count`` elements; None if the input had none left."""
         try:
             if self.multi_worker:
@@ -187,7 +187,7 @@ class Recovery:
 
     # ------------------------------------------------------------ one process
 
-    def _run_alone(self, iterator: Any, count: int, step_number: int) -> dict | None:
+    def _run_alone(self, iterator: Any, count: int, step_number: int) -> dict[str, Any] | None:
         resume, remaining = False, count
         while True:
             try:
@@ -205,7 +205,7 @@ class Recovery:
 
     # ------------------------------------------------------------ many workers
 
-    def _run_agreed(self, iterator: Any, count: int, step_number: int) -> dict | None:
+    def _run_agreed(self, iterator: Any, count: int, step_number: int) -> dict[str, Any] | None:
         resume, remaining = False, count
         while True:
             failure = None

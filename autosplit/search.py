@@ -147,8 +147,8 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
                 break
         result = yield from ask(guess)
         lo, hi = bounds()
-        if result.fits and (result.peak_bytes >= (1 - TOLERANCE / 2) * budget
-                            or guess == batch_size):
+        if result.fits and result.peak_bytes is not None and (
+                result.peak_bytes >= (1 - TOLERANCE / 2) * budget or guess == batch_size):
             break  # the prediction landed within a few percent of the budget
     if lo == 0:
         # Even the smallest measured size failed: one example decides, then bisect.
@@ -197,7 +197,8 @@ def _far_pair(trials: Sequence[Trial]) -> list[tuple[int, int]]:
     """The largest fitting size and the largest fitting one at most half of it: sizes
     closer than 2x differ by little more than the allocator's noise, and a slope
     through them would be a guess."""
-    fits = sorted((t.micro_batch_size, t.peak_bytes) for t in trials if t.fits)
+    fits = sorted((t.micro_batch_size, t.peak_bytes) for t in trials
+                  if t.fits and t.peak_bytes is not None)
     if not fits:
         return []
     top = fits[-1]
