@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -152,7 +152,7 @@ _PATCHES = _Patches()
 
 
 @contextlib.contextmanager
-def recording(layers: list) -> Iterator[list]:
+def recording(layers: Sequence[Any]) -> Iterator[list[list[Moments]]]:
     """While a forward pass runs: every ``_moments`` call of ``layers`` is recorded.
 
     Yields one list per layer, filled with the :class:`Moments` of each call (a layer

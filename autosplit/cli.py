@@ -225,12 +225,12 @@ _POOL = 256  # distinct synthetic examples the probe's stream repeats
 
 def _load(args: argparse.Namespace) -> tuple[Any, tuple[int, ...]]:
     """The model ``--model`` names and one example's shape."""
-    from autosplit.models import is_saved_model, load_model, parse_shape, saved_input_shape
+    from autosplit.models import load_model, parse_shape, saved_input_shape
 
     shape = None if args.input_shape is None else parse_shape(args.input_shape)
     model = load_model(args.model, shape)
-    if shape is None and is_saved_model(args.model):
-        shape = saved_input_shape(model)
+    if shape is None:  # a saved model: load_model refuses any other without a shape
+        return model, saved_input_shape(model)
     return model, shape
 
 

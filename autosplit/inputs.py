@@ -187,6 +187,7 @@ class ArrayInput(InputAdapter):
     """NumPy arrays or tensors, one row per example; gathered on the host per micro-batch."""
 
     kind = "arrays"
+    rows: int  # arrays always know their length
 
     def __init__(self, x: Any, y: Any, sample_weight: Any = None, *,
                  shuffle: bool | str = True, class_weight: dict | None = None,
@@ -200,7 +201,7 @@ class ArrayInput(InputAdapter):
         x, y, sample_weight = keras.tree.lists_to_tuples((x, y, sample_weight))
         with tf.device(HOST):
             arrays = tf.nest.map_structure(_to_tensor, (x, y, sample_weight))
-        lengths = {}
+        lengths: dict[str, set[int]] = {}
         for part, value in zip(("x", "y", "sample_weight"), arrays, strict=True):
             for leaf in tf.nest.flatten(value):
                 if leaf is None:
@@ -301,12 +302,13 @@ class DatasetInput(InputAdapter):
     def __init__(self, dataset: tf.data.Dataset, *, class_weight: dict | None = None,
                  name: str = "x") -> None:
         spec = dataset.element_spec
-        self._arity = arity(spec)
-        if self._arity is None:
+        found = arity(spec)
+        if found is None:
             raise DatasetError(
                 f"Expected `{name}` elements to be (x, y), (x, y, sample_weight) or x alone. "
                 f"Received: element_spec={spec}. Map your dataset to such tuples, e.g. "
                 "dataset.map(lambda e: (e['features'], e['label'])).")
+        self._arity = found
         cardinality = int(dataset.cardinality())
         if cardinality == 0:
             raise DatasetError(f"Expected a non-empty `{name}`. Received: an empty dataset.")
@@ -360,11 +362,12 @@ class KerasInput(InputAdapter):
             raise DatasetError(f"Expected (x, y[, sample_weight]) batches. {exc}") from exc
         self._dataset = None
         spec = self.adapter.get_tf_dataset().element_spec
-        self._arity = arity(spec)
-        if self._arity is None:
+        found = arity(spec)
+        if found is None:
             raise DatasetError(
                 f"Expected the {self.kind} to yield (x, y), (x, y, sample_weight) or x "
                 f"alone. Received: batches of {spec}.")
+        self._arity = found
         first = (_keras.peeked_batches(self.adapter)[:1] if self.generator
                  else [data[0]] if len(data) else [])
         for batch in first:

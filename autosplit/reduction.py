@@ -79,7 +79,7 @@ def check_reduction(loss: object) -> str:
     return reduction
 
 
-def output_terms(loss: object, y_true, y_pred, sample_weight, row_valid) -> LossTerms:
+def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_valid) -> LossTerms:
     """The numerator and denominator of ``loss(y_true, y_pred, sample_weight)``.
 
     Args:

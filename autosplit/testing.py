@@ -126,7 +126,8 @@ def inject_oom(at_steps: Iterable[int], *, above: int = 0) -> Iterator[list]:
         >>> raised, history.autosplit.oom_recoveries[0].retry  # doctest: +SKIP
         ([(2, 32)], 16)
     """
-    pending, raised = set(at_steps), []
+    pending = set(at_steps)
+    raised: list[tuple[int, int]] = []
 
     def faulty_recovery(step: TrainStep, **kwargs: Any) -> Recovery:
         faulty = FaultyStep(step, (), above=above)
