@@ -12,6 +12,7 @@ variables, so that a failed micro-batch loses nothing that came before it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import keras
@@ -50,7 +51,7 @@ class Accumulated(NamedTuple):
     """What ``accumulate_gradients`` returns."""
 
     loss: tf.Tensor  # shape=(), float32: the full-batch loss Keras would report
-    gradients: list  # one per model.trainable_variables entry (None where unconnected)
+    gradients: list[tf.Tensor | None]  # per model.trainable_variables entry; None: unconnected
 
 
 def piece_rows(split: Split) -> tuple[np.ndarray, np.ndarray]:
@@ -75,24 +76,27 @@ def added(totals: Totals, piece: Piece | Totals) -> Totals:
     """``totals`` plus one micro-batch's sums; a gradient of None adds nothing."""
     part = Totals(piece.gradients, piece.numerators, piece.denominators, piece.forward,
                   piece.rows)
-    return tf.nest.map_structure(lambda a, b: a if b is None else a + b, totals, part)
+    summed: Totals = tf.nest.map_structure(lambda a, b: a if b is None else a + b, totals, part)
+    return summed
 
 
-def zero_totals(terms: int, gradients: list | None = None) -> Totals:
+def zero_totals(terms: int, gradients: list[Any] | None = None) -> Totals:
     """Float32 zeros for ``terms`` compiled losses; ``gradients`` the zero gradient sums."""
     zeros = [tf.constant(0.0)] * terms
     return Totals([] if gradients is None else gradients, zeros, zeros, tf.constant(0.0),
                   tf.constant(0.0))
 
 
-def sum_loop(step, count, start: Totals) -> tuple[Totals, tf.Tensor]:
+def sum_loop(step: Callable[[tf.Tensor, Totals], tuple[Totals, tf.Tensor]],
+             count: int | tf.Tensor, start: Totals) -> tuple[Totals, tf.Tensor]:
     """``totals, stop = step(i, totals)`` for micro-batches ``i < count``, until ``stop``.
 
     The loop of ``accumulate_gradients``, ``accumulate_iterator`` and validation
     (``autosplit.evaluate``): the sums are loop-carried tensors, returned with whether a
     step stopped early (its input ran out).
     """
-    def body(i, totals, stop):
+    def body(i: tf.Tensor, totals: Totals, stop: tf.Tensor
+             ) -> tuple[tf.Tensor, Totals, tf.Tensor]:
         totals, stop = step(i, totals)
         return i + 1, totals, stop
 
@@ -104,12 +108,13 @@ def sum_loop(step, count, start: Totals) -> tuple[Totals, tf.Tensor]:
     return totals, stop
 
 
-def _sum_pieces(model, plan: LossPlan, take, count, *, batch_size: int, scale,
+def _sum_pieces(model: keras.Model, plan: LossPlan, take: Callable[[tf.Tensor], tuple[Any, ...]],
+                count: int | tf.Tensor, *, batch_size: int, scale: tf.Tensor,
                 update_metrics_too: bool) -> Totals:
     """Sum ``count`` micro-batches in a while loop; ``take(i) -> (x, y, w, valid)``."""
     variables = model.trainable_variables
 
-    def step(i, totals):
+    def step(i: tf.Tensor, totals: Totals) -> tuple[Totals, tf.Tensor]:
         x, y, w, valid = take(i)
         x, y, w, valid = without_padding(plan.real_rows_only, x, y, empty_to_none(w), valid)
         piece = compute_piece(model, plan, x, y, w, valid, batch_size=batch_size, scale=scale)
@@ -133,7 +138,8 @@ def _replicas() -> tuple[Any, int]:
     return context, (context.num_replicas_in_sync if context is not None else 1)
 
 
-def _finish(model, plan, totals: Totals, batch_size: int, scale) -> Accumulated:
+def _finish(model: keras.Model, plan: LossPlan, totals: Totals, batch_size: int,
+            scale: tf.Tensor) -> Accumulated:
     """All-reduce the scalar sums across replicas (one call), then combine."""
     context, replicas = _replicas()
     if replicas > 1:
@@ -143,14 +149,15 @@ def _finish(model, plan, totals: Totals, batch_size: int, scale) -> Accumulated:
     return Accumulated(loss, gradients)
 
 
-def _as_scale(loss_scale) -> tf.Tensor:
+def _as_scale(loss_scale: tf.Tensor | float | None) -> tf.Tensor:
     return tf.constant(1.0) if loss_scale is None else tf.cast(loss_scale, tf.float32)
 
 
-def _prepare(model, specs) -> LossPlan:
+def _prepare(model: keras.Model, specs: tuple[Any, ...]) -> LossPlan:
     if not _keras.compile_loss_built(model):
         _keras.symbolic_build(model, specs)
-    return loss_plan(model, specs)
+    plan: LossPlan = loss_plan(model, specs)  # its TensorFlow decorator hides the type
+    return plan
 
 
 def accumulate_gradients(
@@ -206,7 +213,7 @@ def accumulate_gradients(
         valid = valid * tf.cast(index < tf.cast(n_valid, tf.int32), tf.float32)
     x, y, sample_weight = map_present(tf.convert_to_tensor, (x, y, sample_weight))
 
-    def take(i):
+    def take(i: tf.Tensor) -> tuple[Any, ...]:
         rows = tf.gather(index, i)
         part = map_present(lambda t: tf.gather(t, rows), (x, y, sample_weight))
         return (*part[:2], none_to_empty(part[2]), tf.gather(valid, i))
@@ -266,7 +273,7 @@ def accumulate_iterator(
             "Expected micro-batches with a static number of rows. Received: "
             f"element_spec={spec}. Batch with `drop_remainder=True`, or pad and pass `valid`.")
 
-    def take(_):
+    def take(_: tf.Tensor) -> tuple[Any, ...]:
         element = iterator.get_next()
         x, y, *rest = element
         w = rest[0] if rest else ()

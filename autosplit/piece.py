@@ -20,6 +20,7 @@ where the sums live (loop-carried tensors in ``autosplit.accumulate``, variables
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -98,7 +99,7 @@ def align_targets(model: keras.Model, y: Any, y_pred: Any) -> Any:
     if isinstance(y_pred, (list, tuple)) and isinstance(y, dict):
         return type(y_pred)(y[name] for name in model.output_names)
     if not keras.tree.is_nested(y) and isinstance(y_pred, (list, tuple)) and len(y_pred) == 1:
-        return type(y_pred)([y])
+        return type(y_pred)([y])  # type: ignore[misc]  # len() == 1 made it tuple[Any]
     return keras.tree.pack_sequence_as(y_pred, keras.tree.flatten(y))
 
 
@@ -230,7 +231,8 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
         objectives = []
         for group in plan.groups:
             if group == COUNT_GROUP:
-                parts = [terms[j].numerator * (plan.weights[j] / (batch_size * plan.per_row[j]))
+                # loss_plan folds a "count" loss only when its per_row is static (not None).
+                parts = [terms[j].numerator * (plan.weights[j] / (batch_size * plan.per_row[j]))  # type: ignore[operator]
                          for j in range(len(terms)) if plan.folded[j] and plan.kinds[j] == COUNT]
                 if in_call:
                     parts.append(in_call_sum * rows / batch_size)
@@ -398,14 +400,14 @@ def without_padding(strip: bool, x, y, sample_weight, valid) -> tuple:
                                           [None if t is None else next(it) for t in leaves]))
 
 
-def map_present(fn, structure):
+def map_present(fn: Callable[[Any], Any], structure: Any) -> Any:
     """``tf.nest.map_structure`` that leaves ``None`` (no sample weight) alone."""
     return tf.nest.map_structure(lambda t: None if t is None else fn(t), structure)
 
 
-def none_to_empty(w):
+def none_to_empty(w: Any) -> Any:
     return () if w is None else w
 
 
-def empty_to_none(w):
+def empty_to_none(w: Any) -> Any:
     return None if isinstance(w, tuple) and not w else w
