@@ -37,9 +37,9 @@ from autosplit.accumulate import (
 )
 from autosplit.compiled import run_once
 from autosplit.custom_step import overridden_steps
-from autosplit.piece import Totals, align_targets, loss_plan
+from autosplit.piece import LossPlan, Totals, align_targets, loss_plan
 from autosplit.reduction import combined_loss, output_terms
-from autosplit.split import split_batch
+from autosplit.split import Split, split_batch
 from autosplit.state import Snapshot
 from autosplit.validation import check_compiled_loss
 
@@ -121,7 +121,7 @@ class CheckReport:
 
     def format(self, *, worst: int = 5) -> str:
         """A short report for people; ``worst`` variables are listed."""
-        def number(value):
+        def number(value: float | None) -> str:
             return "n/a" if value is None else f"{value:.3g}"
 
         verdict = "exact" if self.exact else "NOT exact"
@@ -281,19 +281,22 @@ def _layer_culprits(model: keras.Model) -> list[Culprit]:
     return found
 
 
-def _adds_losses(model, x, y, sample_weight, split) -> bool:
+def _adds_losses(model: keras.Model, x: Any, y: Any, sample_weight: Any, split: Split) -> bool:
     """Whether the model adds losses in call() (traced on one micro-batch, nothing runs)."""
     specs = tree.map_structure(
         lambda t: None if t is None else tf.TensorSpec([split.micro_batch_size,
                                                         *t.shape[1:]], t.dtype),
         (x, y, sample_weight))
-    return loss_plan(model, specs).forward_losses
+    plan: LossPlan = loss_plan(model, specs)  # its TensorFlow decorator hides the type
+    return plan.forward_losses
 
 
-def _loss_culprits(model, full, tolerance) -> tuple[float, list[Culprit]]:
+def _loss_culprits(model: keras.Model, full: _Full, tolerance: float
+                   ) -> tuple[float, list[Culprit]]:
     """The compiled losses that are not per-example sums, and the largest difference
     between a loss over micro-batches and over the batch, on the same predictions."""
-    decomposition, found = 0.0, []
+    decomposition = 0.0
+    found: list[Culprit] = []
     for flat, per_example, full_value, split_value in zip(
             _keras.flat_losses(model), full.per_example, full.loss_values, full.split_values,
             strict=True):
@@ -313,17 +316,17 @@ def _loss_culprits(model, full, tolerance) -> tuple[float, list[Culprit]]:
 
 class _Full(NamedTuple):
     loss: tf.Tensor
-    gradients: list
+    gradients: list[tf.Tensor | None]
     per_example: tuple[bool, ...]  # per compiled loss: one value per example
-    loss_values: list  # per compiled loss, Keras's value on the whole batch
-    split_values: list  # per compiled loss, recombined from micro-batches
+    loss_values: list[tf.Tensor]  # per compiled loss, Keras's value on the whole batch
+    split_values: list[tf.Tensor]  # per compiled loss, recombined from micro-batches
 
 
-def _full_batch(model, x, y, sample_weight, split) -> _Full:
+def _full_batch(model: keras.Model, x: Any, y: Any, sample_weight: Any, split: Split) -> _Full:
     """The reference step, plus each compiled loss on the same predictions, split."""
     facts: dict[str, Any] = {}
 
-    def run(x, y, sample_weight):
+    def run(x: Any, y: Any, sample_weight: Any) -> tuple[Any, ...]:
         with tf.GradientTape() as tape:
             training = _keras.call_has_training_arg(model)
             y_pred = model(x, training=True) if training else model(x)
@@ -354,7 +357,8 @@ def _full_batch(model, x, y, sample_weight, split) -> _Full:
     return _Full(loss, grads, facts["per_example"], whole, parts)
 
 
-def _split_loss(loss, y_true, y_pred, sample_weight, split) -> tf.Tensor:
+def _split_loss(loss: keras.losses.Loss, y_true: Any, y_pred: Any, sample_weight: Any,
+                split: Split) -> tf.Tensor:
     """``loss`` recombined from micro-batches of the given predictions, as autosplit does."""
     mask = _keras.get_keras_mask(y_pred) if not tree.is_nested(y_pred) else None
     index, valid = piece_rows(split)
@@ -364,7 +368,7 @@ def _split_loss(loss, y_true, y_pred, sample_weight, split) -> tf.Tensor:
     row_valid = tf.constant(valid)
     kind: dict[str, str] = {}
 
-    def step(i, totals):
+    def step(i: tf.Tensor, totals: Totals) -> tuple[Totals, tf.Tensor]:
         y_i, p_i, w_i = tree.map_structure(
             lambda t: None if t is None else tf.gather(t, i), (ys, ps, ws))
         if ms is not None:
@@ -387,7 +391,8 @@ def _relative(difference: float, scale: float) -> float:
     return 0.0 if difference == 0 else float("inf")
 
 
-def _differences(variables, full, split) -> tuple[list[VariableDifference], float]:
+def _differences(variables: list[Any], full: list[Any], split: list[Any]
+                 ) -> tuple[list[VariableDifference], float]:
     """Per-variable max|g_split - g_full| / max|g_full|, and the largest of them.
 
     The scale of a variable is at least ``_SCALE_FLOOR`` times the largest full-batch
@@ -395,7 +400,7 @@ def _differences(variables, full, split) -> tuple[list[VariableDifference], floa
     bias of attention, to which the softmax is invariant; a dead unit) is float noise
     of ~1e-9 in float32, and noise over noise would read as a large difference.
     """
-    def dense(g, v):
+    def dense(g: Any, v: Any) -> np.ndarray:
         return np.zeros(v.shape, np.float64) if g is None else np.asarray(g, np.float64)
 
     pairs = [(v, dense(f, v), dense(s, v)) for v, f, s in zip(variables, full, split,
