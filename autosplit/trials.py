@@ -23,7 +23,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import keras
 import tensorflow as tf
@@ -48,7 +48,7 @@ from autosplit.search import (
 )
 from autosplit.split import split_batch
 from autosplit.state import Snapshot
-from autosplit.step import build_for, step_for
+from autosplit.step import TrainStep, build_for, step_for
 from autosplit.units import format_bytes, parse_memory
 from autosplit.validation import check_choice, check_model, check_size
 
@@ -66,7 +66,7 @@ class ProbeResult:
     micro_batch_size: int  # rows per micro-batch (balanced), per replica
     accumulation_steps: int
     trials: tuple[Trial, ...]
-    device: dict
+    device: dict[str, Any]  # DeviceInfo.to_dict()
     budget_bytes: int
     memory_limit_bytes: int | None
     headroom: float
@@ -206,8 +206,8 @@ def probe(
 
 
 def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: int, *,
-                       memory_limit=None, headroom: float = 0.1, cache: bool = True,
-                       jit_compile: bool | None = None, verbose: int = 0,
+                       memory_limit: int | str | None = None, headroom: float = 0.1,
+                       cache: bool = True, jit_compile: bool | None = None, verbose: int = 0,
                        on_trial: Callable[[Trial, int], None] | None = None,
                        objective: str = "memory") -> ProbeResult:
     """``probe`` for an input adapter (what ``fit_large_batch(micro_batch_size="auto")`` calls)."""
@@ -325,11 +325,17 @@ def _searched(trials_runner: _Trials, local_batch: int, objective: str
 class _Trials:
     """Trial steps at one size after another, and the lockstep form across workers."""
 
-    def __init__(self, step, snapshot, meter, budget, data, batch_size, where, say):
+    def __init__(self, step: TrainStep, snapshot: Snapshot, meter: PeakMeter, budget: int,
+                 data: InputAdapter, batch_size: int, where: Layout,
+                 say: Callable[[Trial], None]) -> None:
         self.step, self.snapshot, self.meter = step, snapshot, meter
         self.budget, self.data, self.batch_size, self.where = budget, data, batch_size, where
         self.say = say
 
+    @overload
+    def trial(self, m: int) -> Trial: ...
+    @overload
+    def trial(self, m: None) -> None: ...
     def trial(self, m: int | None) -> Trial | None:
         """One warm-up step, then the peak of two more; None when ``m`` is None (a worker
         whose search is over still takes part in every collective of the round)."""
@@ -368,7 +374,7 @@ class _Trials:
         self.say(result)
         return result
 
-    def _step(self, iterator, count: int, *, active: bool) -> bool:
+    def _step(self, iterator: Any, count: int, *, active: bool) -> bool:
         """One trial step; False if it ran out of memory on this worker."""
         if not self.where.multi_worker:
             if not active:
@@ -398,11 +404,11 @@ class _Trials:
         round for all; the rounds go on until every worker's search is over."""
         trials: list[Trial] = []
         generator = search(batch_size, self.budget)
-        request: tuple | None = next(generator)
+        request: tuple[int, bool] | None = next(generator)
         chosen = None
         while True:
             result = self.trial(None if request is None else request[0])
-            if request is not None:
+            if result is not None:  # a request was made
                 trials.append(result)
                 try:
                     request = generator.send(result)
@@ -420,7 +426,8 @@ class _Trials:
         return chosen, trials
 
 
-def _reporter(verbose: int, on_trial, budget: int) -> Callable[[Trial], None]:
+def _reporter(verbose: int, on_trial: Callable[[Trial, int], None] | None, budget: int
+              ) -> Callable[[Trial], None]:
     def say(trial: Trial) -> None:
         if on_trial is not None:
             on_trial(trial, budget)
@@ -429,14 +436,15 @@ def _reporter(verbose: int, on_trial, budget: int) -> Callable[[Trial], None]:
     return say
 
 
-def _result(trials, chosen, batch_size, device, budget, limit, headroom, meter, key,
-            seconds) -> ProbeResult:
+def _result(trials: list[Trial], chosen: int | None, batch_size: int, device: DeviceInfo,
+            budget: int, limit: int | None, headroom: float, meter: PeakMeter, key: str,
+            seconds: float) -> ProbeResult:
     line = fit_line([(t.micro_batch_size, t.peak_bytes) for t in trials
                      if t.peak_bytes is not None])
     if chosen is None:
         per_example = line[1] if line else None
         smallest = min((t.peak_bytes for t in trials if t.peak_bytes), default=None)
-        need = (f"about {format_bytes(int(per_example))} per example on top of "
+        need = (f"about {format_bytes(int(line[1]))} per example on top of "
                 f"{format_bytes(int(line[0]))} fixed" if line else
                 f"more than the budget at m=1 (peak {format_bytes(smallest)})"
                 if smallest else "more than the budget even at m=1 (OOM)")
