@@ -247,7 +247,7 @@ def fit_large_batch(
 # ---------------------------------------------------------------- validate
 
 
-def _validate(model: Any, given: dict) -> _Args:
+def _validate(model: Any, given: dict[str, Any]) -> _Args:
     """Every argument check, before anything changes."""
     batch_size = check_size("batch_size", given["batch_size"])
     micro = given["micro_batch_size"]
@@ -297,7 +297,8 @@ def _validate(model: Any, given: dict) -> _Args:
     return args
 
 
-def _split_off_validation(x, y, sample_weight, fraction):
+def _split_off_validation(x: Any, y: Any, sample_weight: Any, fraction: float
+                          ) -> tuple[Any, Any, Any, tuple[Any, ...]]:
     if isinstance(x, tuple) and y is None:
         x, y, *rest = x
         sample_weight = rest[0] if rest else sample_weight
@@ -329,7 +330,7 @@ class _Validation:
     def make(cls, data: Any, args: _Args) -> _Validation | None:
         return None if data is None else cls(data, args)
 
-    def __call__(self, model: keras.Model, rows: int) -> dict:
+    def __call__(self, model: keras.Model, rows: int) -> dict[str, Any]:
         # One evaluator per compiled model, like the train step: a second fit traces
         # nothing new, a compile() in between gives a fresh one.
         state = model_state(model)
@@ -360,8 +361,9 @@ class _Plan:
     shuffle_seed: int | None = None  # shared by every worker of a multi-worker job
 
 
-def _plan(model, adapter, args: _Args, *, jit_compile, memory_limit, headroom,
-          cache, objective="memory") -> _Plan:
+def _plan(model: keras.Model, adapter: InputAdapter, args: _Args, *, jit_compile: bool | None,
+          memory_limit: int | str | None, headroom: float, cache: bool,
+          objective: str = "memory") -> _Plan:
     # Functions traced for an earlier call's tf.data pipeline hold its arrays in
     # reference cycles; free them before this call allocates (it matters under a cap).
     gc.collect()
@@ -411,8 +413,9 @@ def _shared_seed(step: TrainStep, where: Layout) -> int | None:
 # ---------------------------------------------------------------- the epoch loop
 
 
-def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | None,
-           args: _Args, callbacks) -> keras.callbacks.History:
+def _train(model: keras.Model, adapter: InputAdapter, plan: _Plan,
+           validation: _Validation | None, args: _Args,
+           callbacks: Sequence[keras.callbacks.Callback] | None) -> keras.callbacks.History:
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_history=True, add_progbar=args.verbose != 0, verbose=args.verbose,
         epochs=args.epochs, steps=args.steps_per_epoch or plan.pipeline.steps(), model=model)
@@ -424,7 +427,7 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
     # keras.callbacks.BackupAndRestore restores the weights in on_train_begin and says
     # where to resume, as model.fit reads it.
     first_epoch = _keras.resume_epoch(model) or args.initial_epoch
-    epoch_logs: dict = {}
+    epoch_logs: dict[str, Any] = {}
     sizes: list[int] = []
     for epoch in range(first_epoch, args.epochs):
         model.reset_metrics()
@@ -451,7 +454,7 @@ def _train(model, adapter: InputAdapter, plan: _Plan, validation: _Validation | 
     return history
 
 
-def _flat_logs(result: dict) -> dict[str, float]:
+def _flat_logs(result: dict[str, Any]) -> dict[str, float]:
     """Logs as floats, a nested dict's entries lifted (a custom step may return the
     compiled metrics' ``result()``, a dict, as Keras's guide does)."""
     logs: dict[str, float] = {}
@@ -463,7 +466,7 @@ def _flat_logs(result: dict) -> dict[str, float]:
     return logs
 
 
-def _epoch_logs(step: TrainStep, last: dict) -> dict:
+def _epoch_logs(step: TrainStep, last: dict[str, Any]) -> dict[str, Any]:
     """The logs of an epoch, as ``model.fit`` picks them: the metrics' results, or
     what a custom train_step returned last when it names other things."""
     results = _flat_logs(step.model.get_metrics_result())
@@ -472,9 +475,10 @@ def _epoch_logs(step: TrainStep, last: dict) -> dict:
     return dict(last)
 
 
-def _recovery(plan: _Plan, adapter: InputAdapter, args: _Args, callback_list) -> Recovery:
+def _recovery(plan: _Plan, adapter: InputAdapter, args: _Args,
+              callback_list: keras.callbacks.CallbackList) -> Recovery:
     """The out-of-memory recovery of this call, which tells the callbacks of each shrink."""
-    def on_shrink(*_):
+    def on_shrink(*_: int) -> None:
         if plan.probe is not None:  # an OOM proved the cached answer wrong
             from autosplit.trials import invalidate_cache
 
@@ -494,8 +498,8 @@ class _Batches:
     """The large batches of each epoch: the iterator, the step count and the last logs,
     kept across epochs."""
 
-    def __init__(self, model, adapter: InputAdapter, plan: _Plan, args: _Args,
-                 callback_list, recovery: Recovery) -> None:
+    def __init__(self, model: keras.Model, adapter: InputAdapter, plan: _Plan, args: _Args,
+                 callback_list: keras.callbacks.CallbackList, recovery: Recovery) -> None:
         self.model, self.adapter, self.plan, self.args = model, adapter, plan, args
         self.callback_list, self.recovery = callback_list, recovery
         self.steps = args.steps_per_epoch or plan.pipeline.steps()  # None: not known yet
@@ -503,7 +507,7 @@ class _Batches:
         self.keep_iterator = args.steps_per_epoch is not None or not adapter.reiterable
         self.iterator: Any = None
         self.global_step = 0
-        self.logs: dict = {}
+        self.logs: dict[str, Any] = {}
 
     def epoch(self, epoch: int) -> int:
         """Train one epoch's large batches; returns how many ran."""
@@ -583,8 +587,8 @@ def _rebuild(plan: _Plan, recovery: Recovery) -> MicroBatches:
     return pipeline
 
 
-def _publish(callback_list, recovery: Recovery, args: _Args, plan: _Plan,
-             steps: int | None = None) -> None:
+def _publish(callback_list: keras.callbacks.CallbackList, recovery: Recovery, args: _Args,
+             plan: _Plan, steps: int | None = None) -> None:
     """Tell the callbacks how batches are split right now."""
     rows = recovery.rows
     k = split_batch(plan.split.batch_size, rows).accumulation_steps
