@@ -152,7 +152,8 @@ def run_capped(argv: Sequence[str], limit_bytes: int | str | None, *,
             stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE)
         kept: list[str] = []
 
-        def relay():
+        def relay() -> None:
+            assert process.stderr is not None  # stderr=PIPE
             for line in process.stderr:
                 if quiet and is_noise(line):
                     continue
@@ -165,7 +166,7 @@ def run_capped(argv: Sequence[str], limit_bytes: int | str | None, *,
         reader = threading.Thread(target=relay, daemon=True)
         reader.start()
         try:
-            stdout = process.stdout.read() if capture else None
+            stdout = process.stdout.read() if process.stdout is not None else None  # piped: capture
             process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             process.kill()

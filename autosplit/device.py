@@ -80,7 +80,9 @@ def read_gpu(
         raise ValueError(f"Expected `tf_device` to name a GPU, like 'GPU:0'. "
                          f"Received: tf_device={tf_device!r}")
     if nvml is None:
-        import pynvml as nvml
+        import pynvml
+
+        nvml = pynvml
     if pci_bus_id is None:
         pci_bus_id = _tf_pci_bus_id(index)
     wanted = _normalize_bus_id(pci_bus_id) if pci_bus_id else None
@@ -196,9 +198,10 @@ def read_device(tf_device: str | None = None) -> DeviceInfo:
         nvml_errors: tuple[type[BaseException], ...] = (pynvml.NVMLError,)
     except ImportError:
         nvml_errors = ()
+    caught: tuple[type[BaseException], ...] = (ImportError, OSError, RuntimeError, *nvml_errors)
     try:
         return read_gpu(wanted)
-    except (ImportError, OSError, RuntimeError, *nvml_errors) as exc:
+    except caught as exc:
         warnings.warn(
             f"TensorFlow sees {len(gpus)} GPU(s) but NVML could not read {wanted!r} "
             f"({exc!r}); reading host memory instead. Pass `memory_limit` to set the "
