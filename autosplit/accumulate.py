@@ -76,8 +76,7 @@ def added(totals: Totals, piece: Piece | Totals) -> Totals:
     """``totals`` plus one micro-batch's sums; a gradient of None adds nothing."""
     part = Totals(piece.gradients, piece.numerators, piece.denominators, piece.forward,
                   piece.rows)
-    summed: Totals = tf.nest.map_structure(lambda a, b: a if b is None else a + b, totals, part)
-    return summed
+    return tf.nest.map_structure(lambda a, b: a if b is None else a + b, totals, part)
 
 
 def zero_totals(terms: int, gradients: list[Any] | None = None) -> Totals:
@@ -156,8 +155,7 @@ def _as_scale(loss_scale: tf.Tensor | float | None) -> tf.Tensor:
 def _prepare(model: keras.Model, specs: tuple[Any, ...]) -> LossPlan:
     if not _keras.compile_loss_built(model):
         _keras.symbolic_build(model, specs)
-    plan: LossPlan = loss_plan(model, specs)  # its TensorFlow decorator hides the type
-    return plan
+    return loss_plan(model, specs)
 
 
 def accumulate_gradients(

@@ -37,7 +37,7 @@ from autosplit.accumulate import (
 )
 from autosplit.compiled import run_once
 from autosplit.custom_step import overridden_steps
-from autosplit.piece import LossPlan, Totals, align_targets, loss_plan
+from autosplit.piece import Totals, align_targets, loss_plan
 from autosplit.reduction import combined_loss, output_terms
 from autosplit.split import Split, split_batch
 from autosplit.state import Snapshot
@@ -287,8 +287,7 @@ def _adds_losses(model: keras.Model, x: Any, y: Any, sample_weight: Any, split: 
         lambda t: None if t is None else tf.TensorSpec([split.micro_batch_size,
                                                         *t.shape[1:]], t.dtype),
         (x, y, sample_weight))
-    plan: LossPlan = loss_plan(model, specs)  # its TensorFlow decorator hides the type
-    return plan.forward_losses
+    return loss_plan(model, specs).forward_losses
 
 
 def _loss_culprits(model: keras.Model, full: _Full, tolerance: float
