@@ -1,6 +1,6 @@
 # Two entry points do all the set-up on a fresh machine with python3 and make:
 #   make demo   -- trains a small model with fit_large_batch(batch_size=4096)
-#   make test   -- ruff, the doctests, the docs built strict, then the whole test suite
+#   make test   -- ruff, mypy, the doctests, the docs built strict, then the whole test suite
 #                  (slow tests included)
 # make docs builds the documentation site into site/ (make docs-serve: a live preview).
 PYTHON ?= python3
@@ -8,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint doctest docs docs-serve bench bench-quick bench-gpu clean
+.PHONY: demo test lint typecheck doctest docs docs-serve bench bench-quick bench-gpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check autosplit tests benchmarks docs
 
+# mypy over autosplit/ ([tool.mypy] in pyproject.toml): the modules behind
+# autosplit.__all__ strict, the rest with check_untyped_defs (a few seconds).
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
 # Strict: a broken link or reference, a docstring that does not parse, or a name in
 # autosplit.__all__ missing from docs/api.md fails the build (a few seconds).
 docs: $(STAMP)
@@ -36,7 +41,7 @@ doctest: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q --doctest-modules autosplit
 
 # PYTEST_ARGS: extra pytest arguments, e.g. --randomly-seed=N to replay a run's order.
-test: lint doctest docs
+test: lint typecheck doctest docs
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -ra -n 2 $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -49,4 +54,4 @@ bench-gpu: $(STAMP)
 	$(PY) -m benchmarks.gpu_check
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info site
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info site
