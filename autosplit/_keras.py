@@ -150,7 +150,7 @@ def resolve_path(path: tuple, obj: Any) -> Any:
     return obj
 
 
-def data_adapter(data: Any, *, shuffle: bool, class_weight: dict | None) -> Any:
+def data_adapter(data: Any, *, shuffle: bool | str, class_weight: dict | None) -> Any:
     """Keras's own adapter for a ``PyDataset`` or a generator (``get_data_adapter``).
 
     It runs PyDataset workers and multiprocessing, applies ``class_weight`` and peeks

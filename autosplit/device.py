@@ -249,7 +249,7 @@ def check_headroom(headroom: Any) -> float:
         0.1
     """
     if (isinstance(headroom, bool) or not isinstance(headroom, numbers.Real)
-            or not 0 <= headroom < 1):
+            or not 0 <= headroom < 1):  # type: ignore[operator]  # typeshed: Real has no __ge__
         raise MemoryLimitError(
             "Expected `headroom` to be a fraction in [0, 1), like 0.1 to keep 10% free. "
             f"Received: headroom={describe(headroom)}.")

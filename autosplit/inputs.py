@@ -346,7 +346,8 @@ class DatasetInput(InputAdapter):
 class KerasInput(InputAdapter):
     """A ``keras.utils.PyDataset`` or a Python generator, read through Keras's own adapter."""
 
-    def __init__(self, data: Any, *, shuffle: bool, class_weight: dict | None) -> None:
+    def __init__(self, data: Any, *, shuffle: bool | str,
+                 class_weight: dict | None) -> None:
         self.generator = isinstance(data, types.GeneratorType)
         self.kind = "generator" if self.generator else "keras.utils.PyDataset"
         self.reiterable = not self.generator
