@@ -75,3 +75,17 @@ def test_train_step_is_internal_and_its_old_export_warns():
     assert "TrainStep" not in autosplit.__all__ and "TrainStep" not in dir(autosplit)
     with pytest.warns(DeprecationWarning, match="autosplit.TrainStep is internal"):
         assert autosplit.TrainStep is TrainStep
+
+
+def test_mypy_is_strict_on_every_module_behind_all():
+    """The strict override in pyproject.toml names where each export is defined."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = Path(autosplit.__file__).parents[1] / "pyproject.toml"
+    overrides = tomllib.loads(pyproject.read_text())["tool"]["mypy"]["overrides"]
+    (strict,) = [o for o in overrides if o.get("disallow_untyped_defs")]
+    defined = {getattr(autosplit, name).__module__ for name in autosplit.__all__
+               if name != "__version__"}
+    missing = (defined | {"autosplit"}) - set(strict["module"])
+    assert not missing, f"add {sorted(missing)} to the strict [[tool.mypy.overrides]]"
