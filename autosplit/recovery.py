@@ -48,8 +48,10 @@ class RecoverableStep(Protocol):
     that raised it.
     """
 
-    rows: int
-    """Rows per element of the pipeline: one micro-batch when an element is one piece."""
+    @property
+    def rows(self) -> int:
+        """Rows per element of the pipeline: one micro-batch when an element is one piece."""
+
     replicas: int
     """Replicas in sync, over every worker."""
     strategy: Any

@@ -61,6 +61,11 @@ class LargeBatchUpdate:
     element structure.
     """
 
+    # Set by the first bind, which the constructor's caller runs at once.
+    plan: LossPlan  # of the element structure bound
+    sums: Sums  # the float32 sums of the large batch in flight, in variables
+    stash: Stash  # the element in flight, on the host
+
     def __init__(self, model: keras.Model, batch_size: int, *, pool: list,
                  functions: FunctionCache, jit: bool) -> None:
         self.model = model
@@ -70,13 +75,10 @@ class LargeBatchUpdate:
         self._functions = functions
         self._jit = jit
         self._template: Any = None  # the structure of a piece, for _unflatten
-        self.sums: Sums | None = None
-        self.stash: Stash | None = None
         self.logs: Any = None  # a custom train_step's logs, in variables
         self.element_spec: Any = None
         self.piece_spec: Any = None
         self.rows = 0
-        self.plan: LossPlan | None = None
 
     def bind(self, element_spec: Any) -> None:
         """Use elements of ``element_spec`` (another micro-batch size) from now on."""
@@ -106,10 +108,12 @@ class LargeBatchUpdate:
                 self.plan.custom.logs)
         # Another input structure (sample weights or not) can change the loss groups,
         # or what is stashed; compiled functions captured the old variables.
-        if self.sums is None or self.sums.groups != self.plan.groups:
+        sums: Sums | None = getattr(self, "sums", None)  # None before the first bind
+        if sums is None or sums.groups != self.plan.groups:
             self._functions.clear()
             self.sums = Sums(model, self.plan, replicas.strategy, self.pool)
-        if self.stash is None or not self.stash.fits(element_spec):
+        stash: Stash | None = getattr(self, "stash", None)
+        if stash is None or not stash.fits(element_spec):
             self._functions.clear()
             self.stash = Stash(element_spec)
 
