@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import random
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -444,6 +445,7 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: _Plan,
         callback_list.on_epoch_end(epoch, epoch_logs)
         if model.stop_training:
             break
+    loop.release()
     # As model.fit does: swap the averaged weights in (a no-op without use_ema).
     model.optimizer.finalize_variable_values(model.trainable_variables)
     callback_list.on_train_end(logs=epoch_logs or loop.logs)
@@ -539,9 +541,24 @@ class _Batches:
             return
         if self.recovery.pieces > 1 and self.adapter.reiterable:
             _rebuild(self.plan, self.recovery)
-        self.iterator = None  # let the last epoch's prefetch buffers go first
+        self.release()
         seed = None if self.plan.shuffle_seed is None else self.plan.shuffle_seed + epoch
         self.iterator = iter(self.plan.pipeline.dataset(shuffle_seed=seed))
+
+    def release(self) -> None:
+        """Let go of the iterator, on a thread of its own.
+
+        With tf.data's autotuning on (the default; it is worth ~10% on a dataset of
+        examples here), deleting an iterator waits for its optimisation thread: 0.55 to
+        0.65 s measured on 2 CPU cores, at one epoch in four on average, against epochs
+        of 0.65 s (an MLP 128-1024-1024-10 at B=4096 on 16384 examples). The next epoch
+        need not wait for that. The thread is no daemon: at exit the interpreter lets
+        the deletion finish rather than tear TensorFlow down under it.
+        """
+        held = [self.iterator]
+        self.iterator = None  # the list holds the only reference, the thread drops it
+        if held[0] is not None:
+            threading.Thread(target=held.clear, name="autosplit-release-iterator").start()
 
     def _check_ran(self, ran: int) -> None:
         """Warn and stop, as model.fit does, when the input ran out of data."""
