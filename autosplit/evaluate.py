@@ -37,7 +37,7 @@ from autosplit.piece import (
     weight_regularization,
     without_padding,
 )
-from autosplit.pipeline import MicroBatches
+from autosplit.pipeline import MicroBatches, release
 from autosplit.reduction import combined_loss
 
 __all__ = ["Evaluator"]
@@ -97,14 +97,15 @@ class Evaluator:
         pulled = 0
         model.reset_metrics()
         adapter.on_epoch_begin()
-        iterator = iter(pipeline.dataset())
+        held = [iter(pipeline.dataset())]  # deleted by pipeline.release, off this thread
         while limit is None or pulled < limit:
             count = _CHUNK if limit is None else min(_CHUNK, limit - pulled)
-            chunk, stop = fn(iterator, tf.constant(count))
+            chunk, stop = fn(held[0], tf.constant(count))
             totals = tf.nest.map_structure(tf.add, totals, _float64(chunk))
             pulled += count
             if bool(stop):
                 break
+        release(held)
         adapter.on_epoch_end()
         loss, per_output = combined_loss(
             totals.numerators, totals.denominators, totals.forward, totals.rows,

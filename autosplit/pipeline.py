@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Any
 
 import tensorflow as tf
@@ -27,7 +28,7 @@ from autosplit.distribute import ALONE, Layout
 from autosplit.inputs import HOST, InputAdapter
 from autosplit.split import Piece, piece_pattern
 
-__all__ = ["MicroBatches", "elements_per_batch"]
+__all__ = ["MicroBatches", "elements_per_batch", "release"]
 
 _PREFETCH = 2  # micro-batches the host keeps ready: enough to hide the cut, constant in B
 
@@ -68,6 +69,20 @@ def _element(*piece: Any, materialize, rows: int) -> tuple:
 
 def _pad_replicas_of(*element: Any, replicas: int) -> Any:
     return _pad_replicas(element, replicas)
+
+
+def release(held: list[Any]) -> None:
+    """Delete the iterators in ``held`` (their only references) on a thread of their own.
+
+    With tf.data's autotuning on (the default; it is worth ~10% on a dataset of examples
+    here), deleting an iterator waits for its optimisation thread: 0.55 to 0.65 s
+    measured on 2 CPU cores, at one epoch in four on average, against epochs of 0.65 s
+    (an MLP 128-1024-1024-10 at B=4096 on 16384 examples). Training need not wait for
+    that. The thread is no daemon: at exit the interpreter lets the deletion finish
+    rather than tear TensorFlow down under it.
+    """
+    if any(it is not None for it in held):
+        threading.Thread(target=held.clear, name="autosplit-release-iterator").start()
 
 
 def elements_per_batch(pattern: list[Piece], batch_rows: int, local_replicas: int) -> int:
