@@ -161,7 +161,7 @@ def hand_loop(case: Case, x: np.ndarray, y: np.ndarray, *, epochs: int,
 
     clock = EpochMeter(None, samples_per_epoch=len(x))
     clock.set_model(model)
-    start = time.perf_counter()
+    began = time.perf_counter()
     B, m = case.batch_size, case.micro_batch_size
     for epoch in range(1 + epochs):
         clock.on_epoch_begin(epoch)
@@ -177,7 +177,7 @@ def hand_loop(case: Case, x: np.ndarray, y: np.ndarray, *, epochs: int,
             optimizer.apply_gradients(zip(mean, variables, strict=True))
         clock.on_epoch_end(epoch, {"loss": float(np.mean(losses))})
     return {**workloads.summed_epochs(clock.records),
-            "call_seconds": time.perf_counter() - start, "call_samples": (1 + epochs) * len(x)}
+            "call_seconds": time.perf_counter() - began, "call_samples": (1 + epochs) * len(x)}
 
 
 def compare(case: Case, s: Settings, say: harness.Log) -> dict[str, Any]:
