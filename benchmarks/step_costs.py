@@ -87,28 +87,9 @@ def switched_off(pieces: Sequence[str]) -> Iterator[None]:
 
 
 def _bare(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings) -> Callable[[], None]:
-    """One call of the bare loop's step (as ``workloads.bare_loop``), on a repeated input."""
-    variables, optimizer = model.trainable_variables, model.optimizer
-    optimizer.build(variables)
-    summed = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-    k = s.batch_size // s.micro_batch_size
-
-    @tf.function
-    def step(iterator: Any) -> tf.Tensor:
-        def body(i: tf.Tensor, loss: tf.Tensor, grads: list) -> tuple:
-            xb, yb = iterator.get_next()
-            with tf.GradientTape() as tape:
-                piece = summed(yb, model(xb, training=True)) / s.batch_size
-            new = tape.gradient(piece, variables)
-            return i + 1, loss + piece, [g + n for g, n in zip(grads, new, strict=True)]
-
-        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
-        _, loss, grads = tf.while_loop(lambda i, *_: i < k, body,
-                                       (tf.constant(0), tf.constant(0.0), zeros),
-                                       parallel_iterations=1)
-        optimizer.apply_gradients(zip(grads, variables, strict=True))
-        return loss
-
+    """One call of the bare loop's step (``workloads.bare_step``), on a repeated input."""
+    step = workloads.bare_step(model, batch_size=s.batch_size,
+                               micro_batches=s.batch_size // s.micro_batch_size)
     iterator = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(
         s.micro_batch_size, drop_remainder=True).repeat().prefetch(2))
     return lambda: float(step(iterator))

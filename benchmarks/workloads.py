@@ -163,6 +163,34 @@ class EpochMeter(keras.callbacks.Callback):
 # ---------------------------------------------------------------- the methods
 
 
+def bare_step(model: keras.Model, *, batch_size: int, micro_batches: int
+              ) -> Callable[[Any], tf.Tensor]:
+    """The bare loop's compiled step: ``micro_batches`` pulls from an iterator in a
+    ``tf.while_loop`` (``parallel_iterations=1``), each one's gradient of its summed loss
+    over ``batch_size`` summed in carried tensors, one Adam apply; returns the loss."""
+    variables, optimizer = model.trainable_variables, model.optimizer
+    optimizer.build(variables)
+    summed = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+
+    @tf.function
+    def step(iterator):
+        def body(i, loss, grads):
+            xb, yb = iterator.get_next()
+            with tf.GradientTape() as tape:
+                piece = summed(yb, model(xb, training=True)) / batch_size
+            new = tape.gradient(piece, variables)
+            return i + 1, loss + piece, [g + n for g, n in zip(grads, new, strict=True)]
+
+        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        _, loss, grads = tf.while_loop(lambda i, *_: i < micro_batches, body,
+                                       (tf.constant(0), tf.constant(0.0), zeros),
+                                       parallel_iterations=1)
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
+        return loss
+
+    return step
+
+
 def bare_loop(model: keras.Model, x: np.ndarray, y: np.ndarray, *, batch_size: int,
               micro_batch_size: int, epochs: int, callback: keras.callbacks.Callback,
               batched: bool = False) -> None:
@@ -180,27 +208,8 @@ def bare_loop(model: keras.Model, x: np.ndarray, y: np.ndarray, *, batch_size: i
     if batch_size % micro_batch_size:
         raise ValueError(f"Expected {batch_size=} to be a multiple of {micro_batch_size=} "
                          "for the bare loop.")
-    steps, k = len(x) // batch_size, batch_size // micro_batch_size
-    variables, optimizer = model.trainable_variables, model.optimizer
-    optimizer.build(variables)
-    summed = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-
-    @tf.function
-    def step(iterator):
-        def body(i, loss, grads):
-            xb, yb = iterator.get_next()
-            with tf.GradientTape() as tape:
-                piece = summed(yb, model(xb, training=True)) / batch_size
-            new = tape.gradient(piece, variables)
-            return i + 1, loss + piece, [g + n for g, n in zip(grads, new, strict=True)]
-
-        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
-        _, loss, grads = tf.while_loop(lambda i, *_: i < k, body,
-                                       (tf.constant(0), tf.constant(0.0), zeros),
-                                       parallel_iterations=1)
-        optimizer.apply_gradients(zip(grads, variables, strict=True))
-        return loss
-
+    steps = len(x) // batch_size
+    step = bare_step(model, batch_size=batch_size, micro_batches=batch_size // micro_batch_size)
     data = tf.data.Dataset.from_tensor_slices((x, y))
     if batched:
         data = data.batch(32).rebatch(micro_batch_size, drop_remainder=True)
