@@ -37,7 +37,7 @@ Units: samples/s = training examples per wall-clock second.
 
 Reproduce (on an otherwise idle machine)::
 
-    python -m benchmarks.overhead          # ~15 min on 2 cores
+    python -m benchmarks.overhead          # ~10 min on 2 cores
     python -m benchmarks.overhead --quick  # small models, one repeat
     python -m benchmarks.overhead --cases mlp784,encoder
 
