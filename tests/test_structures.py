@@ -130,3 +130,16 @@ def test_parts_without_a_shared_row_count_are_refused(kind):
     assert "11" in str(info.value) and "20" in str(info.value) and "3" in str(info.value)
     for a, b in zip(before, model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_later_batch_without_a_shared_row_count_stops_training():
+    # The first batch is checked before anything changes (above); a later one is
+    # refused by the pipeline's rebatch, which checks every batch, with tf.data's error.
+    def later_batch_differs(index):
+        return tf.ones((4, 4)), tf.ones((4 - tf.cast(index[0] > 0, tf.int32), 1))
+
+    data = tf.data.Dataset.range(8).batch(4).map(later_batch_differs)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="same batch size"):
+        autosplit.fit_large_batch(model, data, batch_size=8, micro_batch_size=2, verbose=0)
