@@ -59,10 +59,15 @@ class FunctionCache:
     def get(self, key: Hashable, fn: Callable, *, run_eagerly: bool = False,
             jit_compile: bool | None = None) -> Callable:
         """The function under ``key``: ``fn`` compiled the first time (``fn`` itself
-        under ``run_eagerly``), whatever ``fn`` later calls pass."""
+        under ``run_eagerly``), whatever ``fn`` later calls pass.
+
+        Without autograph, as Keras compiles its train step (``do_not_convert``): the
+        step's loops are ``tf.while_loop`` and ``tf.cond`` already, a model's ``call``
+        and a custom ``train_step`` see what ``model.fit`` gives them, and tracing
+        skips the source conversion of every function it calls."""
         if key not in self._functions:
             self._functions[key] = fn if run_eagerly else tf.function(
-                fn, jit_compile=jit_compile, reduce_retracing=True)
+                fn, jit_compile=jit_compile, reduce_retracing=True, autograph=False)
         return self._functions[key]
 
     def clear(self) -> None:
