@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import random
 import warnings
 from collections.abc import Iterator, Sequence
@@ -34,6 +35,7 @@ from autosplit.errors import (
     describe,
 )
 from autosplit.evaluate import Evaluator, validation_input
+from autosplit.host import bfc_enabled
 from autosplit.inputs import InputAdapter, get_input
 from autosplit.model_state import model_state
 from autosplit.pipeline import MicroBatches, release
@@ -364,9 +366,13 @@ class _Plan:
 def _plan(model: keras.Model, adapter: InputAdapter, args: _Args, *, jit_compile: bool | None,
           memory_limit: int | str | None, headroom: float, cache: bool,
           objective: str = "memory") -> _Plan:
-    # Functions traced for an earlier call's tf.data pipeline hold its arrays in
-    # reference cycles; free them before this call allocates (it matters under a cap).
-    gc.collect()
+    if args.micro_batch_size is None or memory_limit is not None or bfc_enabled(os.environ):
+        # Functions traced for an earlier call's tf.data pipeline hold its arrays in
+        # reference cycles; free them before the search measures memory, or under
+        # TensorFlow's CPU cap (where host arrays count). Elsewhere Python's own
+        # collector frees them, as after model.fit: a full collection costs 0.1-0.3 s
+        # in a process that has built a few models, a tenth of a short call.
+        gc.collect()
     where = layout(model.distribute_strategy)
     if args.batch_size % where.replicas:
         raise BatchSizeError(
