@@ -40,6 +40,7 @@ import tensorflow as tf
 
 import autosplit
 from autosplit.peak_meter import PeakMeter
+from autosplit.pipeline import release
 from benchmarks.harness import MIB, OOM, error_text
 
 CLASSES = 10
@@ -203,7 +204,9 @@ def bare_loop(model: keras.Model, x: np.ndarray, y: np.ndarray, *, batch_size: i
     one micro-batch's activations at a time) pulls ``B // m`` micro-batches from a
     ``tf.data`` iterator, takes each one's gradient of its summed loss over B, sums the
     gradients in the loop's carried tensors, and Adam applies them once. No padding, no
-    metrics, no OOM recovery: B must be a multiple of m.
+    metrics, no OOM recovery: B must be a multiple of m. Each epoch's used iterator is
+    deleted on a thread of its own (``autosplit.pipeline.release``), as fit_large_batch
+    deletes its own: a yardstick without that waits 0.5 s and more at random epochs.
     """
     if batch_size % micro_batch_size:
         raise ValueError(f"Expected {batch_size=} to be a multiple of {micro_batch_size=} "
@@ -223,6 +226,11 @@ def bare_loop(model: keras.Model, x: np.ndarray, y: np.ndarray, *, batch_size: i
         for _ in range(steps):
             loss = step(iterator)
         callback.on_epoch_end(epoch, {"loss": float(loss)})
+        # Deleting a used iterator waits for tf.data's autotuning thread (0.5 s and
+        # more, at random epochs): off the clock, as fit_large_batch deletes its own.
+        used = [iterator]
+        del iterator
+        release(used)
 
 
 def _autosplit(kind: str) -> Callable[..., dict[str, Any]]:
