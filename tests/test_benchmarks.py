@@ -24,6 +24,7 @@ from benchmarks import (
     harness,
     memory_scaling,
     overhead,
+    probe_choices,
     probe_search,
     step_costs,
     workloads,
@@ -371,10 +372,41 @@ def test_gpu_check_checks_growth_per_input_kind_and_speed():
     (gpu_check, ["--quick", "--repeats", "0"]),
     (batchnorm_stats, ["--quick", "--ks", "3"]),
     (step_costs, ["--quick", "--repeats", "0"]),
+    (probe_choices, ["--quick", "--repeats", "0"]),
 ])
 def test_bad_flags_exit_before_anything_runs(module, argv):
     with pytest.raises(SystemExit, match="Expected"):
         module.main(argv)
+
+
+def test_probe_choices_compares_answers_on_the_small_batch_grid():
+    assert probe_choices.grid(512)[:6] == [512, 256, 171, 128, 103, 86]
+    # 4096's 256 and 274 both round down to 512's 256; 241 rounds to 171, one step on.
+    assert probe_choices.steps_apart(512, 256, 274) == 0
+    assert probe_choices.steps_apart(512, 256, 241) == 1
+    assert probe_choices.steps_apart(512, 512, 241) == 2
+
+
+def _probe_run(batch_size, chosen, seconds, speeds=()):
+    trials = [{"micro_batch_size": m, "fits": True, "oom": False, "peak_bytes": 1,
+               "seconds": 1.0, "samples_per_second": v} for m, v in speeds]
+    return {"batch_size": batch_size, "micro_batch_size": chosen, "seconds": seconds,
+            "ooms": 0, "wall_s": seconds + 5, "trials": trials, "reason": "r"}
+
+
+def test_probe_choices_checks_answer_time_and_the_speed_rule():
+    s = probe_choices.QUICK
+    same = {64: [_probe_run(64, 32, 4.0)], 128: [_probe_run(128, 32, 5.0)]}
+    speed = [{**_probe_run(128, 32, 3.0, [(32, 100.0), (22, 104.0)]), "model": "mlp 32"}]
+    checks = {c["id"]: c for c in probe_choices.checks(same, speed, s)}
+    assert checks["same"]["status"] == "PASS" and checks["time"]["status"] == "PASS"
+    assert checks["speed-mlp 32"]["status"] == "PASS"  # 4% faster: the largest is kept
+    speed[0]["micro_batch_size"] = 22  # kept a size only 4% faster: against the rule
+    same[128] = [_probe_run(128, 16, 9.0)]  # two sizes of 64's grid away, 2.25x the time
+    checks = {c["id"]: c for c in probe_choices.checks(same, speed, s)}
+    assert [checks[k]["status"] for k in ("same", "time", "speed-mlp 32")] == [
+        "MISS", "MISS", "MISS"]
+    assert [p["micro_batch_size"] for p in probe_choices.curve(speed[0])] == [32, 22]
 
 
 # ---------------------------------------------------------------- quick runs, end to end
@@ -494,3 +526,17 @@ def test_batchnorm_stats_quick_run(tmp_path):
     checks = {c["id"]: c["status"] for c in report["checks"]}
     assert checks == {"first-layer": "PASS", "k1": "PASS", "deeper": checks["deeper"]}
     assert (tmp_path / "batchnorm_stats.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.slow
+def test_probe_choices_quick_run_through_the_command_line(tmp_path):
+    assert probe_choices.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = read(tmp_path, "probe_choices")
+    runs = [r for runs in report["same"].values() for r in runs]
+    assert [r["batch_size"] for r in runs] == [64, 128]
+    for r in runs + report["speed"]:
+        assert "error" not in r, r
+        assert r["micro_batch_size"] >= 1 and r["trials"] and r["seconds"] > 0
+    [speed] = report["speed"]
+    assert speed["objective"] == "speed" and probe_choices.curve(speed)
+    assert [c["id"] for c in report["checks"]] == ["same", "time", "speed-mlp 32"]
