@@ -183,6 +183,33 @@ def test_shuffle_batch_shuffles_within_each_large_batch_only():
     assert [sorted(b) for b in seeded[0]] == unshuffled
 
 
+@pytest.mark.parametrize("shuffle", [False, True, "batch"])
+def test_the_repeated_pipeline_reads_each_epoch_as_a_fresh_iterator_would(shuffle):
+    # fit reads every epoch from one iterator of dataset(repeat=True) where the epoch's
+    # elements are known: each epoch must hold every row once, cut at the same large
+    # batches (a short last batch never borrows from the next epoch), reshuffled.
+    ids = np.arange(N, dtype="float32")[:, None]
+    pipeline = MicroBatches(get_input(ids, np.zeros(N), shuffle=shuffle), B, M)
+    elements = iter(pipeline.dataset(repeat=True))
+    epochs = []
+    for _ in range(3):
+        epoch = []
+        for step in range(pipeline.steps()):
+            pieces = list(itertools.islice(elements, pipeline.elements(step)))
+            epoch.append(np.concatenate([e[0].numpy()[e[3].numpy() > 0, 0] for e in pieces]))
+        epochs.append([batch.astype(int) for batch in epoch])
+    fresh = row_ids_per_large_batch(pipeline)
+    for epoch in epochs:
+        assert [len(b) for b in epoch] == [len(b) for b in fresh]
+        assert sorted(np.concatenate(epoch)) == list(range(N))
+        if shuffle == "batch":
+            assert [sorted(b) for b in epoch] == [sorted(b) for b in fresh]
+    if shuffle:
+        assert any((a != b).any() for a, b in zip(epochs[0], epochs[1], strict=True))
+    else:
+        assert all((a == b).all() for e in epochs for a, b in zip(e, fresh, strict=True))
+
+
 def test_worker_shares_and_local_replicas_cover_every_row_once():
     for workers in (1, 2, 4):
         seen = []
