@@ -18,11 +18,17 @@ Switched-off variants are not correct training (no recovery, no metrics): they o
 measure. Each variant is traced once, then timed as the best of ``--calls`` large
 batches, round-robin over ``--repeats`` passes (ratios best over best).
 
-Units: samples/s of one large batch (B / seconds of one ``run`` call).
+Units: samples/s of one large batch (B / seconds of one ``run`` call), and microseconds
+per micro-batch (a call's seconds over k). Also the milliseconds it takes to make one
+epoch's iterator, the bare loop's ``.batch(m)`` against autosplit's pipelines (each
+epoch pays it once). ``--tiny`` runs a linear model on 8 features at m = 16, where there
+is next to nothing to compute: its microseconds per micro-batch are the loop's own fixed
+cost (written as ``step_costs_tiny.*``).
 
 Reproduce (on an otherwise idle machine)::
 
     python -m benchmarks.step_costs            # MLP 784-1024-1024-10, B=4096, m=256, ~3 min
+    python -m benchmarks.step_costs --tiny     # the fixed cost per micro-batch, ~1 min
     python -m benchmarks.step_costs --quick    # a small MLP, a few calls
 """
 
@@ -50,6 +56,7 @@ VARIANTS = ("bare", "arrays", "arrays:nostash", "arrays:nometric", "arrays:norec
 @dataclass(frozen=True)
 class Settings:
     features: int = 784
+    hidden: tuple[int, ...] = (1024, 1024)
     rows: int = 16384
     batch_size: int = 4096
     micro_batch_size: int = 256
@@ -61,6 +68,9 @@ class Settings:
 FULL = Settings()
 QUICK = replace(FULL, features=64, rows=2048, batch_size=1024, micro_batch_size=64, calls=4,
                 repeats=1)
+# A linear model on 8 features at m = 16: next to nothing to compute, so a call's time
+# over k is the fixed cost of one micro-batch, the loop's own.
+TINY = replace(FULL, features=8, hidden=(), micro_batch_size=16)
 
 
 @contextlib.contextmanager
@@ -95,16 +105,41 @@ def _bare(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings) -> Call
     return lambda: float(step(iterator))
 
 
-def _ours(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings, kind: str
-          ) -> Callable[[], None]:
-    """One call of ``TrainStep.run`` (one large batch), its input built as ``fit`` does."""
+def _pipeline(x: np.ndarray, y: np.ndarray, s: Settings, kind: str):
+    """The micro-batches of one input kind, built as ``fit`` builds them."""
     from autosplit.inputs import get_input
     from autosplit.pipeline import MicroBatches
-    from autosplit.step import step_for
 
     data = get_input(x, y, shuffle=False) if kind == "arrays" else get_input(
         tf.data.Dataset.from_tensor_slices((x, y)), shuffle=False)
-    pipeline = MicroBatches(data, s.batch_size, s.micro_batch_size)
+    return MicroBatches(data, s.batch_size, s.micro_batch_size)
+
+
+def iterator_ms(x: np.ndarray, y: np.ndarray, s: Settings, times: int = 10) -> dict[str, float]:
+    """Milliseconds to make one epoch's iterator (median; what every epoch pays once):
+    the bare loop's ``.batch(m)`` against autosplit's pipelines."""
+    datasets = {"bare": tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        s.micro_batch_size, drop_remainder=True).prefetch(2)}
+    for kind in ("arrays", "examples"):
+        datasets[kind] = _pipeline(x, y, s, kind).dataset()
+    out = {}
+    for name, dataset in datasets.items():
+        seconds = []
+        for _ in range(times):
+            start = time.perf_counter()
+            iterator = iter(dataset)
+            seconds.append(time.perf_counter() - start)
+            del iterator
+        out[name] = 1000 * float(np.median(seconds))
+    return out
+
+
+def _ours(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings, kind: str
+          ) -> Callable[[], None]:
+    """One call of ``TrainStep.run`` (one large batch), its input built as ``fit`` does."""
+    from autosplit.step import step_for
+
+    pipeline = _pipeline(x, y, s, kind)
     step = step_for(model, pipeline)
     iterator = iter(pipeline.dataset(repeat=True))
     k = s.batch_size // s.micro_batch_size
@@ -112,7 +147,7 @@ def _ours(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings, kind: s
 
 
 def measure(s: Settings, say: harness.Log) -> dict[str, Any]:
-    spec = workloads.mlp_spec(s.features, (1024, 1024))
+    spec = workloads.mlp_spec(s.features, s.hidden)
     x, y = workloads.synthetic(s.rows, spec.input_shape, seed=s.seed)
     weights = workloads.build_model(spec, seed=s.seed).get_weights()
     calls: dict[str, Callable[[], None]] = {}
@@ -135,40 +170,62 @@ def measure(s: Settings, say: harness.Log) -> dict[str, Any]:
             say(f"  repeat {repeat + 1}/{s.repeats}  {variant:<18} "
                 f"{s.batch_size / best[variant]:>10,.0f} samples/s")
     bare = s.batch_size / best["bare"]
-    return {v: {"samples_per_s": s.batch_size / t, "ratio_to_bare": s.batch_size / t / bare}
-            for v, t in best.items()}
+    k = s.batch_size // s.micro_batch_size
+    return {v: {"samples_per_s": s.batch_size / t, "ratio_to_bare": s.batch_size / t / bare,
+                "us_per_micro_batch": 1e6 * t / k} for v, t in best.items()}
 
 
 def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = harness.report_head("Per-micro-batch costs inside the compiled step", report)
-    lines += ["", f"MLP {s['features']}-1024-1024-10, Adam, B={s['batch_size']}, "
+    lines += ["", f"{model_label(s)}, Adam, B={s['batch_size']}, "
               f"m={s['micro_batch_size']}; best of {s['calls']} calls x {s['repeats']} "
               "passes.", ""]
-    lines += harness.md_table(["variant", "samples/s", "ratio to bare"], rows(report))
+    lines += harness.md_table(HEADER, rows(report))
+    lines += ["", "Making one epoch's iterator (median of 10, ms): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in report["iterator_ms"].items()) + "."]
     return "\n".join(lines) + harness.report_tail(report)
 
 
+HEADER = ["variant", "samples/s", "ratio to bare", "us per micro-batch"]
+
+
+def model_label(s: dict[str, Any]) -> str:
+    return "-".join(["MLP " + str(s["features"]), *map(str, s["hidden"]), "10"])
+
+
 def rows(report: dict[str, Any]) -> list[list[str]]:
-    return [[v, f"{r['samples_per_s']:,.0f}", f"{r['ratio_to_bare']:.3f}"]
-            for v, r in report["variants"].items()]
+    return [[v, f"{r['samples_per_s']:,.0f}", f"{r['ratio_to_bare']:.3f}",
+             f"{r['us_per_micro_batch']:,.0f}"] for v, r in report["variants"].items()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = harness.parser("Per-micro-batch costs of the compiled step against the bare loop.",
                        quick="a small MLP, a few calls", repeats=FULL.repeats)
+    p.add_argument("--tiny", action="store_true",
+                   help="a linear model on 8 features at m=16: the fixed cost of one "
+                        "micro-batch (writes step_costs_tiny.*)")
+    p.add_argument("--features", type=int,
+                   help=f"the MLP's input width (default {FULL.features})")
     args = p.parse_args(argv)
     harness.at_least("repeats", args.repeats)
-    s = QUICK if args.quick else FULL
+    harness.at_least("features", args.features)
+    s = QUICK if args.quick else (TINY if args.tiny else FULL)
+    s = replace(s, features=args.features or s.features)
     s = replace(s, repeats=args.repeats or s.repeats)
     info = harness.machine_info()
     harness.log(f"# {harness.machine_line(info)}")
     variants = measure(s, harness.log)
+    x, y = workloads.synthetic(s.rows, (s.features,), seed=s.seed)
     report: dict[str, Any] = {"question": QUESTION, "command": harness.command("step_costs", argv),
                               "units": UNITS, "machine": info, "settings": asdict(s),
-                              "variants": variants, "checks": []}
-    harness.log(harness.text_table(["variant", "samples/s", "ratio to bare"], rows(report)))
-    harness.conclude(harness.out_dir(args), "step_costs", report, markdown(report))
+                              "variants": variants, "iterator_ms": iterator_ms(x, y, s),
+                              "checks": []}
+    harness.log(harness.text_table(HEADER, rows(report)))
+    harness.log("iterator, ms: " + ", ".join(f"{k} {v:.1f}"
+                                             for k, v in report["iterator_ms"].items()))
+    harness.conclude(harness.out_dir(args), "step_costs_tiny" if args.tiny else "step_costs",
+                     report, markdown(report))
     return 0
 
 

@@ -466,10 +466,13 @@ def test_step_costs_quick_run_restores_the_library(tmp_path):
     before = (sums.Stash.put, update.update_metrics, sums.Stash.record)
     assert step_costs.main(["--quick", "--out", str(tmp_path)]) == 0
     assert (sums.Stash.put, update.update_metrics, sums.Stash.record) == before
-    variants = read(tmp_path, "step_costs")["variants"]
+    report = read(tmp_path, "step_costs")
+    variants = report["variants"]
     assert list(variants) == list(step_costs.VARIANTS)
     assert variants["bare"]["ratio_to_bare"] == 1.0
-    assert all(r["samples_per_s"] > 0 for r in variants.values())
+    assert all(r["samples_per_s"] > 0 and r["us_per_micro_batch"] > 0 for r in variants.values())
+    assert set(report["iterator_ms"]) == {"bare", "arrays", "examples"}
+    assert all(ms > 0 for ms in report["iterator_ms"].values())
 
 
 @pytest.mark.slow
