@@ -366,10 +366,12 @@ class _Plan:
 def _plan(model: keras.Model, adapter: InputAdapter, args: _Args, *, jit_compile: bool | None,
           memory_limit: int | str | None, headroom: float, cache: bool,
           objective: str = "memory") -> _Plan:
-    if args.micro_batch_size is None or memory_limit is not None or bfc_enabled(os.environ):
-        # Functions traced for an earlier call's tf.data pipeline hold its arrays in
-        # reference cycles; free them before the search measures memory, or under
-        # TensorFlow's CPU cap (where host arrays count). Elsewhere Python's own
+    if (args.micro_batch_size is None or memory_limit is not None
+            or bfc_enabled(os.environ) or tf.config.list_logical_devices("GPU")):
+        # An earlier call's pipelines (their traced functions hold the arrays) and a
+        # dropped model's variables live in reference cycles until a collection: free
+        # them before the search measures memory, on an accelerator, and under
+        # TensorFlow's CPU cap (where host arrays count). On a plain CPU Python's own
         # collector frees them, as after model.fit: a full collection costs 0.1-0.3 s
         # in a process that has built a few models, a tenth of a short call.
         gc.collect()
