@@ -27,6 +27,7 @@ __all__ = ["OBJECTIVES", "Trial", "achievable", "between", "fastest", "fit_line"
            "search", "second_size", "speed_candidates"]
 
 TOLERANCE = 0.05  # stop bisecting when the gap is within 5% of the best fit
+GROWTH = 4  # before any failure, a guess is at most 4x the largest size that fit
 OBJECTIVES = ("memory", "speed")
 FASTER = 1.05  # objective="speed" keeps a smaller size only when it is 5% faster
 
@@ -104,9 +105,11 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
     (:func:`second_size`) follows from the first one's peak, not from B, and fits
     whatever the model's fixed memory is, so the line gets two points.
     Each later guess comes from the line through the largest size that fit and the
-    largest one at most half of it; a guess outside the open interval (largest fit,
-    smallest failure), or no such pair, means the size halfway between them in
-    micro-batch count (rounded to the larger size), so a bad line costs one trial.
+    largest one at most half of it, and while nothing has failed it is at most 4x the
+    largest fit (a line through two small sizes can be mostly noise); a guess outside
+    the open interval (largest fit, smallest failure), or no such pair, means the size
+    halfway between them in micro-batch count (rounded to the larger size), so a bad
+    line costs one trial.
     Trials leave lasting allocations behind (kernel caches, scratch buffers), so the
     choice is measured once more at the end unless it was the last trial, and stepped
     down until it fits.
@@ -141,6 +144,10 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
             guess = achievable(batch_size, int((budget - a) / b))
             if guess <= lo:
                 break  # the line puts the budget below the next size a split can run
+            if hi > batch_size:
+                # Nothing failed yet: the line is extrapolated, and through two small
+                # sizes the allocator's noise can hide its slope. Steps of at most 4x.
+                guess = min(guess, achievable(batch_size, GROWTH * lo))
         if guess is None or not lo < guess < hi:
             guess = between(batch_size, lo, hi)
             if guess is None:
