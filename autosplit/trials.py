@@ -314,9 +314,9 @@ def _searched(trials_runner: _Trials, local_batch: int, objective: str
         trials.append(trials_runner.trial(m))
     challenger, _ = fastest(chosen, trials)
     if challenger != chosen:
-        # A trial times two short steps: ~10% apart run to run on a busy machine. Both
-        # finalists are timed once more, in turn; each keeps its best, and only then
-        # may the smaller one win.
+        # A trial times two short steps: 10-30% apart run to run on a busy machine.
+        # Both finalists are timed once more, in turn; each counts its mean, and only
+        # then may the smaller one win.
         trials += [trials_runner.trial(m) for m in (chosen, challenger)]
     chosen, why = fastest(chosen, trials)
     return chosen, trials, why

@@ -129,18 +129,18 @@ def trials_text(trials: Sequence[dict[str, Any]]) -> str:
 
 
 def curve(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Best samples/s of every fitting size timed, largest size first, relative to the
-    largest that fits."""
-    best: dict[int, float] = {}
+    """Mean samples/s of every fitting size timed (as the probe's rule counts them),
+    largest size first, relative to the largest that fits; with every timing."""
+    timings: dict[int, list[float]] = {}
     for t in result.get("trials", []):
         if t["fits"] and t["samples_per_second"]:
-            m = t["micro_batch_size"]
-            best[m] = max(best.get(m, 0.0), t["samples_per_second"])
-    if not best:
+            timings.setdefault(t["micro_batch_size"], []).append(t["samples_per_second"])
+    if not timings:
         return []
-    top = best[max(best)]
-    return [{"micro_batch_size": m, "samples_per_second": best[m], "relative": best[m] / top}
-            for m in sorted(best, reverse=True)]
+    mean = {m: sum(v) / len(v) for m, v in timings.items()}
+    top = mean[max(mean)]
+    return [{"micro_batch_size": m, "samples_per_second": mean[m], "relative": mean[m] / top,
+             "timings": timings[m]} for m in sorted(mean, reverse=True)]
 
 
 def checks(same: dict[int, list[dict[str, Any]]], speed: Sequence[dict[str, Any]],
@@ -197,9 +197,11 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{r.get('reason') or r.get('error', '')}", "",
                   f"Trials: {trials_text(r.get('trials', []))}; search "
                   f"{r.get('seconds', 0):.1f} s.", ""]
-        lines += harness.md_table(["m", "samples/s", "of the largest"],
-                                  [[str(p["micro_batch_size"]), f"{p['samples_per_second']:,.0f}",
-                                    f"{p['relative']:.2f}"] for p in curve(r)])
+        lines += harness.md_table(
+            ["m", "samples/s (mean)", "of the largest", "every timing"],
+            [[str(p["micro_batch_size"]), f"{p['samples_per_second']:,.0f}",
+              f"{p['relative']:.2f}", ", ".join(f"{v:,.0f}" for v in p["timings"])]
+             for p in curve(r)])
         lines += [""]
     return "\n".join(lines) + harness.report_tail(report)
 
