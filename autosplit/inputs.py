@@ -83,14 +83,11 @@ class InputAdapter:
         kind: what the user passed, for messages and ``history.autosplit``.
         rows: examples in one epoch, or None when only the end of the data tells.
         reiterable: a second pass reads the data again (generators: no).
-        epoch_hooks: ``on_epoch_begin``/``on_epoch_end`` do something (a
-            ``PyDataset``), so each epoch needs an iterator of its own.
     """
 
     kind = "input"
     rows: int | None = None
     reiterable = True
-    epoch_hooks = False
     _class_weight: Any = None  # (y, sample_weight) -> sample_weight, from ``class_weight``
     _arity = 2  # elements (x, y) = 2, (x, y, w) = 3, x alone (no targets) = 0
 
@@ -130,6 +127,14 @@ class InputAdapter:
 
     def on_epoch_end(self) -> None:
         pass
+
+    @property
+    def epoch_hooks(self) -> bool:
+        """Whether this kind overrides ``on_epoch_begin``/``on_epoch_end`` (a
+        ``PyDataset``'s), so each epoch needs an iterator of its own."""
+        kind = type(self)
+        return (kind.on_epoch_begin is not InputAdapter.on_epoch_begin
+                or kind.on_epoch_end is not InputAdapter.on_epoch_end)
 
 
 def class_weight_fn(class_weight: dict) -> Any:
@@ -342,8 +347,6 @@ class DatasetInput(InputAdapter):
 
 class KerasInput(InputAdapter):
     """A ``keras.utils.PyDataset`` or a Python generator, read through Keras's own adapter."""
-
-    epoch_hooks = True
 
     def __init__(self, data: Any, *, shuffle: bool | str,
                  class_weight: dict | None) -> None:

@@ -183,6 +183,14 @@ def test_shuffle_batch_shuffles_within_each_large_batch_only():
     assert [sorted(b) for b in seeded[0]] == unshuffled
 
 
+def test_only_a_kind_with_epoch_hooks_needs_an_iterator_per_epoch():
+    # fit repeats one iterator only where the adapter's epoch hooks do nothing.
+    x, y, w = data(40)
+    assert not get_input(x, y, w, shuffle=True).epoch_hooks
+    assert not get_input(tf.data.Dataset.from_tensor_slices((x, y)), shuffle=False).epoch_hooks
+    assert get_input(Batches(x, y, w, 10), shuffle=False).epoch_hooks
+
+
 @pytest.mark.parametrize("shuffle", [False, True, "batch"])
 def test_the_repeated_pipeline_reads_each_epoch_as_a_fresh_iterator_would(shuffle):
     # fit reads every epoch from one iterator of dataset(repeat=True) where the epoch's
