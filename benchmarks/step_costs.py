@@ -96,12 +96,17 @@ def switched_off(pieces: Sequence[str]) -> Iterator[None]:
         sums.Stash.put, update_module.update_metrics, sums.Stash.record = saved  # type: ignore[method-assign]
 
 
+def _bare_batches(x: np.ndarray, y: np.ndarray, s: Settings) -> tf.data.Dataset:
+    """The bare loop's input: ``.batch(m)`` of the rows."""
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(s.micro_batch_size,
+                                                            drop_remainder=True)
+
+
 def _bare(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings) -> Callable[[], None]:
     """One call of the bare loop's step (``workloads.bare_step``), on a repeated input."""
     step = workloads.bare_step(model, batch_size=s.batch_size,
                                micro_batches=s.batch_size // s.micro_batch_size)
-    iterator = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        s.micro_batch_size, drop_remainder=True).repeat().prefetch(2))
+    iterator = iter(_bare_batches(x, y, s).repeat().prefetch(2))
     return lambda: float(step(iterator))
 
 
@@ -118,8 +123,7 @@ def _pipeline(x: np.ndarray, y: np.ndarray, s: Settings, kind: str):
 def iterator_ms(x: np.ndarray, y: np.ndarray, s: Settings, times: int = 10) -> dict[str, float]:
     """Milliseconds to make one epoch's iterator (median; what every epoch pays once):
     the bare loop's ``.batch(m)`` against autosplit's pipelines."""
-    datasets = {"bare": tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        s.micro_batch_size, drop_remainder=True).prefetch(2)}
+    datasets = {"bare": _bare_batches(x, y, s).prefetch(2)}
     for kind in ("arrays", "examples"):
         datasets[kind] = _pipeline(x, y, s, kind).dataset()
     out = {}
@@ -146,9 +150,8 @@ def _ours(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings, kind: s
     return lambda: float(step.run(iterator, k)["loss"])
 
 
-def measure(s: Settings, say: harness.Log) -> dict[str, Any]:
+def measure(s: Settings, x: np.ndarray, y: np.ndarray, say: harness.Log) -> dict[str, Any]:
     spec = workloads.mlp_spec(s.features, s.hidden)
-    x, y = workloads.synthetic(s.rows, spec.input_shape, seed=s.seed)
     weights = workloads.build_model(spec, seed=s.seed).get_weights()
     calls: dict[str, Callable[[], None]] = {}
     for variant in VARIANTS:
@@ -211,12 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     harness.at_least("repeats", args.repeats)
     harness.at_least("features", args.features)
     s = QUICK if args.quick else (TINY if args.tiny else FULL)
-    s = replace(s, features=args.features or s.features)
-    s = replace(s, repeats=args.repeats or s.repeats)
+    s = replace(s, features=args.features or s.features, repeats=args.repeats or s.repeats)
     info = harness.machine_info()
     harness.log(f"# {harness.machine_line(info)}")
-    variants = measure(s, harness.log)
     x, y = workloads.synthetic(s.rows, (s.features,), seed=s.seed)
+    variants = measure(s, x, y, harness.log)
     report: dict[str, Any] = {"question": QUESTION, "command": harness.command("step_costs", argv),
                               "units": UNITS, "machine": info, "settings": asdict(s),
                               "variants": variants, "iterator_ms": iterator_ms(x, y, s),

@@ -226,9 +226,7 @@ def bare_loop(model: keras.Model, x: np.ndarray, y: np.ndarray, *, batch_size: i
         for _ in range(steps):
             loss = step(iterator)
         callback.on_epoch_end(epoch, {"loss": float(loss)})
-        # Deleting a used iterator waits for tf.data's autotuning thread (0.5 s and
-        # more, at random epochs): off the clock, as fit_large_batch deletes its own.
-        used = [iterator]
+        used = [iterator]  # deleted off the clock (see the docstring)
         del iterator
         release(used)
 
