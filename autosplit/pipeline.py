@@ -140,15 +140,22 @@ class MicroBatches:
         """The micro-batch elements of one epoch (or, with ``repeat``, of endless epochs).
 
         Repeating after the cut restarts the pattern with every epoch, so a short last
-        batch never borrows rows from the next epoch. Built once and reused: iterating
-        it again starts a new epoch without tracing its functions again.
+        batch never borrows rows from the next epoch. The cut is built once per seed and
+        both variants wrap it: iterating again starts a new epoch, and asking for the
+        repeated variant after the element spec traces none of its functions again.
         """
-        key = (repeat, shuffle_seed)
-        if key not in self._datasets:
-            self._datasets[key] = self._build(repeat=repeat, shuffle_seed=shuffle_seed)
-        return self._datasets[key]
+        if shuffle_seed not in self._datasets:
+            self._datasets[shuffle_seed] = self._build(shuffle_seed=shuffle_seed)
+        with tf.device(HOST):
+            ds = self._datasets[shuffle_seed]
+            if repeat:
+                ds = ds.repeat()
+            options = tf.data.Options()
+            options.deterministic = True
+            return ds.with_options(options).prefetch(_PREFETCH)
 
-    def _build(self, *, repeat: bool, shuffle_seed: int | None) -> tf.data.Dataset:
+    def _build(self, *, shuffle_seed: int | None) -> tf.data.Dataset:
+        """The cut, padded elements of one epoch, before any repeat or prefetch."""
         with tf.device(HOST):
             ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed,
                                            batch_size=self.batch_size)
@@ -175,11 +182,7 @@ class MicroBatches:
             if replicas > 1:
                 ds = ds.batch(replicas).map(functools.partial(_pad_replicas_of,
                                                               replicas=replicas))
-            if repeat:
-                ds = ds.repeat()
-            options = tf.data.Options()
-            options.deterministic = True
-            return ds.with_options(options).prefetch(_PREFETCH)
+            return ds
 
     def element_spec(self) -> Any:
         return self.dataset().element_spec
