@@ -108,8 +108,10 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
     largest one at most half of it, and while nothing has failed it is at most 4x the
     largest fit (a line through two small sizes can be mostly noise); a guess outside
     the open interval (largest fit, smallest failure), or no such pair, means the size
-    halfway between them in micro-batch count (rounded to the larger size), so a bad
-    line costs one trial.
+    below where the line through their two peaks meets the budget when the failure
+    ran over it (:func:`_secant`), else the size halfway between them in micro-batch
+    count (rounded to the larger size) after an out-of-memory error, so a bad line
+    costs one trial.
     Trials leave lasting allocations behind (kernel caches, scratch buffers), so the
     choice is measured once more at the end unless it was the last trial, and stepped
     down until it fits.
@@ -149,7 +151,7 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
                 # sizes the allocator's noise can hide its slope. Steps of at most 4x.
                 guess = min(guess, achievable(batch_size, GROWTH * lo))
         if guess is None or not lo < guess < hi:
-            guess = between(batch_size, lo, hi)
+            guess = _secant(batch_size, budget, trials, lo, hi) or between(batch_size, lo, hi)
             if guess is None:
                 break
         result = yield from ask(guess)
@@ -198,6 +200,40 @@ def second_size(batch_size: int, first: int, peak: int | None, budget: int) -> i
     """
     bound = first * budget // max(1, peak or 1)
     return achievable(batch_size, min(16 * first, max(2 * first, bound)))
+
+
+def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: int
+            ) -> int | None:
+    """Between the largest fit ``lo`` and a smallest failure ``hi`` that ran (over the
+    budget, its peak measured), the largest size at or below where the straight line
+    through their two peaks meets the budget (the smallest size above ``lo`` when none
+    is); None after an out-of-memory error (no peak) or without a size a split can run
+    strictly between them.
+
+    The peak can climb in steps (an allocator growing its pool), so the line through
+    the far pair of fits may point past a failure that ran; the two peaks around the
+    budget locate it better than halving the micro-batch count.
+
+    >>> seen = [Trial(179, True, False, 158, 1.0), Trial(274, False, False, 248, 1.0)]
+    >>> _secant(4096, 230, seen, 179, 274)  # the line meets 230 at 255.8 rows (k = 17)
+    241
+    """
+    def peak(m: int, fits: bool) -> int | None:
+        return next((t.peak_bytes for t in reversed(trials)
+                     if t.micro_batch_size == m and t.fits == fits and not t.oom), None)
+
+    low, high = peak(lo, True), peak(hi, False)
+    if low is None or high is None or high <= low:
+        return None
+    crossing = lo + (budget - low) * (hi - lo) / (high - low)
+    counts = range(_steps(batch_size, hi - 1), _steps(batch_size, lo) + 1)
+    inside = {m for m in (math.ceil(batch_size / k) for k in counts) if lo < m < hi}
+    if not inside:
+        return None
+    # The largest the line says fits, as for the line's own guess: one too small costs
+    # a trial, one too large may run out of memory (10 s of the allocator's retries).
+    under = [m for m in inside if m <= crossing]
+    return max(under) if under else min(inside)
 
 
 def _far_pair(trials: Sequence[Trial]) -> list[tuple[int, int]]:

@@ -81,6 +81,26 @@ def test_a_line_through_two_small_sizes_is_not_trusted_far_beyond_them():
     assert chosen == 2048
 
 
+def test_a_peak_that_climbs_in_steps_is_located_from_the_peaks_around_the_budget():
+    # The CNN of benchmarks.probe_choices under 256 MiB at B = 4096 (budget 230 MiB,
+    # peaks in MiB x 1000): the peak climbs 0.67 MiB a row to 179 rows, barely moves up
+    # to 256, then jumps by ~70 MiB, so 274 rows (k = 15) run over the budget. The line
+    # through the fits pointed at 274; halving the count between 179 and 274 then took
+    # 216, 241 and 256 (6 trials, 19 s measured). The line through the peaks at 179 and
+    # 274 meets the budget at 255.8 rows: the size below, 241, then 256.
+    def device(m, jump=250):
+        peak = 38_000 + 670 * m if m < 180 else (
+            140_000 + 120 * m if m < 260 else 180_000 + jump * m)
+        return Trial(m, peak <= 230_400, False, peak, 0.0)
+
+    chosen, trials = run_search(4096, 230_400, device)
+    assert sizes(trials) == [64, 179, 274, 241, 256] and chosen == 256
+    assert [t.fits for t in trials] == [True, True, False, True, True]
+    # A smaller jump (274 peaks at 235.9 MiB, as in the other measured run): 256 at once.
+    chosen, trials = run_search(4096, 230_400, lambda m: device(m, jump=204))
+    assert sizes(trials) == [64, 179, 274, 256] and chosen == 256
+
+
 def test_everything_fits_means_no_split():
     chosen, trials = run_search(4096, 10**9, linear(1000, 4, 10**9))
     assert (chosen, sizes(trials)) == (4096, [64, 1024, 4096])
