@@ -247,6 +247,7 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     finally:
         step.discard()
         trials_runner.snapshot.restore()
+        trials_runner.collector.close()
         del trials_runner
         gc.collect()  # the trials' pipelines, before training builds its own
     result = _result(trials, chosen, local_batch, device, budget, limit, headroom, meter,
@@ -322,6 +323,32 @@ def _searched(trials_runner: _Trials, local_batch: int, objective: str
     return chosen, trials, why
 
 
+class _Collector:
+    """A full garbage collection after each trial, over what that trial left alone.
+
+    A trial's dead pipeline and iterator may sit in reference cycles and hold buffers
+    the next trial's peak would count, so every trial ends with ``gc.collect()``. In a
+    process that has traced a few models that scans a million objects: 0.1 to 0.4 s a
+    trial, measured on the CNN. What survives one collection is frozen
+    (``gc.freeze``), so the next scans only the objects made since; :meth:`close` puts
+    them back in the collector's care. A process that froze objects of its own keeps
+    its freeze untouched and pays the full scan.
+    """
+
+    def __init__(self) -> None:
+        self.freezing = gc.get_freeze_count() == 0
+
+    def collect(self) -> None:
+        gc.collect()
+        if self.freezing:
+            gc.freeze()
+
+    def close(self) -> None:
+        if self.freezing:
+            gc.unfreeze()
+            self.freezing = False
+
+
 class _Trials:
     """Trial steps at one size after another, and the lockstep form across workers."""
 
@@ -331,6 +358,7 @@ class _Trials:
         self.step, self.snapshot, self.meter = step, snapshot, meter
         self.budget, self.data, self.batch_size, self.where = budget, data, batch_size, where
         self.say = say
+        self.collector = _Collector()
 
     @overload
     def trial(self, m: int) -> Trial: ...
@@ -365,7 +393,7 @@ class _Trials:
             self.step.discard()
             self.snapshot.restore()
             del iterator
-            gc.collect()  # a dead trial's buffers must not count against the next one
+            self.collector.collect()  # a dead trial's buffers must not count in the next
         if m is None:
             return None
         result = Trial(m, peak is not None and peak <= self.budget, peak is None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -53,6 +54,29 @@ def test_probe_leaves_state_bitwise_unchanged_and_round_trips(cache_home):
     assert result.peak_source == PeakMeter().source
     again = ProbeResult.from_dict(json.loads(result.to_json()))
     assert again == result
+
+
+def test_trials_scan_only_new_objects_and_the_collector_is_left_as_found(cache_home):
+    # Between trials what survived the last collection is frozen (gc.freeze), so each
+    # collection scans only that trial's objects; afterwards nothing stays frozen.
+    assert gc.get_freeze_count() == 0
+    frozen = []
+    probe(small_model(), data(), batch_size=256, cache=False,
+          on_trial=lambda trial, budget: frozen.append(gc.get_freeze_count()))
+    assert frozen and all(count > 0 for count in frozen)
+    assert gc.get_freeze_count() == 0
+    # A process that froze its own objects keeps its freeze: none added, none released
+    # (a frozen object whose last reference goes is still freed: a few fewer).
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        frozen.clear()
+        probe(small_model(), data(), batch_size=256, cache=False,
+              on_trial=lambda trial, budget: frozen.append(gc.get_freeze_count()))
+        assert all(mine - 100 <= count <= mine
+                   for count in [*frozen, gc.get_freeze_count()])
+    finally:
+        gc.unfreeze()
 
 
 def test_whole_batch_fits_means_no_split(cache_home):
