@@ -7,8 +7,9 @@ The names below are imported on first use, so that ``import autosplit`` (and the
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
+
+from autosplit.warn import warn_user
 
 __version__ = "0.2.0"
 
@@ -79,7 +80,7 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _DEPRECATED:
         module, message = _DEPRECATED[name]
-        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        warn_user(message, DeprecationWarning)
         return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'autosplit' has no attribute {name!r}")
 

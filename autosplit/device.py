@@ -17,13 +17,13 @@ import contextlib
 import math
 import numbers
 import os
-import warnings
 from typing import Any
 
 from autosplit.device_info import LIMIT_SOURCES, DeviceInfo, split_device
 from autosplit.errors import MemoryLimitError, describe
 from autosplit.host import read_cpu
 from autosplit.units import parse_memory
+from autosplit.warn import warn_user
 
 __all__ = [
     "LIMIT_SOURCES",  # re-exported from autosplit.device_info, their home
@@ -189,8 +189,8 @@ def read_device(tf_device: str | None = None) -> DeviceInfo:
     wanted = tf_device or "GPU:0"
     if not gpus:
         if tf_device is not None:
-            warnings.warn(f"TensorFlow sees no GPU, so {tf_device!r} cannot be read; "
-                          "reading host memory instead.", RuntimeWarning, stacklevel=2)
+            warn_user(f"TensorFlow sees no GPU, so {tf_device!r} cannot be read; "
+                          "reading host memory instead.", RuntimeWarning)
         return read_cpu()
     try:
         import pynvml
@@ -202,10 +202,10 @@ def read_device(tf_device: str | None = None) -> DeviceInfo:
     try:
         return read_gpu(wanted)
     except caught as exc:
-        warnings.warn(
+        warn_user(
             f"TensorFlow sees {len(gpus)} GPU(s) but NVML could not read {wanted!r} "
             f"({exc!r}); reading host memory instead. Pass `memory_limit` to set the "
-            "GPU budget by hand.", RuntimeWarning, stacklevel=2)
+            "GPU budget by hand.", RuntimeWarning)
     return read_cpu()
 
 

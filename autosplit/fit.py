@@ -15,7 +15,6 @@ import dataclasses
 import gc
 import os
 import random
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -55,6 +54,7 @@ from autosplit.validation import (
     check_verbose,
     warn_if_inexact,
 )
+from autosplit.warn import warn_user
 
 if TYPE_CHECKING:
     from autosplit.trials import ProbeResult
@@ -134,9 +134,9 @@ class FitReport:
     def __getitem__(self, key: str) -> Any:
         # Kept because history.autosplit was a dict up to 0.2.0 and indexing it costs
         # nothing to support; it warns so that code moves to the attributes.
-        warnings.warn(f"history.autosplit[{key!r}] is deprecated: history.autosplit is a "
+        warn_user(f"history.autosplit[{key!r}] is deprecated: history.autosplit is a "
                       f"FitReport; read history.autosplit.{key}, or .to_dict().",
-                      DeprecationWarning, stacklevel=2)
+                      DeprecationWarning)
         return self.to_dict()[key]
 
 
@@ -286,8 +286,8 @@ def _validate(model: Any, given: dict[str, Any]) -> _Args:
         raise ArgumentError(f"Expected `jit_compile` to be None, True or False. Received: "
                             f"jit_compile={describe(given['jit_compile'])}.")
     if args.validation_split and given["validation_data"] is not None:
-        warnings.warn("Both `validation_split` and `validation_data` were given; "
-                      "`validation_data` is used, as in model.fit.", stacklevel=3)
+        warn_user("Both `validation_split` and `validation_data` were given; "
+                      "`validation_data` is used, as in model.fit.")
     check_model(model)
     if (given["validation_data"] is not None or args.validation_split) and has_custom_step(
             model):
@@ -573,11 +573,13 @@ class _Batches:
         """Warn and stop, as model.fit does, when the input ran out of data."""
         wanted = self.args.steps_per_epoch
         if ran == 0 or (wanted is not None and ran < wanted and not self.model.stop_training):
-            warnings.warn(
+            # Steps per epoch as given, or as the first epoch counted them.
+            per_epoch = wanted or self.steps
+            here = f" ({per_epoch * self.args.epochs} here)" if per_epoch else ""
+            warn_user(
                 "Your input ran out of data; interrupting training. Make sure that your "
                 "dataset or generator can generate at least `steps_per_epoch * epochs` "
-                f"large batches ({(wanted or ran) * self.args.epochs} here); you "
-                "may need `.repeat()`.", stacklevel=4)
+                f"large batches{here}; you may need `.repeat()`.")
             self.model.stop_training = True
 
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import tensorflow as tf
 
 from autosplit.errors import NothingFitsError, WorkerLostError
+from autosplit.warn import warn_user
 
 __all__ = ["OomRecovery", "RecoverableStep", "Recovery", "shrink_micro_batch", "worker_lost"]
 
@@ -265,9 +265,9 @@ class Recovery:
         # A size the probe saw fit has just failed: memory is tighter than at probe
         # time, so its other measurements are not trusted either.
         self.known_fits = []
-        warnings.warn(
+        warn_user(
             f"Out of memory in step {step_number} with micro-batches of {failed} rows; "
-            f"finishing the same batch with micro-batches of {self.rows} rows.", stacklevel=4)
+            f"finishing the same batch with micro-batches of {self.rows} rows.")
         self.records.append(OomRecovery(step_number, failed, self.rows))
         if self.on_shrink is not None:
             self.on_shrink(step_number, failed, self.rows)

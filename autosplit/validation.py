@@ -8,7 +8,6 @@ what a split cannot make equal to the full batch (:func:`warn_if_inexact`) live 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import keras
@@ -23,6 +22,7 @@ from autosplit.errors import (
     describe,
 )
 from autosplit.split import check_size
+from autosplit.warn import warn_user
 
 __all__ = [
     "check_choice",
@@ -154,8 +154,7 @@ def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
 
     ``rows`` per micro-batch of the global ``batch_size``; ``pooled``: BatchNormalization
     statistics pooled over the large batch; ``adds_losses``: the model adds losses in
-    ``call()``. Called from ``fit_large_batch``'s plan: ``stacklevel`` counts on that
-    depth.
+    ``call()``. The warnings name the user's line (``autosplit.warn``).
     """
     if accumulation_steps > 1 and has_batch_norm(model):
         moving = ("their moving statistics are updated once per large batch with the "
@@ -163,16 +162,16 @@ def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
                   "batch" if pooled else
                   "their moving statistics are updated once per micro-batch "
                   "(batch_norm='micro'), not once per large batch")
-        warnings.warn(
+        warn_user(
             "This model has BatchNormalization layers in training mode: they normalise "
             f"each micro-batch of {rows} with its own statistics (ghost batch norm), "
             f"not the whole batch of {batch_size}, and gradients are exact for that "
-            f"computation; {moving}.", stacklevel=3)
+            f"computation; {moving}.")
     if accumulation_steps > 1 and adds_losses:
-        warnings.warn(
+        warn_user(
             "This model adds losses in call() (add_loss or activity regularizers). "
             "autosplit weights each micro-batch's value by its share of the batch's real "
             "rows, which equals the full batch for losses averaged over the batch (as "
             "Keras's activity regularizers are) but not for a loss summed over the batch "
             "(it comes out k times smaller). Run autosplit.check(model, x, y, "
-            "micro_batch_size=...) to compare with the full batch.", stacklevel=3)
+            "micro_batch_size=...) to compare with the full batch.")

@@ -1,0 +1,93 @@
+"""Every warning autosplit gives names the user's line, not one of autosplit's own.
+
+Python shows a warning at the frame ``stacklevel`` names, and its default filter shows
+it once per location: a warning pinned inside autosplit points the user at the wrong
+code and is shown once per process, whatever line called. ``autosplit.warn`` finds the
+first frame outside the package; these tests call each warning from here and check
+that it names this file and the calling line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import keras
+from conftest import classifier, labelled
+
+import autosplit
+from autosplit.device import read_device
+from autosplit.testing import inject_oom
+
+
+def caught(call, category=Warning, match=""):
+    """The warnings ``call()`` gives that match, and the line that made the call."""
+    line = inspect.currentframe().f_back.f_lineno
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        call()
+    found = [w for w in seen if issubclass(w.category, category) and match in str(w.message)]
+    assert found, f"no {category.__name__} matching {match!r}: {[str(w.message) for w in seen]}"
+    return found, line
+
+
+def assert_here(found, line):
+    for w in found:
+        assert (w.filename, w.lineno) == (__file__, line), (w.filename, w.lineno, str(w.message))
+
+
+def test_fit_warnings_name_the_callers_line():
+    x, y = labelled(64, 8, 3)
+    model = classifier(8, 16, 3)
+    found, line = caught(lambda: autosplit.fit_large_batch(  # the line named
+        model, x, y, batch_size=32, micro_batch_size=16, validation_split=0.25,
+        validation_data=(x, y), verbose=0), match="Both `validation_split`")
+    assert_here(found, line)
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    found, line = caught(lambda: autosplit.fit_large_batch(
+        model, x, y, batch_size=32, micro_batch_size=16, verbose=0), match="BatchNormalization")
+    assert_here(found, line)
+
+
+def test_running_out_of_data_names_the_callers_line():
+    x, y = labelled(64, 8, 3)
+
+    def batches():
+        for start in range(0, 64, 16):
+            yield x[start:start + 16], y[start:start + 16]
+
+    model = classifier(8, 16, 3)
+    found, line = caught(lambda: autosplit.fit_large_batch(
+        model, batches(), batch_size=32, micro_batch_size=16, epochs=2, verbose=0),
+        match="ran out of data")
+    assert_here(found, line)
+    # 2 large batches in the first epoch, 2 epochs asked: 4 (it said 0).
+    assert "(4 here)" in str(found[0].message)
+
+
+def test_an_out_of_memory_recovery_names_the_callers_line():
+    # The error is injected (autosplit.testing): where the warning points does not depend
+    # on where the error came from; recovery from real ones is tested under a real cap
+    # in test_oom_recovery.py.
+    x, y = labelled(64, 8, 3)
+    model = classifier(8, 16, 3)
+    with inject_oom(at_steps={1}):
+        found, line = caught(lambda: autosplit.fit_large_batch(
+            model, x, y, batch_size=32, micro_batch_size=16, verbose=0),
+            match="Out of memory in step 1")
+    assert_here(found, line)
+
+
+def test_deprecations_and_device_warnings_name_the_callers_line():
+    x, y = labelled(64, 8, 3)
+    history = autosplit.fit_large_batch(classifier(8, 16, 3), x, y, batch_size=32,
+                                        micro_batch_size=16, verbose=0)
+    found, line = caught(lambda: history.autosplit["micro_batch_size"], DeprecationWarning)
+    assert_here(found, line)
+    found, line = caught(lambda: autosplit.TrainStep, DeprecationWarning)
+    assert_here(found, line)
+    found, line = caught(lambda: read_device("GPU:0"), RuntimeWarning, match="no GPU")
+    assert_here(found, line)
