@@ -147,33 +147,44 @@ def run_capped(argv: Sequence[str], limit_bytes: int | str | None, *,
     child_env[RESULT_ENV] = path
     started = time.perf_counter()
     try:
-        process = subprocess.Popen(
-            [sys.executable, *argv], env=child_env, text=True,
-            stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE)
-        kept: list[str] = []
+        # The context closes both pipes (and waits) however the run ends.
+        with subprocess.Popen([sys.executable, *argv], env=child_env, text=True,
+                              stdout=subprocess.PIPE if capture else None,
+                              stderr=subprocess.PIPE) as process:
+            kept: list[str] = []
+            out: list[str] = []
 
-        def relay() -> None:
-            assert process.stderr is not None  # stderr=PIPE
-            for line in process.stderr:
-                if quiet and is_noise(line):
-                    continue
-                if capture:
-                    kept.append(line)
-                else:
-                    sys.stderr.write(line)
-                    sys.stderr.flush()
+            def relay() -> None:
+                assert process.stderr is not None  # stderr=PIPE
+                for line in process.stderr:
+                    if quiet and is_noise(line):
+                        continue
+                    if capture:
+                        kept.append(line)
+                    else:
+                        sys.stderr.write(line)
+                        sys.stderr.flush()
 
-        reader = threading.Thread(target=relay, daemon=True)
-        reader.start()
-        try:
-            stdout = process.stdout.read() if process.stdout is not None else None  # piped: capture
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise
-        finally:
-            reader.join(timeout=5)
+            def collect() -> None:
+                assert process.stdout is not None  # stdout=PIPE with capture
+                out.append(process.stdout.read())
+
+            # Both pipes are read on threads, so `timeout` holds while the child writes
+            # nothing (a read of stdout here would wait for the child's end).
+            readers = [threading.Thread(target=fn, daemon=True)
+                       for fn in ((relay, collect) if capture else (relay,))]
+            for reader in readers:
+                reader.start()
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                raise
+            finally:
+                for reader in readers:
+                    reader.join(timeout=5)
+        stdout = "".join(out) if capture else None
         text = Path(path).read_text()
         result = json.loads(text) if text.strip() else None
     finally:

@@ -8,10 +8,13 @@ NVML is a stand-in because this machine has no GPU.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -581,6 +584,7 @@ def _run_capped_child(script: str, limit_bytes: int) -> dict:
 
 
 _PEAK_SCRIPT = """
+import gc
 import json
 import tensorflow as tf
 from autosplit.peak_meter import PeakMeter
@@ -641,6 +645,22 @@ def test_real_resource_exhausted_under_bfc_cap_and_process_survives():
     assert out["raised"] == "ResourceExhaustedError"
     assert out["before"] == out["after"] == 1000.0
     assert out["current"] < 1 * MiB
+
+
+def test_run_capped_stops_a_silent_child_at_its_timeout_and_closes_its_pipes():
+    # Captured stdout used to be read to its end before the timeout applied: a child
+    # that wrote nothing and never ended held the caller forever, and the pipes were
+    # left open (ResourceWarning).
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        with pytest.raises(subprocess.TimeoutExpired):
+            run_capped(["-c", "import time; time.sleep(60)"], 96 * MiB, timeout=2,
+                       capture=True)
+        run = run_capped(["-c", "print('out')"], 96 * MiB, timeout=60, capture=True)
+        gc.collect()  # an unclosed pipe warns when its object is collected
+    assert time.perf_counter() - started < 30
+    assert (run.returncode, run.stdout, run.result) == (0, "out\n", None)
 
 
 @pytest.mark.slow
