@@ -119,7 +119,8 @@ class MicroBatches:
         self.pattern = piece_pattern(batch_size, rows, workers=where.workers,
                                      worker=where.worker, local_replicas=local_replicas)
         self.per_batch = elements_per_batch(self.pattern, batch_size, local_replicas)
-        self._datasets: dict = {}
+        self._cuts: dict = {}  # shuffle seed -> the cut, padded elements of one epoch
+        self._datasets: dict = {}  # (repeat, shuffle seed) -> the cut, ready to iterate
 
     def steps(self) -> int | None:
         """Large batches in one epoch (None when the input does not say)."""
@@ -144,15 +145,18 @@ class MicroBatches:
         both variants wrap it: iterating again starts a new epoch, and asking for the
         repeated variant after the element spec traces none of its functions again.
         """
-        if shuffle_seed not in self._datasets:
-            self._datasets[shuffle_seed] = self._build(shuffle_seed=shuffle_seed)
-        with tf.device(HOST):
-            ds = self._datasets[shuffle_seed]
-            if repeat:
-                ds = ds.repeat()
-            options = tf.data.Options()
-            options.deterministic = True
-            return ds.with_options(options).prefetch(_PREFETCH)
+        key = (repeat, shuffle_seed)
+        if key not in self._datasets:
+            if shuffle_seed not in self._cuts:
+                self._cuts[shuffle_seed] = self._build(shuffle_seed=shuffle_seed)
+            with tf.device(HOST):
+                ds = self._cuts[shuffle_seed]
+                if repeat:
+                    ds = ds.repeat()
+                options = tf.data.Options()
+                options.deterministic = True
+                self._datasets[key] = ds.with_options(options).prefetch(_PREFETCH)
+        return self._datasets[key]
 
     def _build(self, *, shuffle_seed: int | None) -> tf.data.Dataset:
         """The cut, padded elements of one epoch, before any repeat or prefetch."""
@@ -174,7 +178,7 @@ class MicroBatches:
 
                 ds = ds.enumerate().filter(ours).map(drop_index)
             # Functions that hold the adapter, not this object: a dataset kept in
-            # self._datasets must not point back at self (a cycle would keep the input's
+            # self._cuts must not point back at self (a cycle would keep the input's
             # arrays alive until the next garbage collection).
             ds = ds.map(functools.partial(_element, materialize=self.adapter.materialize,
                                           rows=self.rows))
