@@ -209,10 +209,17 @@ def compare(case: Case, s: Settings, say: harness.Log) -> dict[str, Any]:
                  final_loss=runs[method][-1]["loss"],
                  call_samples_per_s_best=call["samples_per_s_best"],
                  call_samples_per_s_median=call["samples_per_s_median"],
-                 call_ratio=call["ratio"])
+                 call_ratio=call["ratio"],
+                 setup_seconds=min(setup_seconds(run, s.epochs) for run in runs[method]))
     return {"label": case.model.label, **{k: v for k, v in asdict(case).items()
                                           if k != "model"},
             "accumulation_steps": case.accumulation_steps, "methods": summary}
+
+
+def setup_seconds(run: dict[str, Any], epochs: int) -> float:
+    """What a call costs beyond its epochs at their steady speed: set-up, tracing, and
+    the warm-up epoch's own extra (the call's seconds less 1 + ``epochs`` timed epochs)."""
+    return run["call_seconds"] - run["seconds"] * (1 + epochs) / epochs
 
 
 def checks(cases: dict[str, Any]) -> list[dict[str, Any]]:
@@ -279,11 +286,12 @@ def rows(case: dict[str, Any]) -> list[list[str]]:
     return [[r["label"], str(r["effective_batch"]), f"{r['samples_per_s_best']:,.0f}",
              f"{r['samples_per_s_median']:,.0f}", f"{r['ratio']:.2f}",
              f"{r['call_samples_per_s_best']:,.0f}", f"{r['call_ratio']:.2f}",
-             f"{r['applies_per_epoch']:g}"] for r in case["methods"].values()]
+             f"{r['setup_seconds']:.2f}", f"{r['applies_per_epoch']:g}"]
+            for r in case["methods"].values()]
 
 
 HEADER = ["method", "eff. batch", "per epoch best", "median", "ratio", "per call best",
-          "ratio", "applies/epoch"]
+          "ratio", "set-up s", "applies/epoch"]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -292,7 +300,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", f"{s['epochs']} timed epoch(s) after one warm-up, {s['repeats']} round-robin "
               f"repeat(s), jit_compile={s['jit_compile']}, data in order. Samples/s per "
               "epoch (timed epochs) and per call (the whole call: set-up, tracing and the "
-              "warm-up epoch included); ratio: best over the baseline's best."]
+              "warm-up epoch included); ratio: best over the baseline's best. Set-up s: "
+              "the least, over the repeats, that a call took beyond its epochs at their "
+              "steady speed (set-up, tracing, the warm-up epoch's extra)."]
     for case in report["cases"].values():
         lines += ["", f"## {case['name']}: {case['label']}, B={case['batch_size']}, "
                   f"m={case['micro_batch_size']} (k={case['accumulation_steps']})", "",

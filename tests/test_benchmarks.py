@@ -10,6 +10,7 @@ fakes and hand-computed numbers.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import time
 
@@ -347,6 +348,12 @@ def test_overhead_checks_every_target_per_epoch_and_per_call():
     assert [c["ratio"] for c in checks] == pytest.approx([0.96, 0.8, 1.0, 1.25, 0.99, 1.2])
 
 
+def test_overhead_set_up_is_the_call_beyond_its_epochs_at_steady_speed():
+    # 2 timed epochs of 4 s in all: the warm-up epoch at that speed is 2 s more, so a
+    # 10 s call spent 4 s on set-up, tracing and the warm-up's own extra.
+    assert overhead.setup_seconds({"call_seconds": 10.0, "seconds": 4.0}, 2) == 4.0
+
+
 def test_gpu_check_checks_growth_per_input_kind_and_speed():
     def point(B, examples, arrays):  # the peaks above what was held: what the check reads
         return {"batch_size": B, "methods": {
@@ -452,8 +459,8 @@ def test_overhead_quick_run(tmp_path):
         "bare_loop": 2, "bare_batched": 2, "keras_at_m": 32, "keras_accumulation": 2,
         "hand_loop": 2}
     assert mlp["methods"]["bare_loop"]["ratio"] == 1.0
-    assert all(r["call_samples_per_s_best"] > 0 for c in cases.values()
-               for r in c["methods"].values())
+    assert all(r["call_samples_per_s_best"] > 0 and math.isfinite(r["setup_seconds"])
+               for c in cases.values() for r in c["methods"].values())
     assert cases["large_k"]["accumulation_steps"] == 32
     # Every target twice: per epoch and per call.
     assert len(report["checks"]) == 2 * sum(len(c["targets"]) for c in cases.values()) == 16
