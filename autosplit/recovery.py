@@ -63,6 +63,10 @@ class RecoverableStep(Protocol):
     def run(self, iterator: Any, count: int) -> dict[str, Any]:
         """``run_local(iterator, count)`` then ``finish()``, in one call."""
 
+    def run_if_any(self, iterator: Any, count: int) -> dict[str, Any] | None:
+        """:meth:`run` (one replica), except that it applies nothing and returns None
+        when no row came: the input had ended before the large batch began."""
+
     def run_local(self, iterator: Any, count: int, *, resume: bool = False,
                   pieces: int = 1) -> int:
         """Commit up to ``count`` more elements, each cut into ``pieces``; first, with
@@ -147,8 +151,9 @@ class Recovery:
         known_fits: micro-batch sizes the probe saw fit (tried first when shrinking).
         multi_worker: agree with the other workers before every apply.
         fused: the input knows its length, so every large batch has elements: one call
-            runs the loop and the apply. Otherwise the apply waits until the loop shows
-            the batch is not empty.
+            runs the loop and the apply. Otherwise, on one replica, one call runs the
+            loop and applies only if a row came (``run_if_any``); on several, the apply
+            waits until the loop shows the batch is not empty.
         on_shrink: called with (step_number, failed_rows, new_rows) after each OOM.
     """
 
@@ -193,8 +198,11 @@ class Recovery:
         resume, remaining = False, count
         while True:
             try:
-                if self.fused and not resume and self.pieces == 1:
-                    return self.step.run(iterator, remaining)
+                if not resume and self.pieces == 1:
+                    if self.fused:
+                        return self.step.run(iterator, remaining)
+                    if self.step.replicas == 1:
+                        return self.step.run_if_any(iterator, remaining)
                 self.step.run_local(iterator, remaining, resume=resume, pieces=self.pieces)
                 break
             except tf.errors.ResourceExhaustedError as error:

@@ -105,6 +105,9 @@ class TrainStep:
     def _fused(self, iterator, count):
         return self.update.apply(pull(self.update, iterator, count))
 
+    def _fused_if_any(self, iterator, count):
+        return self.update.apply_if_any(pull(self.update, iterator, count))
+
     def _local(self, iterator, count, *, resume: bool = False, pieces: int = 1):
         return pull(self.update, iterator, count, resume=resume, pieces=pieces)
 
@@ -126,6 +129,16 @@ class TrainStep:
         logs = self.train_function(iterator, tf.constant(count, tf.int32))
         self._dirty = False
         return logs
+
+    def run_if_any(self, iterator, count: int) -> dict | None:
+        """:meth:`run` for an input whose end only its iterator tells (one replica): the
+        apply runs in the same call, if any row came; None (nothing applied) if the
+        input ended before the large batch began."""
+        self._dirty = True
+        applied, logs = self._function("fused_if_any", self._fused_if_any)(
+            iterator, tf.constant(count, tf.int32))
+        self._dirty = False
+        return logs if bool(applied) else None
 
     def run_local(self, iterator, count: int, *, resume: bool = False, pieces: int = 1) -> int:
         """Commit up to ``count`` elements (after the stash, with ``resume``); returns the

@@ -37,12 +37,12 @@ class FaultyStep:
     """A train step that runs out of memory before the first attempt of chosen steps.
 
     Wraps a real step (a ``TrainStep``, or any ``autosplit.recovery.RecoverableStep``)
-    and delegates everything to it, except that the first ``run`` or ``run_local`` of
-    a large batch numbered in ``at_steps`` raises a real
+    and delegates everything to it, except that the first ``run``, ``run_if_any`` or
+    ``run_local`` of a large batch numbered in ``at_steps`` raises a real
     ``tf.errors.ResourceExhaustedError`` before it pulls anything, as a step whose
     first micro-batch did not fit: ``progress()`` then says it pulled nothing. Each
-    step fails once. Large batches are numbered from 0 by the applies (``run`` or
-    ``finish``) that went through this wrapper.
+    step fails once. Large batches are numbered from 0 by the applies (``run``,
+    ``run_if_any`` or ``finish``) that went through this wrapper.
 
     Args:
         step: the step to wrap.
@@ -84,6 +84,12 @@ class FaultyStep:
         self._maybe_fail(1)
         logs = self.step.run(iterator, count)
         self.applied += 1
+        return logs
+
+    def run_if_any(self, iterator: Any, count: int) -> dict | None:
+        self._maybe_fail(1)
+        logs = self.step.run_if_any(iterator, count)
+        self.applied += logs is not None
         return logs
 
     def run_local(self, iterator: Any, count: int, *, resume: bool = False,

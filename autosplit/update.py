@@ -236,9 +236,23 @@ class LargeBatchUpdate:
         the logs: the compiled metrics' results, or a custom step's last logs."""
         loss = self.replicas.each(self._apply_replica, ready)
         with tf.control_dependencies(tf.nest.flatten(self.replicas.results(loss))):
-            if self.plan.custom is not None:
-                return tf.nest.map_structure(lambda v: v.read_value(), self.logs)
-            return self.model.get_metrics_result()
+            return self.logs_now()
+
+    def logs_now(self):
+        """The logs as they stand: the compiled metrics' results, or a custom step's
+        last logs."""
+        if self.plan.custom is not None:
+            return tf.nest.map_structure(lambda v: v.read_value(), self.logs)
+        return self.model.get_metrics_result()
+
+    def apply_if_any(self, ready):
+        """One replica: :meth:`apply` if the sums hold a real row (after ``ready``), else
+        nothing. Returns (applied, logs): an input that ended before the large batch
+        began leaves the optimizer untouched."""
+        with tf.control_dependencies([ready]):
+            any_rows = self.sums.rows.read_value() > 0
+        return tf.cond(any_rows, lambda: (tf.constant(True), self.apply()),
+                       lambda: (tf.constant(False), self.logs_now()))
 
     def zero(self) -> tf.Tensor:
         """Forget the sums of a partial large batch, on every replica."""

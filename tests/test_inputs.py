@@ -112,6 +112,40 @@ def test_a_generator_read_once_to_its_end():
     assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
 
 
+@pytest.mark.parametrize("rows", [N, 4 * B])  # a short last batch, or an exact end
+def test_an_input_of_unknown_length_runs_each_large_batch_in_one_call(monkeypatch, rows):
+    # A batched dataset tells its end only when it comes: each large batch is one call
+    # (the loop, then the apply only if a row came), and the call that finds the input
+    # spent applies nothing: the optimizer steps once per large batch, as model.fit does.
+    from autosplit.step import TrainStep
+
+    calls = {"run_if_any": 0, "run_local": 0, "finish": 0}
+
+    def counted(name):
+        original = getattr(TrainStep, name)
+
+        def spy(self, *args, **kwargs):
+            calls[name] += 1
+            return original(self, *args, **kwargs)
+        return spy
+
+    for name in calls:
+        monkeypatch.setattr(TrainStep, name, counted(name))
+    reference, initial = reference_and_initial(epochs=2, rows=rows)
+    model = candidate(initial)
+    x, y, w = (a[:rows] for a in data())
+    history = autosplit.fit_large_batch(
+        model, tf.data.Dataset.from_tensor_slices((x, y, w)).batch(10), batch_size=B,
+        micro_batch_size=M, epochs=2, verbose=0)
+    steps = math.ceil(rows / B)
+    assert int(model.optimizer.iterations) == 2 * steps
+    # The first epoch learns its length from one more call, which finds the end.
+    assert calls == {"run_if_any": 2 * steps + 1, "run_local": 0, "finish": 0}
+    assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
+    np.testing.assert_allclose(history.history["loss"], reference.history.history["loss"],
+                               rtol=1e-5)
+
+
 def test_an_endless_generator_with_steps_per_epoch():
     reference, initial = reference_and_initial(epochs=1, rows=3 * B)
     model = candidate(initial)

@@ -73,6 +73,10 @@ class FakeStep:
         self.run_local(iterator, count)
         return self.finish()
 
+    def run_if_any(self, iterator, count):
+        self.run_local(iterator, count)
+        return self.finish() if self.local_rows() else None
+
     def run_local(self, iterator, count, *, resume=False, pieces=1):
         self.calls.append((count, resume, pieces))
         self.pulled, self.exhausted = 0, False
