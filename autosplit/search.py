@@ -23,8 +23,8 @@ import numpy as np
 
 from autosplit.split import split_batch
 
-__all__ = ["OBJECTIVES", "Trial", "achievable", "between", "fastest", "fit_line", "run_search",
-           "search", "second_size", "speed_candidates"]
+__all__ = ["OBJECTIVES", "Trial", "achievable", "between", "fastest", "fit_line",
+           "reliable_fits", "run_search", "search", "second_size", "speed_candidates"]
 
 TOLERANCE = 0.05  # stop bisecting when the gap is within 5% of the best fit
 GROWTH = 4  # before any failure, a guess is at most 4x the largest size that fit
@@ -285,29 +285,51 @@ def speed_candidates(batch_size: int, largest: int, trials: Sequence[Trial],
     return sorted(set(picks), reverse=True)
 
 
+def reliable_fits(trials: Sequence[Trial]) -> list[int]:
+    """Sizes that fit in every trial they had, largest first: one that ran out of memory
+    or over the budget once (memory near the cap moves from run to run) will again.
+
+    >>> reliable_fits([Trial(342, True, False, 1, 1.0), Trial(171, True, False, 1, 1.0),
+    ...                Trial(342, False, True, None, 1.0)])
+    [171]
+    """
+    failed = {t.micro_batch_size for t in trials if not t.fits}
+    return sorted({t.micro_batch_size for t in trials if t.fits} - failed, reverse=True)
+
+
 def fastest(largest: int, trials: Sequence[Trial]) -> tuple[int, str]:
     """``objective="speed"``: the fitting size with the most samples per second, kept over
-    ``largest`` only when it is more than 5% faster; returns (size, why).
+    the largest that fits only when it is more than 5% faster; returns (size, why).
 
     A size timed more than once counts its mean: one trial's two short steps moved by
     up to 30% on a busy machine, and the best of several timings rewards the noise
-    (the CNN's 171 rows once timed 1,055 and then 753 samples/s).
+    (the CNN's 171 rows once timed 1,055 and then 753 samples/s). Only sizes that fit
+    in every trial compete (:func:`reliable_fits`): when ``largest`` fails once timed
+    again, the largest size that always fit takes its place (in one run the CNN's 342
+    rows fit at 225 of 230 MiB, then ran out of memory when timed again).
 
     >>> t = [Trial(1024, True, False, 1, 1.0, 100.0), Trial(2048, True, False, 1, 1.0, 90.0)]
     >>> fastest(2048, t)
     (1024, '1024 runs 100.0 samples/s, 11% faster than the largest that fits (2048: 90.0)')
     """
+    reliable = [m for m in reliable_fits(trials) if m <= largest]
+    dropped = ""
+    if largest not in reliable:
+        if not reliable:
+            return largest, "the largest that fits (no size fit in every trial)"
+        dropped = f"{largest} failed when tried again; "
+        largest = reliable[0]
     timings: dict[int, list[float]] = {}
     for t in trials:
-        if t.fits and t.samples_per_second:
+        if t.fits and t.samples_per_second and t.micro_batch_size in reliable:
             timings.setdefault(t.micro_batch_size, []).append(t.samples_per_second)
     speeds = {m: sum(v) / len(v) for m, v in timings.items()}
     if largest not in speeds:
-        return largest, "the largest that fits (its speed was not measured)"
+        return largest, f"{dropped}the largest that fits (its speed was not measured)"
     best = max(speeds, key=lambda m: (speeds[m], m))
     if best != largest and speeds[best] > FASTER * speeds[largest]:
         gain = speeds[best] / speeds[largest] - 1
-        return best, (f"{best} runs {speeds[best]:.1f} samples/s, {gain:.0%} faster than the "
-                      f"largest that fits ({largest}: {speeds[largest]:.1f})")
-    return largest, (f"the largest that fits is also the fastest within 5% "
+        return best, (f"{dropped}{best} runs {speeds[best]:.1f} samples/s, {gain:.0%} faster "
+                      f"than the largest that fits ({largest}: {speeds[largest]:.1f})")
+    return largest, (f"{dropped}the largest that fits is also the fastest within 5% "
                      f"({speeds[largest]:.1f} samples/s; {len(speeds)} sizes timed)")

@@ -42,6 +42,7 @@ from autosplit.search import (
     Trial,
     fastest,
     fit_line,
+    reliable_fits,
     run_search,
     search,
     speed_candidates,
@@ -85,8 +86,9 @@ class ProbeResult:
     speed_reason: str | None = None  # objective="speed": why this size
 
     def fitting_sizes(self) -> list[int]:
-        """Sizes a trial showed to fit, largest first."""
-        return sorted({t.micro_batch_size for t in self.trials if t.fits}, reverse=True)
+        """Sizes that fit in every trial they had, largest first (a size that failed once,
+        when tried again, is not one an out-of-memory recovery should step down to)."""
+        return reliable_fits(self.trials)
 
     def predict_peak(self, micro_batch_size: int) -> int | None:
         """The memory model's peak at ``micro_batch_size`` (None without a model)."""

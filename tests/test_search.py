@@ -21,6 +21,7 @@ from autosplit.search import (
     between,
     fastest,
     fit_line,
+    reliable_fits,
     run_search,
     speed_candidates,
 )
@@ -294,6 +295,25 @@ def test_speed_counts_the_mean_of_a_size_timed_twice_not_its_best():
     timings = [(256, 924.6), (171, 1054.8), (256, 950.2), (256, 811.4), (171, 752.6)]
     trials = [Trial(m, True, False, 1, 1.0, v) for m, v in timings]
     assert fastest(256, trials)[0] == 256
+
+
+def test_speed_never_keeps_or_measures_against_a_size_that_failed_once():
+    # Measured on the CNN under 256 MiB (benchmarks.probe_choices): 342 rows fit at 225
+    # of 230 MiB, 316 then ran out of memory, and so did 342 when the finalists were
+    # timed again. It must not stay the reference: the largest size that always fit
+    # (179) does, and 171, 10% faster than it, wins.
+    trials = [Trial(64, True, False, 1, 1.0, 1077.7), Trial(171, True, False, 1, 1.0, 1185.5),
+              Trial(342, True, False, 1, 1.0, 1047.6), Trial(316, False, True, None, 11.0),
+              Trial(179, True, False, 1, 1.0, 1009.5), Trial(342, False, True, None, 11.5),
+              Trial(171, True, False, 1, 1.0, 1047.4)]
+    chosen, why = fastest(342, trials)
+    assert chosen == 171
+    assert why.startswith("342 failed when tried again; 171 runs 1116.5 samples/s, 11% "
+                          "faster than the largest that fits (179: 1009.5)")
+    # Had 179 been as fast, it would stay: never the size that failed.
+    trials[4] = Trial(179, True, False, 1, 1.0, 1100.0)
+    assert fastest(342, trials)[0] == 179
+    assert reliable_fits(trials) == [179, 171, 64]
 
 
 def test_speed_candidates_lie_between_half_the_largest_and_it():
