@@ -24,7 +24,8 @@ import numpy as np
 from autosplit.split import split_batch
 
 __all__ = ["OBJECTIVES", "Trial", "achievable", "between", "fastest", "fit_line",
-           "reliable_fits", "run_search", "search", "second_size", "speed_candidates"]
+           "reliable_fits", "run_search", "run_speed", "search", "second_size",
+           "speed_candidates"]
 
 TOLERANCE = 0.05  # stop bisecting when the gap is within 5% of the best fit
 GROWTH = 4  # before any failure, a guess is at most 4x the largest size that fit
@@ -283,6 +284,27 @@ def speed_candidates(batch_size: int, largest: int, trials: Sequence[Trial],
     picks = [sizes[round(i * (len(sizes) - 1) / (most - 1))] for i in range(most)] if (
         most > 1) else sizes[:1]
     return sorted(set(picks), reverse=True)
+
+
+def run_speed(batch_size: int, largest: int, trials: list[Trial],
+              trial: Callable[[int], Trial]) -> tuple[int, str]:
+    """``objective="speed"`` after the memory search found ``largest``: time up to two
+    more sizes (:func:`speed_candidates`) with ``trial(m)``, appending to ``trials``,
+    and return :func:`fastest`'s choice and why.
+
+    A trial times two short steps, 10-30% apart run to run on a busy machine, and a
+    smaller size wins only by more than 5%: when one does, both finalists are timed
+    twice more, in turn and mirrored (A B B A, so a drift of the machine's speed weighs
+    on both alike), and each counts its mean over all its timings.
+    """
+    for m in speed_candidates(batch_size, largest, trials):
+        trials.append(trial(m))
+    challenger, _ = fastest(largest, trials)
+    reference = next((m for m in reliable_fits(trials) if m <= largest), largest)
+    if challenger != reference:
+        for m in (reference, challenger, challenger, reference):
+            trials.append(trial(m))
+    return fastest(largest, trials)
 
 
 def reliable_fits(trials: Sequence[Trial]) -> list[int]:

@@ -40,12 +40,11 @@ from autosplit.pipeline import MicroBatches
 from autosplit.search import (
     OBJECTIVES,
     Trial,
-    fastest,
     fit_line,
     reliable_fits,
     run_search,
+    run_speed,
     search,
-    speed_candidates,
 )
 from autosplit.split import split_batch
 from autosplit.state import Snapshot
@@ -313,15 +312,7 @@ def _searched(trials_runner: _Trials, local_batch: int, objective: str
     chosen, trials = run_search(local_batch, trials_runner.budget, trials_runner.trial)
     if objective != "speed" or chosen is None:
         return chosen, trials, None
-    for m in speed_candidates(local_batch, chosen, trials):
-        trials.append(trials_runner.trial(m))
-    challenger, _ = fastest(chosen, trials)
-    if challenger != chosen:
-        # A trial times two short steps: 10-30% apart run to run on a busy machine.
-        # Both finalists are timed once more, in turn; each counts its mean, and only
-        # then may the smaller one win.
-        trials += [trials_runner.trial(m) for m in (chosen, challenger)]
-    chosen, why = fastest(chosen, trials)
+    chosen, why = run_speed(local_batch, chosen, trials, trials_runner.trial)
     return chosen, trials, why
 
 
