@@ -146,6 +146,55 @@ def test_an_input_of_unknown_length_runs_each_large_batch_in_one_call(monkeypatc
                                rtol=1e-5)
 
 
+class OwnStep(keras.Model):
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return {"own_loss": loss}
+
+
+def _model_of(kind):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    if kind == "batch-norm":
+        h = keras.layers.BatchNormalization()(h)
+    outputs = keras.layers.Dense(3)(h)
+    model = (OwnStep if kind == "own-train-step" else keras.Model)(inputs, outputs)
+    optimizer = keras.optimizers.Adam(1e-2)
+    if kind == "loss-scale":
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=None if kind == "own-train-step" else ["accuracy"],
+                  run_eagerly=kind == "run-eagerly", jit_compile=kind == "jit")
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:This model has BatchNormalization")
+@pytest.mark.parametrize("kind", ["run-eagerly", "loss-scale", "own-train-step", "batch-norm",
+                                  "jit"])
+def test_the_guarded_apply_of_an_input_of_unknown_length_equals_the_arrays_path(kind):
+    # A batched dataset's large batches apply inside a tf.cond (run_if_any), arrays'
+    # without one: the same weights, logs and steps with a loss scale, a custom step's
+    # own logs, pooled BatchNormalization statistics, XLA, or no graph at all.
+    x, y, _ = data(200)
+    on_arrays, on_batches = _model_of(kind), _model_of(kind)
+    expected = autosplit.fit_large_batch(on_arrays, x, y, batch_size=64, micro_batch_size=16,
+                                         epochs=2, shuffle=False, verbose=0)
+    got = autosplit.fit_large_batch(
+        on_batches, tf.data.Dataset.from_tensor_slices((x, y)).batch(10), batch_size=64,
+        micro_batch_size=16, epochs=2, verbose=0)
+    assert int(on_batches.optimizer.iterations) == int(on_arrays.optimizer.iterations) == 8
+    assert_weights_close(on_arrays.get_weights(), on_batches.get_weights(), 1e-6)
+    assert got.history.keys() == expected.history.keys()
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(got.history[name], values, rtol=1e-6)
+
+
 def test_an_endless_generator_with_steps_per_epoch():
     reference, initial = reference_and_initial(epochs=1, rows=3 * B)
     model = candidate(initial)
