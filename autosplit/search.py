@@ -82,16 +82,23 @@ def between(batch_size: int, lo: int, hi: int) -> int | None:
     >>> between(4096, 1024, 4096), between(4096, 2048, 4096)
     (2048, None)
     """
-    if hi <= lo + 1:
-        return None
-    k_small = _steps(batch_size, min(hi - 1, batch_size))
-    k_large = _steps(batch_size, max(lo, 1))
-    candidates = [k for k in range(k_small, k_large + 1) if lo < math.ceil(batch_size / k) < hi]
-    if not candidates:
+    sizes = _sizes_between(batch_size, lo, hi)
+    if not sizes:
         return None
     # The middle count, rounded towards fewer (larger) micro-batches: the search wants the
     # largest size that fits, and between k = 2 and k = 3 it should try k = 2 first.
-    return math.ceil(batch_size / candidates[(len(candidates) - 1) // 2])
+    return sizes[(len(sizes) - 1) // 2]
+
+
+def _sizes_between(batch_size: int, lo: int, hi: int) -> list[int]:
+    """The sizes a balanced split of ``batch_size`` runs strictly between ``lo`` and
+    ``hi``, largest first (one per micro-batch count, fewest first)."""
+    if hi <= lo + 1:
+        return []
+    k_small = _steps(batch_size, min(hi - 1, batch_size))
+    k_large = _steps(batch_size, max(lo, 1))
+    sizes = (math.ceil(batch_size / k) for k in range(k_small, k_large + 1))
+    return [m for m in sizes if lo < m < hi]
 
 
 Request = tuple[int, bool]  # (micro-batch size, measure again even if tried before)
@@ -227,8 +234,7 @@ def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: 
     if low is None or high is None or high <= low:
         return None
     crossing = lo + (budget - low) * (hi - lo) / (high - low)
-    counts = range(_steps(batch_size, hi - 1), _steps(batch_size, lo) + 1)
-    inside = {m for m in (math.ceil(batch_size / k) for k in counts) if lo < m < hi}
+    inside = _sizes_between(batch_size, lo, hi)
     if not inside:
         return None
     # The largest the line says fits, as for the line's own guess: one too small costs
