@@ -306,7 +306,7 @@ def run_speed(batch_size: int, largest: int, trials: list[Trial],
     for m in speed_candidates(batch_size, largest, trials):
         trials.append(trial(m))
     challenger, _ = fastest(largest, trials)
-    reference = next((m for m in reliable_fits(trials) if m <= largest), largest)
+    reference, _ = _standing(largest, trials)
     if challenger != reference:
         for m in (reference, challenger, challenger, reference):
             trials.append(trial(m))
@@ -325,6 +325,14 @@ def reliable_fits(trials: Sequence[Trial]) -> list[int]:
     return sorted({t.micro_batch_size for t in trials if t.fits} - failed, reverse=True)
 
 
+def _standing(largest: int, trials: Sequence[Trial]) -> tuple[int, list[int]]:
+    """The size the speed rule measures against, and the sizes up to ``largest`` that
+    always fit: ``largest``, or when it failed once, the largest that always fit (or
+    ``largest`` still, when none did)."""
+    reliable = [m for m in reliable_fits(trials) if m <= largest]
+    return (reliable[0] if reliable else largest), reliable
+
+
 def fastest(largest: int, trials: Sequence[Trial]) -> tuple[int, str]:
     """``objective="speed"``: the fitting size with the most samples per second, kept over
     the largest that fits only when it is more than 5% faster; returns (size, why).
@@ -340,13 +348,11 @@ def fastest(largest: int, trials: Sequence[Trial]) -> tuple[int, str]:
     >>> fastest(2048, t)
     (1024, '1024 runs 100.0 samples/s, 11% faster than the largest that fits (2048: 90.0)')
     """
-    reliable = [m for m in reliable_fits(trials) if m <= largest]
-    dropped = ""
-    if largest not in reliable:
-        if not reliable:
-            return largest, "the largest that fits (no size fit in every trial)"
-        dropped = f"{largest} failed when tried again; "
-        largest = reliable[0]
+    reference, reliable = _standing(largest, trials)
+    if not reliable:
+        return largest, "the largest that fits (no size fit in every trial)"
+    dropped = "" if reference == largest else f"{largest} failed when tried again; "
+    largest = reference
     timings: dict[int, list[float]] = {}
     for t in trials:
         if t.fits and t.samples_per_second and t.micro_batch_size in reliable:
