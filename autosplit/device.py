@@ -190,7 +190,7 @@ def read_device(tf_device: str | None = None) -> DeviceInfo:
     if not gpus:
         if tf_device is not None:
             warn_user(f"TensorFlow sees no GPU, so {tf_device!r} cannot be read; "
-                          "reading host memory instead.", RuntimeWarning)
+                      "reading host memory instead.", RuntimeWarning)
         return read_cpu()
     try:
         import pynvml

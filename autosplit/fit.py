@@ -135,8 +135,8 @@ class FitReport:
         # Kept because history.autosplit was a dict up to 0.2.0 and indexing it costs
         # nothing to support; it warns so that code moves to the attributes.
         warn_user(f"history.autosplit[{key!r}] is deprecated: history.autosplit is a "
-                      f"FitReport; read history.autosplit.{key}, or .to_dict().",
-                      DeprecationWarning)
+                  f"FitReport; read history.autosplit.{key}, or .to_dict().",
+                  DeprecationWarning)
         return self.to_dict()[key]
 
 
@@ -287,7 +287,7 @@ def _validate(model: Any, given: dict[str, Any]) -> _Args:
                             f"jit_compile={describe(given['jit_compile'])}.")
     if args.validation_split and given["validation_data"] is not None:
         warn_user("Both `validation_split` and `validation_data` were given; "
-                      "`validation_data` is used, as in model.fit.")
+                  "`validation_data` is used, as in model.fit.")
     check_model(model)
     if (given["validation_data"] is not None or args.validation_split) and has_custom_step(
             model):
