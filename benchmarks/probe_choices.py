@@ -129,11 +129,14 @@ def trials_text(trials: Sequence[dict[str, Any]]) -> str:
 
 
 def curve(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Mean samples/s of every fitting size timed (as the probe's rule counts them),
-    largest size first, relative to the largest that fits; with every timing."""
+    """Mean samples/s of every size timed that fit in all its trials (as the probe's
+    rule counts them: a size that failed once is out), largest size first, relative to
+    the largest of them; with every timing."""
+    trials = result.get("trials", [])
+    failed = {t["micro_batch_size"] for t in trials if not t["fits"]}
     timings: dict[int, list[float]] = {}
-    for t in result.get("trials", []):
-        if t["fits"] and t["samples_per_second"]:
+    for t in trials:
+        if t["fits"] and t["samples_per_second"] and t["micro_batch_size"] not in failed:
             timings.setdefault(t["micro_batch_size"], []).append(t["samples_per_second"])
     if not timings:
         return []

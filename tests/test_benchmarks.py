@@ -414,6 +414,13 @@ def test_probe_choices_checks_answer_time_and_the_speed_rule():
     assert [checks[k]["status"] for k in ("same", "time", "speed-mlp 32")] == [
         "MISS", "MISS", "MISS"]
     assert [p["micro_batch_size"] for p in probe_choices.curve(speed[0])] == [32, 22]
+    # A size that fit once and then ran out of memory is out of the curve, as it is out
+    # of the probe's rule: 22 is then the largest, and keeping it follows the rule.
+    speed[0]["trials"].append({**speed[0]["trials"][0], "fits": False, "oom": True,
+                               "samples_per_second": None})
+    assert [p["micro_batch_size"] for p in probe_choices.curve(speed[0])] == [22]
+    checks = {c["id"]: c for c in probe_choices.checks(same, speed, s)}
+    assert checks["speed-mlp 32"]["status"] == "PASS"
 
 
 # ---------------------------------------------------------------- quick runs, end to end
