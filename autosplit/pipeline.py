@@ -189,4 +189,8 @@ class MicroBatches:
             return ds
 
     def element_spec(self) -> Any:
+        """The elements' spec: the same for every variant, so one already built gives it
+        (building another would draw an op seed for its shuffle)."""
+        for ds in self._datasets.values():
+            return ds.element_spec
         return self.dataset().element_spec

@@ -56,6 +56,10 @@ __all__ = ["ProbeResult", "Trial", "invalidate_cache", "probe", "search_micro_ba
 
 _TRIAL_STEPS = 2  # measured steps per trial, after one warm-up step
 _TRIAL_MICRO_BATCHES = 2  # per step: enough to reach the loop's steady peak
+# Trial pipelines shuffle (the same memory as training's) by a seed of their own: an
+# unseeded shuffle would take one of the op seeds `keras.utils.set_random_seed` fixes,
+# and the training shuffle's order would depend on how many trials the search ran.
+_TRIAL_SHUFFLE_SEED = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +229,7 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     trial_input = adapter if adapter.reiterable else ArrayInput(
         *adapter.sample(local_batch), shuffle=False)
     pipeline = MicroBatches(trial_input, batch_size, min(local_batch, 8), where)
-    spec = pipeline.element_spec()
+    spec = pipeline.dataset(shuffle_seed=_TRIAL_SHUFFLE_SEED).element_spec
     # Built before the meter's baseline, which then holds the weights and the optimizer
     # state (step_for, below, finds the model built).
     build_for(model, spec, where.local_replicas)
@@ -367,7 +371,7 @@ class _Trials:
             if m is not None:
                 rows = split_batch(self.batch_size // self.where.replicas, m).micro_batch_size
                 cut = MicroBatches(self.data, self.batch_size, rows, self.where)
-                data = cut.dataset(repeat=True)
+                data = cut.dataset(repeat=True, shuffle_seed=_TRIAL_SHUFFLE_SEED)
                 self.step.rebind(data.element_spec)
                 iterator = iter(data)
                 count = min(_TRIAL_MICRO_BATCHES, cut.per_batch)

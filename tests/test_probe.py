@@ -120,6 +120,27 @@ def test_fit_with_auto_micro_batch(cache_home):
     json.dumps(report.to_dict())
 
 
+def test_a_seeded_fit_that_probes_shuffles_as_one_given_its_micro_batch(cache_home):
+    # keras.utils.set_random_seed fixes TensorFlow's sequence of op seeds, and the
+    # training shuffle takes one. The probe's trial pipelines must take none, or the
+    # order would depend on how many trials memory noise made the search run.
+    x, y = data(300)
+
+    def trained(micro_batch_size):
+        keras.utils.set_random_seed(7)
+        model = small_model()
+        history = autosplit.fit_large_batch(model, x, y, batch_size=100, epochs=2,
+                                            verbose=0, micro_batch_size=micro_batch_size,
+                                            cache=False)
+        return history.autosplit, [w.numpy() for w in model.weights]
+
+    searched, got = trained("auto")
+    assert searched.probe is not None and len(searched.probe.trials) >= 2
+    given, expected = trained(searched.micro_batch_size)
+    assert given.probe is None
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
 def run_child(scenario, tmp_path, limit_mib):
     """A scenario of capped_child.py under a real cap: (its report, its folder)."""
     run = run_capped([str(HERE / "capped_child.py"), scenario, str(tmp_path)],
