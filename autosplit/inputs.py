@@ -83,11 +83,14 @@ class InputAdapter:
         kind: what the user passed, for messages and ``history.autosplit``.
         rows: examples in one epoch, or None when only the end of the data tells.
         reiterable: a second pass reads the data again (generators: no).
+        row_numbers: the stream's rows are row numbers, which ``materialize`` turns
+            into data (arrays): padding them copies no data.
     """
 
     kind = "input"
     rows: int | None = None
     reiterable = True
+    row_numbers = False
     _class_weight: Any = None  # (y, sample_weight) -> sample_weight, from ``class_weight``
     _arity = 2  # elements (x, y) = 2, (x, y, w) = 3, x alone (no targets) = 0
 
@@ -185,6 +188,7 @@ class ArrayInput(InputAdapter):
 
     kind = "arrays"
     rows: int  # arrays always know their length
+    row_numbers = True  # rows_dataset yields row numbers; materialize gathers them
 
     def __init__(self, x: Any, y: Any, sample_weight: Any = None, *,
                  shuffle: bool | str = True, class_weight: dict | None = None,

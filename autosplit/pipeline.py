@@ -33,13 +33,21 @@ __all__ = ["MicroBatches", "elements_per_batch", "release"]
 _PREFETCH = 2  # micro-batches the host keeps ready: enough to hide the cut, constant in B
 
 
-def _pad_rows(piece: Any, rows: int) -> tuple[Any, tf.Tensor]:
-    """Pad every leaf of ``piece`` to ``rows`` rows with copies of its last row."""
+def _pad_rows(piece: Any, rows: int, *, row_numbers: bool = False) -> tuple[Any, tf.Tensor]:
+    """Pad every leaf of ``piece`` to ``rows`` rows with copies of its last row.
+
+    Data are gathered only when the piece is short (a gather would copy every
+    micro-batch). Row numbers (an array input's pieces, materialized after this) are
+    gathered always: that costs nothing, and a ``tf.cond`` in a ``tf.data`` map is
+    instantiated with every iterator (8 ms of 24 measured for an array input's
+    iterator, 4 ms of the pipeline's build).
+    """
     n = tf.shape(tf.nest.flatten(piece)[0])[0]
     index = tf.minimum(tf.range(rows), n - 1)
 
     def pad(t):
-        padded = tf.cond(n < rows, lambda: tf.gather(t, index), lambda: t)
+        padded = tf.gather(t, index) if row_numbers else tf.cond(
+            n < rows, lambda: tf.gather(t, index), lambda: t)
         return tf.ensure_shape(padded, [rows, *t.shape[1:]])
 
     return tf.nest.map_structure(pad, piece), tf.cast(tf.range(rows) < n, tf.float32)
@@ -59,10 +67,10 @@ def _pad_replicas(element: Any, replicas: int) -> Any:
     return (*parts, pad(valid) * present)
 
 
-def _element(*piece: Any, materialize, rows: int) -> tuple:
+def _element(*piece: Any, materialize, rows: int, row_numbers: bool) -> tuple:
     """A cut piece of rows -> ``(x, y, sample_weight_or_(), valid)``, padded to ``rows``."""
     piece = piece[0] if len(piece) == 1 else piece
-    padded, valid = _pad_rows(piece, rows)
+    padded, valid = _pad_rows(piece, rows, row_numbers=row_numbers)
     x, y, w = materialize(padded)
     return x, (() if y is None else y), (() if w is None else w), valid
 
@@ -181,7 +189,8 @@ class MicroBatches:
             # self._cuts must not point back at self (a cycle would keep the input's
             # arrays alive until the next garbage collection).
             ds = ds.map(functools.partial(_element, materialize=self.adapter.materialize,
-                                          rows=self.rows))
+                                          rows=self.rows,
+                                          row_numbers=self.adapter.row_numbers))
             replicas = self.local_replicas
             if replicas > 1:
                 ds = ds.batch(replicas).map(functools.partial(_pad_replicas_of,
