@@ -61,7 +61,8 @@ class RecoverableStep(Protocol):
         """Use elements of another size (a new epoch's pipeline) from now on."""
 
     def run(self, iterator: Any, count: int) -> dict[str, Any]:
-        """``run_local(iterator, count)`` then ``finish()``, in one call."""
+        """``run_local(iterator, count)`` then ``finish()``, in one call, for an input that
+        knows its length: the iterator holds ``count`` more elements."""
 
     def run_if_any(self, iterator: Any, count: int) -> dict[str, Any] | None:
         """:meth:`run` (one replica), except that it applies nothing and returns None

@@ -103,7 +103,7 @@ class TrainStep:
         return self._functions.get(key, call, run_eagerly=self.compilation.run_eagerly)
 
     def _fused(self, iterator, count):
-        return self.update.apply(pull(self.update, iterator, count))
+        return self.update.apply(pull(self.update, iterator, count, counted=True))
 
     def _fused_if_any(self, iterator, count):
         return self.update.apply_if_any(pull(self.update, iterator, count))
@@ -117,6 +117,12 @@ class TrainStep:
         Keras's ``model.train_function`` (the plain function under ``run_eagerly``)."""
         return self._function("fused", self._fused)
 
+    @property
+    def function_if_any(self):
+        """The compiled function :meth:`run_if_any` calls, ``(iterator, count) ->
+        (applied, logs)``: it pulls until the input ends, if it ends before ``count``."""
+        return self._function("fused_if_any", self._fused_if_any)
+
     def tracing_count(self) -> int:
         """Traces of every compiled function so far (0 under ``run_eagerly``)."""
         return self._functions.tracing_count()
@@ -124,7 +130,10 @@ class TrainStep:
     # ------------------------------------------------------------ calls
 
     def run(self, iterator, count: int) -> dict:
-        """One large batch of ``count`` elements, applied once; returns the metric logs."""
+        """One large batch of ``count`` elements, applied once; returns the metric logs.
+
+        The iterator must hold ``count`` more elements (an input that knows its length);
+        for one whose end only its iterator tells, :meth:`run_if_any`."""
         self._dirty = True
         logs = self.train_function(iterator, tf.constant(count, tf.int32))
         self._dirty = False
@@ -135,8 +144,7 @@ class TrainStep:
         apply runs in the same call, if any row came; None (nothing applied) if the
         input ended before the large batch began."""
         self._dirty = True
-        applied, logs = self._function("fused_if_any", self._fused_if_any)(
-            iterator, tf.constant(count, tf.int32))
+        applied, logs = self.function_if_any(iterator, tf.constant(count, tf.int32))
         self._dirty = False
         return logs if bool(applied) else None
 

@@ -58,9 +58,16 @@ def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=N
 
 
 def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
-         pieces: int = 1) -> tf.Tensor:
+         pieces: int = 1, counted: bool = False) -> tf.Tensor:
     """Pull up to ``count`` elements and commit them; no collective communication.
-    Returns the number pulled."""
+    Returns the number pulled.
+
+    With ``counted`` the iterator holds ``count`` more elements (an input that knows its
+    length, as every call of its large batches counts them): a plain ``get_next``,
+    without the optional and the ``tf.cond`` that let an input end anywhere. That
+    graph is smaller: 15 ms less to trace and 20 ms less to optimise on its first run
+    (MLP 128), paid by every call and every probe trial.
+    """
     stash = update.stash
     ops = [stash.pulled.assign(0), stash.exhausted.assign(False)]
     if resume:
@@ -70,6 +77,20 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
                            lambda: run_element(update, stashed, pieces,
                                                stash.done_rows.read_value()),
                            lambda: tf.constant(True))]
+
+    def take(element):
+        """Stash the element, then commit it."""
+        with tf.device(HOST):
+            marks = stash.put(element)
+        with tf.control_dependencies(marks):
+            element = tf.nest.map_structure(tf.identity, element)
+        return run_element(update, element, pieces)
+
+    def counted_body(i):
+        with tf.device(HOST):
+            element = iterator.get_next()
+        with tf.control_dependencies([take(element)]):
+            return [i + 1]
 
     def cond(i, stop):
         return tf.logical_and(i < count, tf.logical_not(stop))
@@ -82,11 +103,7 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
         def one():
             with tf.device(HOST):
                 element = optional.get_value()
-                marks = stash.put(element)
-            with tf.control_dependencies(marks):
-                element = tf.nest.map_structure(tf.identity, element)
-            done = run_element(update, element, pieces)
-            with tf.control_dependencies([done]):
+            with tf.control_dependencies([take(element)]):
                 return i + 1, tf.constant(False)
 
         def end():
@@ -97,6 +114,10 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
 
     with tf.control_dependencies(ops):
         start = tf.constant(0, count.dtype if hasattr(count, "dtype") else tf.int32)
-    loop = tf.while_loop(cond, body, [start, tf.constant(False)], parallel_iterations=1)
-    with tf.control_dependencies(loop):
+    if counted:
+        loop = tf.while_loop(lambda i: i < count, counted_body, [start],
+                             parallel_iterations=1)
+    else:
+        loop = tf.while_loop(cond, body, [start, tf.constant(False)], parallel_iterations=1)
+    with tf.control_dependencies(tf.nest.flatten(loop)):
         return stash.pulled.read_value()

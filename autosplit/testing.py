@@ -164,7 +164,9 @@ def train_on_large_batch(model: keras.Model, x: Any, y: Any, sample_weight: Any 
     return {name: float(value) for name, value in logs.items()}, step
 
 
-def traced_graph(step: TrainStep, iterator: Any) -> tf.Graph:
+def traced_graph(step: TrainStep, iterator: Any, *, known_length: bool = True) -> tf.Graph:
     """The traced graph of ``step.run`` on ``iterator`` (for tests that walk it:
-    placement, shapes, collectives)."""
-    return step.train_function.get_concrete_function(iterator, tf.constant(1, tf.int32)).graph
+    placement, shapes, collectives); with ``known_length=False``, of
+    ``step.run_if_any``, which pulls as an input of unknown length needs."""
+    function = step.train_function if known_length else step.function_if_any
+    return function.get_concrete_function(iterator, tf.constant(1, tf.int32)).graph

@@ -356,20 +356,23 @@ def test_the_traced_step_holds_no_tensor_of_b_rows_and_reads_input_on_the_host(k
     iterator = iter(pipeline.dataset())
     assert "CPU" in iterator._iterator_resource.device
     assert all("CPU" in v.device for v in tf.nest.flatten(step.update.stash.values))
-    graph = traced_graph(step, iterator)
-    operations = [op for g in walk(graph) for op in g.get_operations()]
-    assert len(operations) > 100
-    for op in operations:
-        for tensor in op.outputs:
-            assert not (tensor.shape.rank and tensor.shape[0] in (batch, rows)), (
-                f"{op.type} {op.name} has shape {tensor.shape}")
-    reads = [op for op in operations if "Iterator" in op.type or "Optional" in op.type]
-    assert {op.type for op in reads} >= {"IteratorGetNextAsOptional", "OptionalGetValue"}
-    for op in reads:
-        # Ops on an iterator handle are colocated with it: on the host.
-        assert op.device in ("", HOST) and (op.device == HOST or any(
-            b"loc:@" in group for group in op.colocation_groups())
-            or op.inputs[0].dtype in (tf.resource, tf.variant)), op
+    # Both pulls: counted (an input that knows its length) and until the input ends.
+    for known_length, read_types in ((True, {"IteratorGetNext"}),
+                                     (False, {"IteratorGetNextAsOptional", "OptionalGetValue"})):
+        graph = traced_graph(step, iterator, known_length=known_length)
+        operations = [op for g in walk(graph) for op in g.get_operations()]
+        assert len(operations) > 100
+        for op in operations:
+            for tensor in op.outputs:
+                assert not (tensor.shape.rank and tensor.shape[0] in (batch, rows)), (
+                    f"{op.type} {op.name} has shape {tensor.shape}")
+        reads = [op for op in operations if "Iterator" in op.type or "Optional" in op.type]
+        assert {op.type for op in reads} >= read_types
+        for op in reads:
+            # Ops on an iterator handle are colocated with it: on the host.
+            assert op.device in ("", HOST) and (op.device == HOST or any(
+                b"loc:@" in group for group in op.colocation_groups())
+                or op.inputs[0].dtype in (tf.resource, tf.variant)), op
 
 
 def test_class_weight_is_exact():
