@@ -16,6 +16,11 @@ from common import relative_error
 import autosplit
 from autosplit.testing import inject_oom
 
+# Every model here has BatchNormalization in training mode, so every call gives the
+# ghost-batch note; that it does, and where it points, is tested in test_fit and
+# test_warnings.
+pytestmark = pytest.mark.filterwarnings("ignore:This model has BatchNormalization layers")
+
 B, M = 50, 20  # 3 micro-batches of 17: one padding row
 
 

@@ -178,8 +178,9 @@ def test_endpoint_layer_with_add_loss_and_no_compiled_loss():
 
     reference, candidate = twins(make)
     x = {"image": images, "label": labels}
-    expected, got = fit_both(reference, candidate, x, batch_size=batch,
-                             micro_batch_size=micro, epochs=2)
+    with pytest.warns(UserWarning, match="adds losses in call"):
+        expected, got = fit_both(reference, candidate, x, batch_size=batch,
+                                 micro_batch_size=micro, epochs=2)
     assert_same_training(reference, candidate, expected, got, rtol=ADAM_RTOL,
                          steps=steps(n, batch, 2))
 
@@ -341,9 +342,10 @@ def test_siamese_contrastive_as_written_with_batch_norm_runs():
     n, batch, micro = 64, 32, 12
     x1, x2, labels = pairs(n)
     model = siamese(batch_norm=True)
-    history = autosplit.fit_large_batch(model, [x1, x2], labels, batch_size=batch,
-                                        micro_batch_size=micro, epochs=2, shuffle=False,
-                                        verbose=0).history
+    with pytest.warns(UserWarning, match="ghost batch norm"):
+        history = autosplit.fit_large_batch(model, [x1, x2], labels, batch_size=batch,
+                                            micro_batch_size=micro, epochs=2,
+                                            shuffle=False, verbose=0).history
     assert_runs(model, history, steps=steps(n, batch, 2))
 
 
