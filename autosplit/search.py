@@ -119,7 +119,9 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
     below where the line through their two peaks meets the budget when the failure
     ran over it (:func:`_secant`), else the size halfway between them in micro-batch
     count (rounded to the larger size) after an out-of-memory error, so a bad line
-    costs one trial.
+    costs one trial. Once the smallest failure ran out of memory, the line that
+    pointed there is not trusted past that halfway size either: each out-of-memory
+    trial costs ~10 s of the allocator's retries, an extra trial below it ~1-2 s.
     Trials leave lasting allocations behind (kernel caches, scratch buffers), so the
     choice is measured once more at the end unless it was the last trial, and stepped
     down until it fits.
@@ -158,6 +160,11 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
                 # Nothing failed yet: the line is extrapolated, and through two small
                 # sizes the allocator's noise can hide its slope. Steps of at most 4x.
                 guess = min(guess, achievable(batch_size, GROWTH * lo))
+        if guess is not None and lo < guess < hi and _ran_out_at(trials, hi):
+            # The line pointed at or past a size that ran out of memory: above the
+            # halfway size (in micro-batch count) it is not trusted again.
+            middle = between(batch_size, lo, hi)
+            guess = min(guess, middle) if middle is not None else None
         if guess is None or not lo < guess < hi:
             guess = _secant(batch_size, budget, trials, lo, hi) or between(batch_size, lo, hi)
             if guess is None:
@@ -241,6 +248,10 @@ def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: 
     # a trial, one too large may run out of memory (10 s of the allocator's retries).
     under = [m for m in inside if m <= crossing]
     return max(under) if under else min(inside)
+
+
+def _ran_out_at(trials: Sequence[Trial], m: int) -> bool:
+    return any(t.oom and t.micro_batch_size == m for t in trials)
 
 
 def _far_pair(trials: Sequence[Trial]) -> list[tuple[int, int]]:

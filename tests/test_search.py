@@ -103,6 +103,26 @@ def test_a_peak_that_climbs_in_steps_is_located_from_the_peaks_around_the_budget
     assert sizes(trials) == [64, 179, 274, 256] and chosen == 256
 
 
+def _the_cnn_as_it_once_ran(m):
+    """A run of benchmarks.probe_choices (the CNN, 256 MiB cap, B = 4096; MiB x 1000):
+    147 rows read low, so the line through 64 and 147 pointed at 410 rows; past ~300 the
+    real peak runs out of memory, and from 260 to 300 it runs over the budget."""
+    if m >= 300:
+        return Trial(m, False, True, None, 0.0)
+    peak = 240_000 if m >= 260 else 129_300 if m == 147 else round(98_000 + 425.7 * (m - 64))
+    return Trial(m, peak <= 230_400, False, peak, 0.0)
+
+
+def test_after_an_oom_the_line_is_not_trusted_past_halfway_to_it():
+    # Measured: 64 147 410x 216 373x 274~ 256, two out-of-memory trials (~11 s each).
+    # After 410 ran out, the line through 64 and 216 pointed at 373, most of the way to
+    # the failure; halfway in micro-batch count (k = 14: 293) runs over the budget with
+    # a peak, and the line through the peaks around the budget finds 274, then 256.
+    chosen, trials = run_search(4096, 230_400, _the_cnn_as_it_once_ran)
+    assert sizes(trials) == [64, 147, 410, 216, 293, 274, 256] and chosen == 256
+    assert [t.oom for t in trials] == [False, False, True] + [False] * 4
+
+
 def test_everything_fits_means_no_split():
     chosen, trials = run_search(4096, 10**9, linear(1000, 4, 10**9))
     assert (chosen, sizes(trials)) == (4096, [64, 1024, 4096])
