@@ -1,13 +1,14 @@
 """What does each piece of the per-micro-batch work cost inside the compiled step?
 
 The step does more per micro-batch than the bare loop (``benchmarks.workloads``): it
-copies the element to the host stash (so an out-of-memory error can resume it), pulls
-with ``get_next_as_optional`` and a ``tf.cond`` (so a short input ends cleanly), keeps
+copies the element to the host stash (so an out-of-memory error can resume it), keeps
 the sums in variables (so a failed micro-batch loses nothing before it), records the
-rows done, and updates the compiled metrics. This script times one large batch of
-``TrainStep.run`` (no callbacks, no Python loop around it) against the bare loop's
-step, and again with one piece at a time switched off by patching the library while
-the step is traced:
+rows done, and updates the compiled metrics. (It pulls as the bare loop does, with a
+counted ``get_next``: both inputs here know their length. An input whose end only its
+iterator tells pulls with ``get_next_as_optional`` and a ``tf.cond`` instead.) This
+script times one large batch of ``TrainStep.run`` (no callbacks, no Python loop around
+it) against the bare loop's step, and again with one piece at a time switched off by
+patching the library while the step is traced:
 
 - ``nostash``: the stash keeps its counters but not the element's copy;
 - ``nometric``: no per-micro-batch metric update;
