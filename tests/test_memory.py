@@ -584,7 +584,6 @@ def _run_capped_child(script: str, limit_bytes: int) -> dict:
 
 
 _PEAK_SCRIPT = """
-import gc
 import json
 import tensorflow as tf
 from autosplit.peak_meter import PeakMeter
