@@ -79,6 +79,34 @@ def test_trials_scan_only_new_objects_and_the_collector_is_left_as_found(cache_h
         gc.unfreeze()
 
 
+def test_trials_pull_trainings_elements_with_autotuning_off(cache_home, monkeypatch):
+    # A trial is too short for tf.data's autotuning to tune anything: its thread only
+    # took CPU from the step, and deleting a trial's iterator waited up to 1.2 s for it.
+    from autosplit import trials
+
+    made = []
+
+    def spy(cut):
+        made.append((cut, trials_dataset(cut)))
+        return made[-1][1]
+
+    trials_dataset = trials.trial_dataset
+    monkeypatch.setattr(trials, "trial_dataset", spy)
+    result = probe(small_model(), data(), batch_size=256, cache=False)
+    assert len(made) == len(result.trials) >= 2
+    for cut, pulled in made:
+        training = cut.dataset(repeat=True, shuffle_seed=trials._TRIAL_SHUFFLE_SEED)
+        assert pulled.options().autotune.enabled is False
+        assert training.options().autotune.enabled is not False
+        for a, b in zip(pulled.take(3), training.take(3), strict=True):
+            assert all(np.array_equal(p, q) for p, q in
+                       zip(tf_flat(a), tf_flat(b), strict=True))
+
+
+def tf_flat(element):
+    return [np.asarray(t) for t in keras.tree.flatten(element)]
+
+
 def test_whole_batch_fits_means_no_split(cache_home):
     result = probe(small_model(), data(), batch_size=64, cache=False)
     assert result.micro_batch_size == 64 and result.accumulation_steps == 1
