@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 
 import numpy as np
 
@@ -307,28 +307,36 @@ def run_speed(batch_size: int, largest: int, trials: list[Trial],
               trial: Callable[[int], Trial]) -> tuple[int, str]:
     """``objective="speed"`` after the memory search found ``largest``: time up to two
     more sizes (:func:`speed_candidates`) with ``trial(m)``, appending to ``trials``,
-    and return :func:`fastest`'s choice and why.
+    and return the size kept and why.
 
     A trial times two short steps, 10-30% apart run to run on a busy machine, and a
-    smaller size wins only by more than 5%: when one does, both finalists are timed
-    twice more, in turn and mirrored (A B B A, so a drift of the machine's speed weighs
-    on both alike), and each counts its mean over all its timings. A size that leads
-    once another fell back is timed again the same way: no size is kept on one timing
-    (a CNN run kept 133 rows "7% faster" on its one timing after 147, timed four times,
-    fell back).
+    smaller size wins only by more than 5%. The size that leads (:func:`fastest`) is a
+    challenger only: it and the reference are timed twice more, in turn and mirrored
+    (A B B A, so a drift of the machine's speed weighs on both alike), and it is kept
+    only when it is more than 5% faster on those four timings alone. Its earlier
+    timing made it lead, so it is the likeliest to be high: counted in, it kept the
+    CNN's 196 rows as "8% faster" on timings of 1,378, 1,071 and 1,051 samples/s
+    against 256 rows' 1,118, 1,074, 1,076, 1,054 and 1,056. A challenger that falls
+    back competes no more, and the next size that leads is timed the same way (a CNN
+    run had kept 133 rows "7% faster" on its one timing after 147 fell back).
     """
     for m in speed_candidates(batch_size, largest, trials):
         trials.append(trial(m))
-    retimed: set[int] = set()
+    rejected: set[int] = set()
     while True:
-        challenger, _ = fastest(largest, trials)
+        challenger, why = fastest(largest, trials, rejected)
         reference, _ = _standing(largest, trials)
-        if challenger == reference or challenger in retimed:
-            break
-        retimed.add(challenger)
-        for m in (reference, challenger, challenger, reference):
-            trials.append(trial(m))
-    return fastest(largest, trials)
+        if challenger == reference:
+            return challenger, why
+        paired = [trial(m) for m in (reference, challenger, challenger, reference)]
+        trials.extend(paired)
+        if not all(t.fits for t in paired):
+            continue  # the standing changed: a size that failed once competes no more
+        kept, why = fastest(reference, paired)
+        if kept == challenger:
+            dropped = "" if reference == largest else f"{largest} failed when tried again; "
+            return challenger, f"{dropped}{why}, timed in turn"
+        rejected.add(challenger)
 
 
 def reliable_fits(trials: Sequence[Trial]) -> list[int]:
@@ -351,9 +359,11 @@ def _standing(largest: int, trials: Sequence[Trial]) -> tuple[int, list[int]]:
     return (reliable[0] if reliable else largest), reliable
 
 
-def fastest(largest: int, trials: Sequence[Trial]) -> tuple[int, str]:
+def fastest(largest: int, trials: Sequence[Trial], rejected: Collection[int] = ()
+            ) -> tuple[int, str]:
     """``objective="speed"``: the fitting size with the most samples per second, kept over
     the largest that fits only when it is more than 5% faster; returns (size, why).
+    Sizes in ``rejected`` (whose lead fell back when timed in turn) compete no more.
 
     A size timed more than once counts its mean: one trial's two short steps moved by
     up to 30% on a busy machine, and the best of several timings rewards the noise
@@ -378,7 +388,8 @@ def fastest(largest: int, trials: Sequence[Trial]) -> tuple[int, str]:
     speeds = {m: sum(v) / len(v) for m, v in timings.items()}
     if largest not in speeds:
         return largest, f"{dropped}the largest that fits (its speed was not measured)"
-    best = max(speeds, key=lambda m: (speeds[m], m))
+    best = max((m for m in speeds if m not in rejected or m == largest),
+               key=lambda m: (speeds[m], m))
     if best != largest and speeds[best] > FASTER * speeds[largest]:
         gain = speeds[best] / speeds[largest] - 1
         return best, (f"{dropped}{best} runs {speeds[best]:.1f} samples/s, {gain:.0%} faster "
