@@ -12,8 +12,9 @@ capped CPU allocator, its synthetic data a stream of micro-batches):
    the CNN and on the MLP 784-512-512-10 (the CLI's ``mlp``): the samples/s of every
    fitting size the trials timed (the largest, the sizes the search passed, and up to
    two between half the largest and it), and which one the probe kept. A smaller size
-   is kept only when it is more than 5% faster than the largest; when none is, that is
-   the honest answer, and the curve says how flat samples/s is in m on this machine.
+   is kept only when it is more than 5% faster than the largest on their timings in
+   turn (A B B A); when none is, that is the honest answer, and the curve says how flat
+   samples/s is in m on this machine.
 
 Units: micro-batch sizes in rows (balanced); seconds = the probe's search inside its
 child (``ProbeResult.seconds``) and the whole command's wall clock; samples/s over a
@@ -146,6 +147,28 @@ def curve(result: dict[str, Any]) -> list[dict[str, Any]]:
              "timings": timings[m]} for m in sorted(mean, reverse=True)]
 
 
+def in_turn(result: dict[str, Any]) -> dict[int, float]:
+    """Every size timed in turn against the reference (``A B B A`` in the trials, all
+    fitting): the mean of its two timings over the reference's two, the last such round
+    of each size."""
+    trials = result.get("trials", [])
+    ratios: dict[int, float] = {}
+    for i in range(len(trials) - 3):
+        a, b, c, d = trials[i:i + 4]
+        if (a["micro_batch_size"] == d["micro_batch_size"] != b["micro_batch_size"]
+                == c["micro_batch_size"]
+                and all(t["fits"] and t["samples_per_second"] for t in (a, b, c, d))):
+            ratios[b["micro_batch_size"]] = (
+                (b["samples_per_second"] + c["samples_per_second"])
+                / (a["samples_per_second"] + d["samples_per_second"]))
+    return ratios
+
+
+def turns_winner(turns: dict[int, float]) -> int | None:
+    """The size that won its turn by more than 5% (the probe stops at the first)."""
+    return next((m for m, ratio in turns.items() if ratio > 1.05), None)
+
+
 def checks(same: dict[int, list[dict[str, Any]]], speed: Sequence[dict[str, Any]],
            s: Settings) -> list[dict[str, Any]]:
     small, large = same[s.small_batch], same[s.large_batch]
@@ -172,15 +195,21 @@ def checks(same: dict[int, list[dict[str, Any]]], speed: Sequence[dict[str, Any]
             out.append({"id": f"speed-{r['model']}", "status": "N/A",
                         "summary": f"{r['model']}: no timed trial"})
             continue
-        chosen = r["micro_batch_size"]
-        best = max(points, key=lambda p: p["samples_per_second"])
-        rule = (chosen == points[0]["micro_batch_size"] and best["relative"] <= 1.05) or (
-            chosen == best["micro_batch_size"] and best["relative"] > 1.05)
+        chosen, largest = r["micro_batch_size"], points[0]
+        turns = in_turn(r)
+        # The probe's rule, re-derived: a smaller size is kept only when it was more than
+        # 5% faster than the largest on the timings in turn (A B B A); a size that leads
+        # on its mean must have been timed so.
+        untried = [p for p in points[1:] if p["micro_batch_size"] not in turns
+                   and p["relative"] > 1.05]
+        rule = (chosen == turns_winner(turns)) if chosen != largest["micro_batch_size"] else (
+            turns_winner(turns) is None and not untried)
+        said = ", ".join(f"{m} x{v:.2f}" for m, v in turns.items()) or "none"
+        top = largest["micro_batch_size"]
         out.append({"id": f"speed-{r['model']}", "status": harness.status(rule),
-                    "summary": f"{r['model']}: kept {chosen} of {len(points)} sizes timed; the "
-                               f"fastest ran {best['relative']:.2f}x the largest "
-                               f"({points[0]['micro_batch_size']}); rule: a smaller size only "
-                               "when > 1.05x"})
+                    "summary": f"{r['model']}: kept {chosen} of {len(points)} sizes timed; "
+                               f"timed in turn against the largest ({top}): "
+                               f"{said}; rule: a smaller size only when > 1.05x in turn"})
     return out
 
 
@@ -200,10 +229,13 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{r.get('reason') or r.get('error', '')}", "",
                   f"Trials: {trials_text(r.get('trials', []))}; search "
                   f"{r.get('seconds', 0):.1f} s.", ""]
+        turns = in_turn(r)
         lines += harness.md_table(
-            ["m", "samples/s (mean)", "of the largest", "every timing"],
+            ["m", "samples/s (mean)", "of the largest", "in turn (A B B A)", "every timing"],
             [[str(p["micro_batch_size"]), f"{p['samples_per_second']:,.0f}",
-              f"{p['relative']:.2f}", ", ".join(f"{v:,.0f}" for v in p["timings"])]
+              f"{p['relative']:.2f}",
+              f"{turns[p['micro_batch_size']]:.2f}" if p["micro_batch_size"] in turns else "-",
+              ", ".join(f"{v:,.0f}" for v in p["timings"])]
              for p in curve(r)])
         lines += [""]
     return "\n".join(lines) + harness.report_tail(report)

@@ -421,6 +421,20 @@ def test_probe_choices_checks_answer_time_and_the_speed_rule():
     assert [p["micro_batch_size"] for p in probe_choices.curve(speed[0])] == [22]
     checks = {c["id"]: c for c in probe_choices.checks(same, speed, s)}
     assert checks["speed-mlp 32"]["status"] == "PASS"
+    # The rule is decided on the timings in turn (A B B A): 22 led on a first timing of
+    # 120 and its mean still leads by 7%, but in turn it ran 1.01x the largest.
+    timed = [(32, 100.0), (22, 120.0), (32, 100.0), (22, 101.0), (22, 101.0), (32, 100.0)]
+    speed = [{**_probe_run(128, 32, 3.0, timed), "model": "mlp 32"}]
+    assert probe_choices.in_turn(speed[0]) == {22: pytest.approx(1.01)}
+    checks = {c["id"]: c for c in probe_choices.checks(same, speed, s)}
+    assert checks["speed-mlp 32"]["status"] == "PASS"
+    speed[0]["micro_batch_size"] = 22
+    checks = {c["id"]: c for c in probe_choices.checks(same, speed, s)}
+    assert checks["speed-mlp 32"]["status"] == "MISS"
+    # Never timed in turn while its mean leads by more than 5%: the probe broke its rule.
+    speed = [{**_probe_run(128, 32, 3.0, [(32, 100.0), (22, 107.0)]), "model": "mlp 32"}]
+    checks = {c["id"]: c for c in probe_choices.checks(same, speed, s)}
+    assert checks["speed-mlp 32"]["status"] == "MISS"
 
 
 # ---------------------------------------------------------------- quick runs, end to end
