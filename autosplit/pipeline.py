@@ -12,7 +12,9 @@ accelerator.
 
 An element is ``(x, y_or_(), sample_weight_or_(), valid)``: ``valid`` is float32 ``(rows,)``,
 1.0 for real rows and 0.0 for padding. With several local replicas every part gains
-a leading axis, one micro-batch per replica (missing ones are all padding).
+a leading axis, one micro-batch per replica (missing ones are all padding). Every
+element has a real row, so an element whose ``valid`` is all 0 can only be the end
+marker that ``MicroBatches.dataset(marked=True)`` puts after each epoch.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from autosplit.distribute import ALONE, Layout
 from autosplit.inputs import HOST, InputAdapter
 from autosplit.split import Piece, piece_pattern
 
-__all__ = ["MicroBatches", "elements_per_batch", "release"]
+__all__ = ["MicroBatches", "elements_per_batch", "end_marker", "release"]
 
 _PREFETCH = 2  # micro-batches the host keeps ready: enough to hide the cut, constant in B
 
@@ -93,6 +95,22 @@ def release(held: list[Any]) -> None:
         threading.Thread(target=held.clear, name="autosplit-release-iterator").start()
 
 
+def end_marker(element_spec: Any) -> tf.data.Dataset | None:
+    """One element of ``element_spec`` with no real row (``valid`` all 0, the rest
+    zeros; a dimension of unknown size is 0), or None when a part is not a plain
+    tensor (ragged, sparse): then an epoch's end is the end of its iterator."""
+    if not _markable(element_spec):
+        return None
+    with tf.device(HOST):
+        zeros = tf.nest.map_structure(
+            lambda s: tf.zeros([0 if d is None else d for d in s.shape], s.dtype), element_spec)
+        return tf.data.Dataset.from_tensors(zeros)
+
+
+def _markable(element_spec: Any) -> bool:
+    return all(type(leaf) is tf.TensorSpec for leaf in tf.nest.flatten(element_spec))
+
+
 def elements_per_batch(pattern: list[Piece], batch_rows: int, local_replicas: int) -> int:
     """Elements this worker's pipeline yields for a large batch of ``batch_rows`` rows.
 
@@ -144,21 +162,30 @@ class MicroBatches:
                                                     rows - step * self.batch_size),
                                   self.local_replicas)
 
-    def dataset(self, *, repeat: bool = False, shuffle_seed: int | None = None
-                ) -> tf.data.Dataset:
+    def dataset(self, *, repeat: bool = False, shuffle_seed: int | None = None,
+                marked: bool = False) -> tf.data.Dataset:
         """The micro-batch elements of one epoch (or, with ``repeat``, of endless epochs).
 
         Repeating after the cut restarts the pattern with every epoch, so a short last
         batch never borrows rows from the next epoch. The cut is built once per seed and
-        both variants wrap it: iterating again starts a new epoch, and asking for the
+        every variant wraps it: iterating again starts a new epoch, and asking for the
         repeated variant after the element spec traces none of its functions again.
+
+        With ``marked`` each epoch ends with :func:`end_marker`'s element (see
+        :meth:`can_mark`), so one repeated iterator reads every epoch of an input whose
+        length only its end tells: the step stops a large batch at the marker.
         """
-        key = (repeat, shuffle_seed)
+        key = (repeat, shuffle_seed, marked)
         if key not in self._datasets:
             if shuffle_seed not in self._cuts:
                 self._cuts[shuffle_seed] = self._build(shuffle_seed=shuffle_seed)
             with tf.device(HOST):
                 ds = self._cuts[shuffle_seed]
+                if marked:
+                    marker = end_marker(ds.element_spec)
+                    if marker is None:
+                        raise ValueError("These elements cannot be marked; see can_mark().")
+                    ds = ds.concatenate(marker)
                 if repeat:
                     ds = ds.repeat()
                 options = tf.data.Options()
@@ -196,6 +223,11 @@ class MicroBatches:
                 ds = ds.batch(replicas).map(functools.partial(_pad_replicas_of,
                                                               replicas=replicas))
             return ds
+
+    def can_mark(self) -> bool:
+        """Whether :meth:`dataset` can mark the end of each epoch (every part of an
+        element a plain tensor)."""
+        return _markable(self.element_spec())
 
     def element_spec(self) -> Any:
         """The elements' spec: the same for every variant, so one already built gives it

@@ -83,6 +83,11 @@ class TrainStep:
             jit=self.compilation.jit_compile and not self.compilation.run_eagerly)
         self.replicas = self.update.replicas.count
         self._dirty = False  # the sums may hold a partial large batch
+        # The pipeline marks each epoch's end (MicroBatches.dataset(marked=True)): the
+        # loops of an input of unknown length stop there. fit_large_batch sets it for
+        # its call; the counted loop (run) never meets a marker.
+        self.end_marker = False
+        self._ended: bool | None = False  # the last call reached the end (None: not read)
         self.rebind(element_spec)
 
     @property
@@ -105,11 +110,16 @@ class TrainStep:
     def _fused(self, iterator, count):
         return self.update.apply(pull(self.update, iterator, count, counted=True))
 
-    def _fused_if_any(self, iterator, count):
-        return self.update.apply_if_any(pull(self.update, iterator, count))
+    def _fused_if_any(self, iterator, count, *, marked: bool = False):
+        pulled = pull(self.update, iterator, count, marked=marked)
+        with tf.control_dependencies([pulled]):
+            ended = self.update.stash.exhausted.read_value()
+        applied, logs = self.update.apply_if_any(pulled)
+        return applied, ended, logs
 
-    def _local(self, iterator, count, *, resume: bool = False, pieces: int = 1):
-        return pull(self.update, iterator, count, resume=resume, pieces=pieces)
+    def _local(self, iterator, count, *, resume: bool = False, pieces: int = 1,
+               marked: bool = False):
+        return pull(self.update, iterator, count, resume=resume, pieces=pieces, marked=marked)
 
     @property
     def train_function(self):
@@ -120,8 +130,9 @@ class TrainStep:
     @property
     def function_if_any(self):
         """The compiled function :meth:`run_if_any` calls, ``(iterator, count) ->
-        (applied, logs)``: it pulls until the input ends, if it ends before ``count``."""
-        return self._function("fused_if_any", self._fused_if_any)
+        (applied, ended, logs)``: it pulls until the input (or with ``end_marker``, the
+        epoch) ends, if it ends before ``count``; ``ended`` says whether it did."""
+        return self._function("fused_if_any", self._fused_if_any, marked=self.end_marker)
 
     def tracing_count(self) -> int:
         """Traces of every compiled function so far (0 under ``run_eagerly``)."""
@@ -144,16 +155,38 @@ class TrainStep:
         apply runs in the same call, if any row came; None (nothing applied) if the
         input ended before the large batch began."""
         self._dirty = True
-        applied, logs = self.function_if_any(iterator, tf.constant(count, tf.int32))
+        applied, ended, logs = self.function_if_any(iterator, tf.constant(count, tf.int32))
         self._dirty = False
+        self._ended = bool(ended)
         return logs if bool(applied) else None
 
     def run_local(self, iterator, count: int, *, resume: bool = False, pieces: int = 1) -> int:
         """Commit up to ``count`` elements (after the stash, with ``resume``); returns the
         number pulled. Runs no collective: safe for one worker to fail alone."""
         self._dirty = True
-        fn = self._function("local", self._local, resume=resume, pieces=pieces)
+        self._ended = None
+        fn = self._function("local", self._local, resume=resume, pieces=pieces,
+                            marked=self.end_marker)
         return int(fn(iterator, tf.constant(count, tf.int32)))
+
+    def input_ended(self) -> bool:
+        """Whether the last call's loop reached the input's end (or the epoch's marker)."""
+        if self._ended is None:
+            self._ended = bool(self.update.stash.exhausted.numpy())
+        return self._ended
+
+    @staticmethod
+    def skip_to_end_marker(iterator) -> int:
+        """Read the iterator up to and including its next end marker (``end_marker``
+        mode), or to its end; returns the real elements dropped on the way. An epoch
+        that ran the large batches its first epoch counted ends there: ``model.fit``
+        trains on no more of a longer epoch. Eager, on the host: mostly one element."""
+        dropped = 0
+        for element in iterator:
+            if not element[-1].numpy().any():
+                break
+            dropped += 1
+        return dropped
 
     def finish(self) -> dict:
         """Apply the summed large batch once and zero the sums; returns the metric logs."""
@@ -214,6 +247,7 @@ def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | 
     else:
         step.rebind(spec)
         step.discard()
+    step.end_marker = False  # a fit_large_batch call whose input is marked sets it
     return step
 
 

@@ -63,7 +63,7 @@ def batches(x, y, w, size, forever=False):
 
 
 def reference_and_initial(epochs, rows=N):
-    x, y, w = data()
+    x, y, w = data(max(rows, N))
     model = make()
     model.build((None, 6))
     initial = model.get_weights()
@@ -115,7 +115,7 @@ def test_a_generator_read_once_to_its_end():
 @pytest.mark.parametrize("rows", [N, 4 * B])  # a short last batch, or an exact end
 def test_an_input_of_unknown_length_runs_each_large_batch_in_one_call(monkeypatch, rows):
     # A batched dataset tells its end only when it comes: each large batch is one call
-    # (the loop, then the apply only if a row came), and the call that finds the input
+    # (the loop, then the apply only if a row came), and a call that finds the input
     # spent applies nothing: the optimizer steps once per large batch, as model.fit does.
     from autosplit.step import TrainStep
 
@@ -133,17 +133,97 @@ def test_an_input_of_unknown_length_runs_each_large_batch_in_one_call(monkeypatc
         monkeypatch.setattr(TrainStep, name, counted(name))
     reference, initial = reference_and_initial(epochs=2, rows=rows)
     model = candidate(initial)
-    x, y, w = (a[:rows] for a in data())
+    x, y, w = (a[:rows] for a in data(max(rows, N)))
     history = autosplit.fit_large_batch(
         model, tf.data.Dataset.from_tensor_slices((x, y, w)).batch(10), batch_size=B,
         micro_batch_size=M, epochs=2, verbose=0)
     steps = math.ceil(rows / B)
     assert int(model.optimizer.iterations) == 2 * steps
-    # The first epoch learns its length from one more call, which finds the end.
-    assert calls == {"run_if_any": 2 * steps + 1, "run_local": 0, "finish": 0}
+    # The short last batch runs into the epoch's end marker; a first epoch that ends
+    # on a whole large batch learns its end from one more call, which finds the marker.
+    exact = rows % B == 0
+    assert calls == {"run_if_any": 2 * steps + exact, "run_local": 0, "finish": 0}
     assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
     np.testing.assert_allclose(history.history["loss"], reference.history.history["loss"],
                                rtol=1e-5)
+
+
+def _fit_batched(dataset, *, marked, epochs=3):
+    """(weights, losses, iterators made) of a fit on ``dataset()``, with or without the
+    one iterator whose epochs end at a marker. The dataset is made after the seed is
+    set: a seeded shuffle's seeds depend on the global seed at its creation."""
+    made = []
+    dataset_of = MicroBatches.dataset
+
+    def spy(self, **kwargs):
+        made.append(kwargs)
+        return dataset_of(self, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(MicroBatches, "dataset", spy)
+        if not marked:
+            patch.setattr(MicroBatches, "can_mark", lambda self: False)
+        keras.utils.set_random_seed(3)
+        model = make()
+        history = autosplit.fit_large_batch(model, dataset(), batch_size=B, micro_batch_size=M,
+                                            epochs=epochs, verbose=0)
+    return model.get_weights(), history.history["loss"], [k for k in made if "repeat" in k]
+
+
+@pytest.mark.parametrize("rows", [N, 4 * B])  # a short last batch, or an exact end
+def test_an_input_of_unknown_length_is_read_by_one_iterator_with_marked_epochs(rows):
+    # A new iterator every epoch cost 12 ms and a slower first large batch; one
+    # iterator of the repeated pipeline, each epoch ending at an element of no real
+    # row, trains exactly as they did, reshuffling (a seeded shuffle) every epoch.
+    x, y, w = data(rows)
+
+    def dataset():
+        return (tf.data.Dataset.from_tensor_slices((x, y, w))
+                .shuffle(rows, seed=5, reshuffle_each_iteration=True).batch(10))
+
+    weights, losses, iterators = _fit_batched(dataset, marked=True)
+    assert [k["marked"] for k in iterators] == [True]
+    expected, expected_losses, fresh = _fit_batched(dataset, marked=False)
+    assert len(fresh) == 3
+    assert_weights_close(expected, weights, 1e-6)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+
+
+def test_a_marked_epoch_longer_than_the_first_ends_where_model_fit_ends_it():
+    # model.fit runs the large batches its first epoch counted and leaves the rest of a
+    # longer epoch: the marked iterator drops those rows up to the epoch's marker.
+    x, y, w = data()
+    calls = []
+
+    def rows_this_epoch():
+        # 150 rows (3 large batches) the first two times the generator runs, 230 (4)
+        # after: get_input reads one batch of a dataset of batches to check its rows,
+        # so the first epoch may be the second run; a later epoch is longer either way.
+        calls.append(None)
+        n = 150 if len(calls) <= 2 else N
+        yield from zip(x[:n], y[:n], w[:n], strict=True)
+
+    spec = (tf.TensorSpec((6,), tf.float32), tf.TensorSpec((), tf.int32),
+            tf.TensorSpec((), tf.float32))
+
+    def dataset():
+        calls.clear()
+        return tf.data.Dataset.from_generator(rows_this_epoch, output_signature=spec).batch(10)
+
+    weights, losses, _ = _fit_batched(dataset, marked=True)
+    expected, expected_losses, _ = _fit_batched(dataset, marked=False)
+    assert_weights_close(expected, weights, 1e-6)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+
+
+def test_skip_to_end_marker_drops_the_rest_of_an_epoch_and_its_marker():
+    x, y, w = data()  # 230 rows: 15 micro-batches of 16 (the last of 6 rows) an epoch
+    pipeline = MicroBatches(get_input(tf.data.Dataset.from_tensor_slices((x, y, w)).batch(10)),
+                            B, M)
+    elements = iter(pipeline.dataset(repeat=True, marked=True))
+    first = [next(elements) for _ in range(4)]
+    assert step_for(make(), pipeline).skip_to_end_marker(elements) == 15 - 4
+    np.testing.assert_array_equal(next(elements)[0], first[0][0])  # the next epoch
 
 
 class OwnStep(keras.Model):

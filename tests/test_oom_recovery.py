@@ -43,6 +43,29 @@ def test_injected_oom_redoes_the_same_batch_exactly():
     np.testing.assert_allclose(history.history["accuracy"], ref_history.history["accuracy"])
 
 
+def test_injected_oom_in_a_marked_epoch_of_a_batched_dataset_is_exact():
+    # A batched dataset is read by one iterator whose epochs end at a marker: a resumed
+    # large batch (run_local, in pieces) must stop there too. Step 3 is the first
+    # epoch's short last batch (230 rows); after it the next epoch cuts smaller pieces.
+    x, y = data(230)
+
+    def batched():
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(10)
+
+    reference, candidate = twin(make, (x[:8], y[:8], None))
+    ref_history = autosplit.fit_large_batch(reference, batched(), batch_size=64,
+                                            micro_batch_size=32, epochs=2, verbose=0)
+    with pytest.warns(UserWarning, match="finishing the same batch"), \
+            inject_oom(at_steps={1, 3}) as raised:
+        history = autosplit.fit_large_batch(candidate, batched(), batch_size=64,
+                                            micro_batch_size=32, epochs=2, verbose=0)
+    assert raised == [(1, 32), (3, 16)]
+    assert int(candidate.optimizer.iterations) == 8 == int(reference.optimizer.iterations)
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"],
+                               rtol=1e-5)
+
+
 def test_on_oom_raise():
     x, y = data()
     with inject_oom(at_steps={0}), pytest.raises(tf.errors.ResourceExhaustedError):
