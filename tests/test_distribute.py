@@ -37,6 +37,9 @@ def test_mirrored_strategy_two_logical_cpus(tmp_path):
     assert report["replicas"] == 2
     assert report["sgd"] <= 1e-5 and report["adam"] <= 1e-4, report
     assert report["sgd_iterations"] == report["adam_iterations"] == 6  # 2 epochs x 3
+    # A batched dataset read by one iterator whose epochs end at a marker.
+    assert report["batched_40"] <= 1e-5 and report["batched_50"] <= 1e-5, report
+    assert (report["batched_40_iterations"], report["batched_50_iterations"]) == (6, 4)
     # Gradients are all-reduced once per update: never inside the micro-batch loop, and
     # the count does not grow with the accumulation steps.
     assert report["all_reduces_k2"]["loop_body"] == report["all_reduces_k10"]["loop_body"] == 0
