@@ -153,7 +153,8 @@ class TrainStep:
     def run_if_any(self, iterator, count: int) -> dict | None:
         """:meth:`run` for an input whose end only its iterator tells (one replica): the
         apply runs in the same call, if any row came; None (nothing applied) if the
-        input ended before the large batch began."""
+        input ended (with ``end_marker``, the epoch's marker came) before the large batch
+        began. :meth:`input_ended` then says whether this call reached that end."""
         self._dirty = True
         applied, ended, logs = self.function_if_any(iterator, tf.constant(count, tf.int32))
         self._dirty = False
