@@ -37,7 +37,7 @@ from autosplit.evaluate import Evaluator, validation_input
 from autosplit.host import bfc_enabled
 from autosplit.inputs import InputAdapter, get_input
 from autosplit.model_state import model_state
-from autosplit.pipeline import MicroBatches, release
+from autosplit.pipeline import MicroBatches, release, skip_to_end_marker
 from autosplit.recovery import OomRecovery, Recovery
 from autosplit.search import OBJECTIVES
 from autosplit.split import Split, split_batch
@@ -561,7 +561,7 @@ class _Batches:
         if self.marked and not ended and not self.model.stop_training:
             # As many large batches as the first epoch counted: the epoch ends here, as
             # in model.fit, and its marker (after any rows past them) is read.
-            plan.step.skip_to_end_marker(self.iterator)
+            skip_to_end_marker(self.iterator)
         self._check_ran(ran)
         if ran and self.steps is None:
             self.steps = ran  # learnt from the first epoch, as model.fit does

@@ -30,7 +30,8 @@ from autosplit.distribute import ALONE, Layout
 from autosplit.inputs import HOST, InputAdapter
 from autosplit.split import Piece, piece_pattern
 
-__all__ = ["MicroBatches", "elements_per_batch", "end_marker", "release"]
+__all__ = ["MicroBatches", "elements_per_batch", "end_marker", "is_end_marker", "release",
+           "skip_to_end_marker"]
 
 _PREFETCH = 2  # micro-batches the host keeps ready: enough to hide the cut, constant in B
 
@@ -105,6 +106,25 @@ def end_marker(element_spec: Any) -> tf.data.Dataset | None:
         zeros = tf.nest.map_structure(
             lambda s: tf.zeros([0 if d is None else d for d in s.shape], s.dtype), element_spec)
         return tf.data.Dataset.from_tensors(zeros)
+
+
+def is_end_marker(element: Any) -> tf.Tensor:
+    """Whether ``element`` is :func:`end_marker`'s: no real row (in a graph or eagerly)."""
+    return tf.logical_not(tf.reduce_any(element[-1] > 0))
+
+
+def skip_to_end_marker(iterator: Any) -> int:
+    """Read ``iterator`` (of ``MicroBatches.dataset(marked=True)``) up to and including
+    its next end marker, or to its end; returns the real elements dropped on the way.
+    An epoch that ran the large batches its first epoch counted ends there:
+    ``model.fit`` trains on no more of a longer epoch. Eager, on the host: mostly one
+    element."""
+    dropped = 0
+    for element in iterator:
+        if bool(is_end_marker(element)):
+            break
+        dropped += 1
+    return dropped
 
 
 def _markable(element_spec: Any) -> bool:

@@ -176,19 +176,6 @@ class TrainStep:
             self._ended = bool(self.update.stash.exhausted.numpy())
         return self._ended
 
-    @staticmethod
-    def skip_to_end_marker(iterator) -> int:
-        """Read the iterator up to and including its next end marker (``end_marker``
-        mode), or to its end; returns the real elements dropped on the way. An epoch
-        that ran the large batches its first epoch counted ends there: ``model.fit``
-        trains on no more of a longer epoch. Eager, on the host: mostly one element."""
-        dropped = 0
-        for element in iterator:
-            if not element[-1].numpy().any():
-                break
-            dropped += 1
-        return dropped
-
     def finish(self) -> dict:
         """Apply the summed large batch once and zero the sums; returns the metric logs."""
         logs = self._function("finish", self.update.apply)()

@@ -20,6 +20,7 @@ from typing import Any
 import tensorflow as tf
 
 from autosplit.inputs import HOST
+from autosplit.pipeline import is_end_marker
 from autosplit.sums import after
 from autosplit.update import LargeBatchUpdate
 
@@ -55,11 +56,6 @@ def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=N
     start = tf.constant(0) if first_row is None else first_row // size
     loop = tf.while_loop(lambda p: p < pieces, body, [start], parallel_iterations=1)
     return after([loop])
-
-
-def _is_marker(element: Any) -> tf.Tensor:
-    """Whether ``element`` is an epoch's end marker: no real row (``autosplit.pipeline``)."""
-    return tf.logical_not(tf.reduce_any(element[-1] > 0))
 
 
 def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
@@ -112,7 +108,7 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
                 # A small branch of its own reads the marker: the micro-step stays in one
                 # tf.cond, as unmarked (inside a second one it cost ~60 ms more to trace
                 # and optimise, MLP 128).
-                has = tf.cond(has, lambda: tf.logical_not(_is_marker(optional.get_value())),
+                has = tf.cond(has, lambda: tf.logical_not(is_end_marker(optional.get_value())),
                               lambda: tf.constant(False))
 
         def one():
@@ -136,4 +132,3 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
         loop = tf.while_loop(cond, body, [start, tf.constant(False)], parallel_iterations=1)
     with tf.control_dependencies(tf.nest.flatten(loop)):
         return stash.pulled.read_value()
-

@@ -17,7 +17,7 @@ from conftest import assert_weights_close
 
 import autosplit
 from autosplit.inputs import HOST, get_input
-from autosplit.pipeline import MicroBatches, elements_per_batch
+from autosplit.pipeline import MicroBatches, elements_per_batch, skip_to_end_marker
 from autosplit.split import balanced_sizes, piece_pattern, split_batch
 from autosplit.step import step_for
 from autosplit.testing import traced_graph
@@ -222,7 +222,7 @@ def test_skip_to_end_marker_drops_the_rest_of_an_epoch_and_its_marker():
                             B, M)
     elements = iter(pipeline.dataset(repeat=True, marked=True))
     first = [next(elements) for _ in range(4)]
-    assert step_for(make(), pipeline).skip_to_end_marker(elements) == 15 - 4
+    assert skip_to_end_marker(elements) == 15 - 4
     np.testing.assert_array_equal(next(elements)[0], first[0][0])  # the next epoch
 
 
