@@ -9,11 +9,13 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import classifier, labelled
 
 import autosplit
 from autosplit.capped import run_capped
 from autosplit.errors import MemoryLimitError
+from autosplit.inputs import get_input
 from autosplit.peak_meter import PeakMeter
 from autosplit.trials import ProbeResult, invalidate_cache, probe
 
@@ -82,6 +84,8 @@ def test_trials_scan_only_new_objects_and_the_collector_is_left_as_found(cache_h
 def test_trials_pull_trainings_elements_with_autotuning_off(cache_home, monkeypatch):
     # A trial is too short for tf.data's autotuning to tune anything: its thread only
     # took CPU from the step, and deleting a trial's iterator waited up to 1.2 s for it.
+    # Training on this CPU machine runs the same pipeline: autotuning's buffers would
+    # be memory the trials never saw.
     from autosplit import trials
 
     made = []
@@ -97,10 +101,27 @@ def test_trials_pull_trainings_elements_with_autotuning_off(cache_home, monkeypa
     for cut, pulled in made:
         training = cut.dataset(repeat=True, shuffle_seed=trials._TRIAL_SHUFFLE_SEED)
         assert pulled.options().autotune.enabled is False
-        assert training.options().autotune.enabled is not False
+        assert training.options().autotune.enabled is False
         for a, b in zip(pulled.take(3), training.take(3), strict=True):
             assert all(np.array_equal(p, q) for p, q in
                        zip(tf_flat(a), tf_flat(b), strict=True))
+
+
+def test_training_autotunes_its_pipeline_only_when_the_step_runs_on_a_gpu(monkeypatch):
+    # On a GPU autotuning's buffers are host memory, outside the budget the probe
+    # measured; on the CPU they are the step's own memory.
+    from autosplit import pipeline
+
+    cut = pipeline.MicroBatches(get_input(*data(64), shuffle=False), 32, 16)
+    assert cut.dataset().options().autotune.enabled is False
+    gpu = [tf.config.LogicalDevice("/device:GPU:0", "GPU")]
+    monkeypatch.setattr(tf.config, "list_logical_devices",
+                        lambda kind=None: gpu if kind == "GPU" else [])
+    assert pipeline.host_autotune()
+    on_gpu = cut.dataset(repeat=True)
+    assert on_gpu.options().autotune.enabled is True
+    assert cut.dataset(repeat=True, autotune=False).options().autotune.enabled is False
+    assert cut.dataset(repeat=True) is on_gpu  # each variant built once
 
 
 def tf_flat(element):
