@@ -387,6 +387,7 @@ class _Trials:
         """One warm-up step, then the peak of two more; None when ``m`` is None (a worker
         whose search is over still takes part in every collective of the round)."""
         t0 = time.perf_counter()
+        held_before = self.meter.current_bytes()
         iterator, failed, peak, speed, rows = None, m is None, None, None, 0
         try:
             count = 0
@@ -417,7 +418,8 @@ class _Trials:
             return None
         result = Trial(m, peak is not None and peak <= self.budget, peak is None,
                        None if peak is None else int(peak), time.perf_counter() - t0,
-                       None if speed is None else round(speed, 1))
+                       None if speed is None else round(speed, 1),
+                       held_before=held_before, held_after=self.meter.current_bytes())
         self.say(result)
         return result
 

@@ -212,6 +212,9 @@ def test_under_a_real_cap_the_choice_trains_and_twice_it_does_not(tmp_path):
         assert report["bigger"] >= 2 * result["micro_batch_size"]
         assert report["bigger_fits"] is False, report
     assert result["measured_peak_bytes"] <= result["budget_bytes"]
+    # Every trial read what was held around it (the search's last check uses them).
+    assert all(0 < t["held_before"] <= t["peak_bytes"] for t in result["trials"] if t["fits"])
+    assert all(t["held_after"] > 0 for t in result["trials"])
 
 
 @pytest.mark.slow

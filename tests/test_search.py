@@ -144,6 +144,39 @@ def test_the_choice_is_measured_again_when_a_failure_came_after_it():
     assert chosen == 187
 
 
+def stepped(budget, *, leaves=0, left_by=None):
+    """A device whose peak is 1000 + 4 m, and 500 more past 200 rows (a kernel's
+    scratch jumps); a trial of ``left_by`` rows leaves ``leaves`` bytes held for good,
+    which every later peak carries. Each trial reads what was held around it."""
+    held = [0]
+
+    def trial(m):
+        before = held[0]
+        peak = before + 1000 + 4 * m + (500 if m > 200 else 0)
+        if m == left_by:
+            held[0] += leaves
+        return Trial(m, peak <= budget, False, peak, 0.0, held_before=before,
+                     held_after=held[0])
+    return trial
+
+
+def test_the_choice_is_not_measured_again_when_what_is_held_leaves_it_room():
+    chosen, trials = run_search(4096, 2000, stepped(2000))
+    # 205 ran over (the jump) after 196 fit; nothing more was held after it, so 196's
+    # peak stands: the old search measured 196 a second time to learn that.
+    assert sizes(trials) == [64, 128, 241, 179, 196, 205]
+    assert chosen == 196
+
+
+def test_the_choice_is_measured_again_and_stepped_down_when_a_trial_left_memory_held():
+    chosen, trials = run_search(4096, 2000, stepped(2000, leaves=300, left_by=205))
+    # 196 + 300 held now: 2084 over 2000, so 196 is measured again, fails, and the
+    # search steps down by about 10%.
+    assert sizes(trials) == [64, 128, 241, 179, 196, 205, 196, 171]
+    assert [t.fits for t in trials[-2:]] == [False, True]
+    assert chosen == 171
+
+
 def test_no_check_again_when_the_choice_was_the_last_trial():
     chosen, trials = run_search(4096, 7000, linear(1000, 4, 7000))
     assert (chosen, sizes(trials)) == (1366, [64, 342, 1366])
