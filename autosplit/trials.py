@@ -385,7 +385,13 @@ class _Trials:
     def trial(self, m: None) -> None: ...
     def trial(self, m: int | None) -> Trial | None:
         """One warm-up step, then the peak of two more; None when ``m`` is None (a worker
-        whose search is over still takes part in every collective of the round)."""
+        whose search is over still takes part in every collective of the round).
+
+        In one process a trial whose first measured step already peaked over the budget
+        stops there: the peak is a maximum, so the second step could not bring it back
+        under, and it costs as much as a step near the cap (~0.5 s of a 2 s trial on the
+        CLI's CNN). Workers of a multi-worker job run every step: the steps agree in
+        collectives."""
         t0 = time.perf_counter()
         held_before = self.meter.current_bytes()
         iterator, failed, peak, speed, rows = None, m is None, None, None, 0
@@ -400,15 +406,21 @@ class _Trials:
                 count = min(_TRIAL_MICRO_BATCHES, cut.per_batch)
             # The first step traces and makes one-time allocations (kernel caches,
             # scratch buffers) that stay; the steady-state peak is what training sees.
+            steps = 0  # measured
             for index in range(1 + _TRIAL_STEPS):
                 failed = not self._step(iterator, count, active=not failed) or failed
                 if index == 0:
                     self.meter.reset()
                     measured = time.perf_counter()
+                    continue
+                steps += 1
+                if (not failed and not self.where.multi_worker
+                        and self.meter.peak_bytes() > self.budget):
+                    break
             peak = None if failed else self.meter.peak_bytes()
             # Rows of the measured steps over their time: the warm-up (tracing) excluded.
             speed = None if failed or not count else (
-                _TRIAL_STEPS * count * rows / (time.perf_counter() - measured))
+                steps * count * rows / (time.perf_counter() - measured))
         finally:
             self.step.discard()
             self.snapshot.restore()

@@ -107,6 +107,35 @@ def test_trials_pull_trainings_elements_with_autotuning_off(cache_home, monkeypa
                        zip(tf_flat(a), tf_flat(b), strict=True))
 
 
+def test_a_trial_over_the_budget_after_one_measured_step_stops_there(monkeypatch):
+    # Real trial steps and a real meter; only the budget is chosen: 1 byte (every
+    # measured step is over it) or unbounded.
+    from autosplit import trials
+    from autosplit.distribute import ALONE
+    from autosplit.pipeline import MicroBatches
+    from autosplit.state import Snapshot
+    from autosplit.step import build_for, step_for
+
+    model, adapter = small_model(), get_input(*data(256), shuffle=False)
+    pipeline = MicroBatches(adapter, 256, 8)
+    build_for(model, pipeline.element_spec(), 1)
+    step = step_for(model, pipeline)
+    runs, original = [], trials._Trials._step
+    monkeypatch.setattr(trials._Trials, "_step",
+                        lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
+    before = state(model)
+    for budget, steps in ((1, 2), (2**62, 3)):
+        runner = trials._Trials(step, Snapshot(model), PeakMeter("CPU:0"), budget, adapter,
+                                256, ALONE, lambda trial: None)
+        runs.clear()
+        trial = runner.trial(64)
+        runner.collector.close()
+        assert len(runs) == steps  # the warm-up, then one measured step or both
+        assert trial.fits == (budget > 1) and not trial.oom and trial.peak_bytes > 1
+        assert trial.samples_per_second > 0
+    assert all(np.array_equal(a, b) for a, b in zip(before, state(model), strict=True))
+
+
 def test_training_autotunes_its_pipeline_only_when_the_step_runs_on_a_gpu(monkeypatch):
     # On a GPU autotuning's buffers are host memory, outside the budget the probe
     # measured; on the CPU they are the step's own memory.
