@@ -225,7 +225,7 @@ def test_between_halves_the_micro_batch_count():
 
 @pytest.mark.parametrize(("failed", "fits", "expected"), [
     (512, (), 256), (100, (), 48), (15, (), 7), (9, (), 4), (2, (), 1), (1, (), 0),
-    (512, (96, 384, 640), 384), (512, (640,), 256)])
+    (512, (96, 384, 640), 384), (512, (640,), 256), (2048, (64, 512), 1024), (2, (1,), 1)])
 def test_shrink_micro_batch(failed, fits, expected):
     assert shrink_micro_batch(failed, fits) == expected
 
