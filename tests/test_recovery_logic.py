@@ -238,6 +238,17 @@ def test_sizes_the_probe_saw_fit_are_tried_first_then_forgotten():
     assert recovery.records == [OomRecovery(0, 64, 32), OomRecovery(0, 32, 16)]
 
 
+@pytest.mark.filterwarnings("ignore:Out of memory")
+def test_a_size_the_probe_saw_fit_far_below_is_not_taken_half_is():
+    # The probe's first trials (8 rows) fit; after 64 fails, 32 rows is the next try,
+    # not 8: the rest of the run would pay for eight micro-steps where two do.
+    step = FakeStep(64, fits=40)
+    recovery = Recovery(step, known_fits=[8])
+    assert recovery.run(elements(0, 1, 64), 1, 0) == {"rows": 64}
+    assert step.attempts == [64, 32, 32]
+    assert recovery.records == [OomRecovery(0, 64, 32)]
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_on_oom_raise_reraises_the_error_and_forgets_the_partial_batch(fused, recwarn):
     step = FakeStep(4, fail_at={1})
