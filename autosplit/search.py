@@ -257,8 +257,8 @@ def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: 
 
 
 def _still_fits(trials: Sequence[Trial], m: int, budget: int) -> bool:
-    """Whether ``m``'s last fitting trial would still fit with what the trials after it
-    left held: its peak, less what was held when it began, plus what the last trial
+    """Whether ``m``'s last trial, if it fit, would still fit with what the trials after
+    it left held: its peak, less what was held when it began, plus what the last trial
     left. False without those readings.
 
     Measured on the CLI's CNN under 256 MiB at B = 4096, trials left 6-12 MiB held,
@@ -270,10 +270,13 @@ def _still_fits(trials: Sequence[Trial], m: int, budget: int) -> bool:
     ...         Trial(274, False, False, 248, 1.0, held_before=8, held_after=9)]
     >>> _still_fits(seen, 256, 230), _still_fits(seen, 256, 168)
     (True, False)
+    >>> _still_fits(seen + [Trial(256, False, False, 240, 1.0, held_before=9)], 256, 230)
+    False
     """
-    run = next((t for t in reversed(trials) if t.micro_batch_size == m and t.fits), None)
+    run = next((t for t in reversed(trials) if t.micro_batch_size == m), None)
     held_now = trials[-1].held_after if trials else None
-    if run is None or run.peak_bytes is None or run.held_before is None or held_now is None:
+    if (run is None or not run.fits or run.peak_bytes is None or run.held_before is None
+            or held_now is None):
         return False
     return run.peak_bytes - run.held_before + held_now <= budget
 
