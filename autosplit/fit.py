@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import random
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -360,7 +359,7 @@ class _Plan:
     step: TrainStep
     probe: ProbeResult | None
     reason: str
-    shuffle_seed: int | None = None  # shared by every worker of a multi-worker job
+    shuffle_seed: int | None = None  # every epoch's order (arrays); the same on every worker
 
 
 def _plan(model: keras.Model, adapter: InputAdapter, args: _Args, *, jit_compile: bool | None,
@@ -401,19 +400,25 @@ def _plan(model: keras.Model, adapter: InputAdapter, args: _Args, *, jit_compile
                     batch_size=args.batch_size, pooled=bool(step.update.pool),
                     adds_losses=step.update.plan.forward_losses)
     return _Plan(split, where, pipeline, step, probe_result, reason,
-                 _shared_seed(step, where))
+                 _shuffle_seed(step, where, adapter))
 
 
-def _shared_seed(step: TrainStep, where: Layout) -> int | None:
-    """One shuffle seed for every worker (worker 0 draws it; one all-reduce shares it).
+def _shuffle_seed(step: TrainStep, where: Layout, adapter: InputAdapter) -> int | None:
+    """The seed of every epoch's shuffle, for an input whose order is ours (arrays):
+    epoch e is ordered by (seed, e) alone (``MicroBatches.dataset``). None otherwise.
 
-    Each worker reads the whole input and keeps its share of every large batch, so all
-    of them must see the rows in the same order; alone, TensorFlow's own seeding is
-    used (``keras.utils.set_random_seed`` makes it reproducible).
+    Drawn once, from TensorFlow's random state: ``keras.utils.set_random_seed`` (or
+    ``tf.random.set_seed``) makes a run reproducible, and a run that recovered from an
+    out-of-memory error (a pipeline built again, at a smaller size) goes on with the
+    orders of the run that did not. Each worker of a multi-worker job reads the whole
+    input and keeps its share of every large batch, so all of them use worker 0's draw
+    (one all-reduce shares it; exact in float32 below 2**24).
     """
-    if not where.multi_worker:
+    if not adapter.shuffles:
         return None
-    drawn = random.SystemRandom().randrange(1, 2**24) if where.worker == 0 else 0
+    drawn = int(tf.random.uniform((), 1, 2**24, dtype=tf.int64)) if where.worker == 0 else 0
+    if not where.multi_worker:
+        return drawn
     _, seed = step.agree(True, float(drawn))
     return int(seed)
 
@@ -515,13 +520,12 @@ class _Batches:
         # model.fit keeps one iterator across epochs when steps_per_epoch is given.
         self.keep_iterator = args.steps_per_epoch is not None or not adapter.reiterable
         # Where every epoch's elements are known in advance, one iterator of the pipeline
-        # repeated after the cut reads every epoch (each one restarts the cut; a shuffle
-        # reshuffles): making an iterator instantiates the pipeline's functions, 13 to
-        # 20 ms an epoch (benchmarks.step_costs). Not with per-epoch seeds (several
-        # workers) or a PyDataset's epoch hooks.
+        # repeated after the cut reads every epoch (each one restarts the cut, shuffled
+        # by its own epoch's seed): making an iterator instantiates the pipeline's
+        # functions, 13 to 20 ms an epoch (benchmarks.step_costs). Not for several
+        # workers or a PyDataset's epoch hooks.
         one_iterator = (args.steps_per_epoch is None and adapter.reiterable
-                        and not adapter.epoch_hooks and plan.shuffle_seed is None
-                        and not plan.layout.multi_worker)
+                        and not adapter.epoch_hooks and not plan.layout.multi_worker)
         self.repeat = one_iterator and adapter.rows is not None
         # An input that does not know its length (a batched dataset, a dataset of unknown
         # cardinality) gets the same one iterator, with each epoch's end marked by an
@@ -578,9 +582,9 @@ class _Batches:
         elif self.iterator is not None and (self.repeat or self.marked):
             return  # the last epoch pulled all of its elements: this one starts here
         self.release()
-        seed = None if self.plan.shuffle_seed is None else self.plan.shuffle_seed + epoch
         self.iterator = iter(self.plan.pipeline.dataset(
-            repeat=self.repeat or self.marked, shuffle_seed=seed, marked=self.marked))
+            repeat=self.repeat or self.marked, shuffle_seed=self.plan.shuffle_seed,
+            epoch=epoch, marked=self.marked))
 
     def release(self) -> None:
         """Let go of the iterator (deleted on a thread of its own: ``pipeline.release``)."""

@@ -95,15 +95,26 @@ class InputAdapter:
     _arity = 2  # elements (x, y) = 2, (x, y, w) = 3, x alone (no targets) = 0
 
     def rows_dataset(self, *, shuffle_seed: int | None = None,
+                     epoch: int | tf.Variable = 0,
                      batch_size: int | None = None) -> tf.data.Dataset:
         """One epoch as ``tf.data`` batches of rows (leading dimension = rows).
 
         Args:
-            shuffle_seed: the same seed gives the same order in every process.
+            shuffle_seed: where this input shuffles (:attr:`shuffles`), its order is
+                ``(shuffle_seed, epoch)``'s alone: the same in every process and in
+                every pipeline built for it.
+            epoch: the epoch's number, for the seeded order; or an int64 variable
+                holding it, which each iteration reads and advances by one (a
+                pipeline repeated over epochs).
             batch_size: B, the large batch the rows are cut into; what arrays with
                 ``shuffle="batch"`` shuffle within.
         """
         raise NotImplementedError
+
+    @property
+    def shuffles(self) -> bool:
+        """Whether the order of the rows is ours to shuffle (arrays with ``shuffle``)."""
+        return False
 
     def materialize(self, rows: Any) -> tuple:
         """A cut piece of ``rows_dataset`` elements -> ``(x, y_or_None, sample_weight_or_None)``."""
@@ -226,10 +237,17 @@ class ArrayInput(InputAdapter):
         self.shuffle = "batch" if _is_batch(shuffle) else bool(shuffle)
         self._class_weight = class_weight_fn(class_weight) if class_weight else None
 
+    @property
+    def shuffles(self) -> bool:
+        return bool(self.shuffle)
+
     def rows_dataset(self, *, shuffle_seed: int | None = None,
+                     epoch: int | tf.Variable = 0,
                      batch_size: int | None = None) -> tf.data.Dataset:
         """Row numbers, shuffled per iteration; with ``shuffle_seed`` the order depends on
-        that seed alone (stateless), so processes seeded differently agree on it.
+        ``(shuffle_seed, epoch)`` alone (a stateless permutation), so processes seeded
+        differently agree on it, and a pipeline built after an out-of-memory recovery
+        gives every later epoch the order it would have had.
 
         With ``shuffle="batch"`` (Keras's meaning) large batch i holds the rows
         ``[i*B, (i+1)*B)``, as unshuffled, each epoch in a new order.
@@ -237,8 +255,13 @@ class ArrayInput(InputAdapter):
         rows = self.rows
         if self.shuffle and shuffle_seed is not None:
             def permutation(_):
+                # A variable counts the epochs of a repeated pipeline: read and advanced
+                # once per iteration (this map's only element), so each is cut anew.
+                number = (epoch.assign_add(1) - 1 if isinstance(epoch, tf.Variable)
+                          else tf.constant(epoch, tf.int64))
                 return tf.random.experimental.stateless_shuffle(
-                    tf.range(rows, dtype=tf.int64), seed=[shuffle_seed, 0])
+                    tf.range(rows, dtype=tf.int64),
+                    seed=tf.stack([tf.constant(shuffle_seed, tf.int64), number]))
 
             index = tf.data.Dataset.from_tensors(0).map(permutation).unbatch()
         else:
@@ -340,6 +363,7 @@ class DatasetInput(InputAdapter):
                 "batched datasets) so every micro-batch has one shape.")
 
     def rows_dataset(self, *, shuffle_seed: int | None = None,
+                     epoch: int | tf.Variable = 0,
                      batch_size: int | None = None) -> tf.data.Dataset:
         if self.batched:
             # No check of ours per batch: a map over every small batch cost 5-8% of an
@@ -383,6 +407,7 @@ class KerasInput(InputAdapter):
                               f"the {self.kind}")
 
     def rows_dataset(self, *, shuffle_seed: int | None = None,
+                     epoch: int | tf.Variable = 0,
                      batch_size: int | None = None) -> tf.data.Dataset:
         if self.generator:
             # One pass only: the same dataset object, so a second epoch ends at once.

@@ -182,8 +182,8 @@ class MicroBatches:
         self.pattern = piece_pattern(batch_size, rows, workers=where.workers,
                                      worker=where.worker, local_replicas=local_replicas)
         self.per_batch = elements_per_batch(self.pattern, batch_size, local_replicas)
-        self._cuts: dict = {}  # shuffle seed -> the cut, padded elements of one epoch
-        self._datasets: dict = {}  # (repeat, shuffle seed) -> the cut, ready to iterate
+        self._cuts: dict = {}  # (shuffle seed, epoch) -> the cut elements of one epoch
+        self._datasets: dict = {}  # (repeat, seed, epoch, marked, autotune) -> to iterate
 
     def steps(self) -> int | None:
         """Large batches in one epoch (None when the input does not say)."""
@@ -200,13 +200,21 @@ class MicroBatches:
                                   self.local_replicas)
 
     def dataset(self, *, repeat: bool = False, shuffle_seed: int | None = None,
-                marked: bool = False, autotune: bool | None = None) -> tf.data.Dataset:
+                epoch: int = 0, marked: bool = False, autotune: bool | None = None
+                ) -> tf.data.Dataset:
         """The micro-batch elements of one epoch (or, with ``repeat``, of endless epochs).
 
         Repeating after the cut restarts the pattern with every epoch, so a short last
         batch never borrows rows from the next epoch. The cut is built once per seed and
         every variant wraps it: iterating again starts a new epoch, and asking for the
         repeated variant after the element spec traces none of its functions again.
+
+        With ``shuffle_seed``, an input that shuffles (arrays) orders epoch ``epoch`` by
+        ``(shuffle_seed, epoch)`` alone, and with ``repeat`` each epoch after it by the
+        next number (a second iterator of the same dataset goes on from the epoch the
+        first one reached): a pipeline built later (at another micro-batch size, after
+        an out-of-memory recovery) and started at epoch e gives e and every epoch after
+        it the order this one would have. Other inputs keep their own order.
 
         With ``marked`` each epoch ends with :func:`end_marker`'s element (see
         :meth:`can_mark`), so one repeated iterator reads every epoch of an input whose
@@ -216,12 +224,25 @@ class MicroBatches:
         the input's own stages included; None: :func:`host_autotune`.
         """
         autotune = host_autotune() if autotune is None else autotune
-        key = (repeat, shuffle_seed, marked, autotune)
+        if not self.adapter.shuffles:
+            shuffle_seed = None
+        if shuffle_seed is None:
+            epoch = 0
+        key = (repeat, shuffle_seed, epoch, marked, autotune)
         if key not in self._datasets:
-            if shuffle_seed not in self._cuts:
-                self._cuts[shuffle_seed] = self._build(shuffle_seed=shuffle_seed)
+            if repeat and shuffle_seed is not None:
+                # Each repetition cuts the next epoch, by its own number: a variable of
+                # this dataset's, which the shuffle reads and advances once per epoch (a
+                # Dataset.counter().flat_map of the cut kept ~75 KB per call alive).
+                with tf.device(HOST):
+                    numbers = tf.Variable(epoch, dtype=tf.int64, trainable=False)
+                ds = self._build(shuffle_seed=shuffle_seed, epoch=numbers)
+            else:
+                if (shuffle_seed, epoch) not in self._cuts:
+                    self._cuts[shuffle_seed, epoch] = self._build(shuffle_seed=shuffle_seed,
+                                                                  epoch=epoch)
+                ds = self._cuts[shuffle_seed, epoch]
             with tf.device(HOST):
-                ds = self._cuts[shuffle_seed]
                 if marked:
                     marker = end_marker(ds.element_spec)
                     if marker is None:
@@ -235,10 +256,11 @@ class MicroBatches:
                 self._datasets[key] = ds.with_options(options).prefetch(_PREFETCH)
         return self._datasets[key]
 
-    def _build(self, *, shuffle_seed: int | None) -> tf.data.Dataset:
+    def _build(self, *, shuffle_seed: int | None, epoch: int | tf.Variable
+               ) -> tf.data.Dataset:
         """The cut, padded elements of one epoch, before any repeat or prefetch."""
         with tf.device(HOST):
-            ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed,
+            ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed, epoch=epoch,
                                            batch_size=self.batch_size)
             sizes = [p.rows for p in self.pattern]
             ds = ds.rebatch(sizes if len(sizes) > 1 else sizes[0])
