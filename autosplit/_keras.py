@@ -96,7 +96,10 @@ def flatten_layers(model: keras.Model) -> list:
 def flat_losses(model: keras.Model) -> list[FlatLoss]:
     """The compiled loss as a flat list, in Keras's own order (``CompileLoss._flat_losses``)."""
     compile_loss = getattr(model, "_compile_loss", None)
-    if compile_loss is None:
+    if compile_loss is None or not getattr(compile_loss, "built", True):
+        # Not built: Keras builds it on the first compute_loss, which a model with its
+        # own train_step may call in its step's trace, or never (a step calling
+        # `self.loss(y, y_pred)` itself); the plain step builds it first (build_for).
         return []
     flat = getattr(compile_loss, "_flat_losses", None)
     if flat is None:

@@ -39,7 +39,7 @@ from autosplit.compiled import trace as trace_once
 from autosplit.errors import UnsupportedModelError
 
 __all__ = ["CustomFacts", "Intercepted", "batch_data", "custom_facts", "has_custom_step",
-           "intercept", "overridden_steps"]
+           "intercept", "overridden_steps", "overrides_test_step"]
 
 
 def overridden_steps(model: keras.Model) -> list[str]:
@@ -51,6 +51,11 @@ def overridden_steps(model: keras.Model) -> list[str]:
 def has_custom_step(model: keras.Model) -> bool:
     """Whether ``model`` overrides ``train_step`` or ``compute_loss``."""
     return bool(overridden_steps(model))
+
+
+def overrides_test_step(model: keras.Model) -> bool:
+    """Whether ``model`` overrides ``test_step`` (what ``model.fit`` validates with)."""
+    return getattr(type(model), "test_step", None) is not keras.Model.test_step
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,9 @@ class Intercepted:
     def __init__(self, model: keras.Model) -> None:
         self.model = model
         self.calls = 0
-        self.gradients: list = [None] * len(model.trainable_variables)
+        # Sized when the step applies: a subclassed model the step's trace builds has
+        # no variables before its first call.
+        self.gradients: list = []
 
     def record(self, grads, variables) -> None:
         self.calls += 1
@@ -78,6 +85,7 @@ class Intercepted:
                 "than once. Its updates depend on each other within the batch, so they have "
                 "no exact split into micro-batches in one pass: train it with model.fit.")
         index = {id(v): i for i, v in enumerate(self.model.trainable_variables)}
+        self.gradients = [None] * len(index)
         for g, v in zip(grads, variables, strict=True):
             i = index.get(id(v))
             if i is None:
@@ -130,21 +138,22 @@ def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int
     patched = [(optimizer, "apply_gradients", apply_gradients), (optimizer, "apply", apply)]
     patched += [(m, "update_state", weighted(m)) for m in model.metrics
                 if isinstance(m, keras.metrics.Metric)]
-    # Any other optimizer's apply_gradients raises; model.optimizer's own attribute
-    # (set above) shadows this class attribute.
+    # Any other optimizer's apply_gradients or apply raises; model.optimizer's own
+    # attributes (set above) shadow these class attributes.
     base = keras.optimizers.Optimizer
-    had = "apply_gradients" in vars(base)
-    original_base = vars(base).get("apply_gradients")
+    originals = {name: vars(base).get(name) for name in ("apply_gradients", "apply")}
     for obj, name, fn in patched:
         object.__setattr__(obj, name, fn)
-    base.apply_gradients = foreign
+    for name in originals:
+        setattr(base, name, foreign)
     try:
         yield seen
     finally:
-        if had:
-            base.apply_gradients = original_base
-        else:
-            del base.apply_gradients
+        for name, original in originals.items():
+            if original is not None:
+                setattr(base, name, original)
+            else:
+                delattr(base, name)
         for obj, name, _ in patched:
             with contextlib.suppress(AttributeError):
                 object.__delattr__(obj, name)

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from autosplit import _keras
 from autosplit.batchnorm import MODES
-from autosplit.custom_step import has_custom_step
+from autosplit.custom_step import overridden_steps, overrides_test_step
 from autosplit.device import check_headroom
 from autosplit.distribute import Layout, layout
 from autosplit.errors import (
@@ -288,13 +288,16 @@ def _validate(model: Any, given: dict[str, Any]) -> _Args:
         warn_user("Both `validation_split` and `validation_data` were given; "
                   "`validation_data` is used, as in model.fit.")
     check_model(model)
-    if (given["validation_data"] is not None or args.validation_split) and has_custom_step(
-            model):
+    custom = overridden_steps(model) + (["test_step"] if overrides_test_step(model) else [])
+    if (given["validation_data"] is not None or args.validation_split) and custom:
+        # A custom test_step alone was once ignored: validation ran the compiled loss and
+        # metrics, and val_ logs differed from model.fit's without a word.
         raise UnsupportedModelError(
             f"Expected no validation data for `{type(model).__name__}`, which overrides "
-            "train_step or compute_loss: autosplit validates with the compiled loss and "
-            "metrics, not with a custom test_step. Received: validation data. Evaluate with "
-            "model.evaluate(..., batch_size=<micro-batch size>) after training instead.")
+            f"{' and '.join(custom)}: autosplit validates with the compiled loss and "
+            "metrics, not with the model's own steps. Received: validation data. Evaluate "
+            "with model.evaluate(..., batch_size=<micro-batch size>) after training (or "
+            "in a callback) instead.")
     return args
 
 

@@ -187,11 +187,19 @@ def arity(element: Any) -> int | None:
     return {1: 0, 2: 2, 3: 3}.get(len(element))
 
 
-def _check_class_weight_alone(class_weight, has_weights):
+def _check_class_weight_alone(class_weight, has_weights, y=None):
+    """Refuse, before any pipeline is traced, what ``class_weight`` cannot apply to."""
     if class_weight is not None and has_weights:
         raise DatasetError(
             "Expected either `class_weight` or sample weights. Received: both. Fold the class "
             "weights into your sample weights, as model.fit also requires.")
+    if class_weight is not None and tf.nest.is_nested(y):
+        # Checked here, not only in the pipeline's map, where tracing wraps the error in
+        # TensorFlow's StagingError.
+        raise DatasetError(
+            "Expected one target for `class_weight` (model.fit supports it for models with "
+            "a single output). Received: nested targets. Pass per-output sample weights "
+            "instead.")
 
 
 class ArrayInput(InputAdapter):
@@ -232,7 +240,7 @@ class ArrayInput(InputAdapter):
         self.rows = distinct.pop()
         if self.rows == 0:
             raise DatasetError("Expected non-empty arrays. Received: arrays of 0 rows.")
-        _check_class_weight_alone(class_weight, sample_weight is not None)
+        _check_class_weight_alone(class_weight, sample_weight is not None, arrays[1])
         self.arrays = arrays
         self.shuffle = "batch" if _is_batch(shuffle) else bool(shuffle)
         self._class_weight = class_weight_fn(class_weight) if class_weight else None
@@ -340,7 +348,8 @@ class DatasetInput(InputAdapter):
         self.kind = "batched tf.data.Dataset" if self.batched else "tf.data.Dataset of examples"
         self.infinite = cardinality == tf.data.INFINITE_CARDINALITY
         self.rows = cardinality if (cardinality > 0 and not self.batched) else None
-        _check_class_weight_alone(class_weight, self._arity == 3)
+        _check_class_weight_alone(class_weight, self._arity == 3,
+                                  spec[1] if self._arity >= 2 else None)
         self._class_weight = class_weight_fn(class_weight) if class_weight else None
         self.dataset = dataset
         if self.batched:

@@ -95,10 +95,12 @@ def check_fraction(name: str, value: Any, *, upper_open: bool = True) -> float:
 
 
 def check_initial_epoch(initial_epoch: Any, epochs: int) -> int:
-    if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int) or not (
-            0 <= initial_epoch < epochs):
+    """An int >= 0; at or past ``epochs`` the call trains nothing, as ``model.fit``
+    (a resumed script run again after its last epoch)."""
+    if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int) or (
+            initial_epoch < 0):
         raise ArgumentError(
-            f"Expected `initial_epoch` to be an int in [0, epochs={epochs}). "
+            f"Expected `initial_epoch` to be an int >= 0 (epochs={epochs}). "
             f"Received: initial_epoch={describe(initial_epoch)}. Pass the number of epochs "
             "already run, 0 for a fresh start.")
     return initial_epoch

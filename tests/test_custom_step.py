@@ -68,6 +68,56 @@ def test_guide_train_step_with_compiled_loss_and_metrics_equals_model_fit():
     assert_same_as_fit(reference, candidate, expected, got, rtol=1e-5)
 
 
+class Subclassed(keras.Model):
+    """No Input: the step's first call builds it. Its loss comes either from
+    compute_loss or from the compiled loss object called directly (``self.loss(y, p)``,
+    as keras-io's DDIM does), so Keras never builds the compiled loss."""
+
+    def __init__(self, direct, **kwargs):
+        super().__init__(**kwargs)
+        self.direct = direct
+        self.hidden, self.out = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)
+        self.tracker = keras.metrics.Mean(name="mse")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.loss(y, y_pred) if self.direct else self.compute_loss(y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)  # the Keras 3 guide's form
+        self.tracker.update_state(loss)
+        return {"mse": self.tracker.result()}
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_subclassed_model_built_by_its_own_step_equals_model_fit(direct):
+    # Before, its unbuilt compiled loss stopped fit_large_batch with a RuntimeError
+    # blaming the Keras version, and its gradients had no variables to go to.
+    r = np.random.default_rng(3)
+    x, y = r.normal(size=(N, 4)).astype("float32"), r.normal(size=(N, 1)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(5)
+        model = Subclassed(direct)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.MeanSquaredError())
+        return model
+
+    reference, candidate = make(), make()
+    expected = reference.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    got = autosplit.fit_large_batch(candidate, x, y, batch_size=B, micro_batch_size=M,
+                                    epochs=2, shuffle=False, verbose=0)
+    assert int(candidate.optimizer.iterations) == int(reference.optimizer.iterations) == 4
+    assert_same_as_fit(reference, candidate, expected, got, rtol=1e-5)
+
+
 class TwoApplies(keras.Model):
     def train_step(self, data):
         x, y = data
@@ -96,8 +146,36 @@ class TwoOptimizers(keras.Model):
         return {"loss": loss}
 
 
+class TwoOptimizersApply(TwoOptimizers):
+    """The same with Keras 3's ``optimizer.apply(grads, variables)``: before, the second
+    optimizer's apply went through, once per micro-batch (8 steps for 2 large batches)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x) - y))
+        first, rest = self.trainable_variables[:1], self.trainable_variables[1:]
+        self.optimizer.apply(tape.gradient(loss, first), first)
+        self.other.apply(tape.gradient(loss, rest), rest)
+        return {"loss": loss}
+
+
+class OnlyOtherOptimizers(TwoOptimizers):
+    """Two optimizers of its own, model.optimizer never applied (before: refused as a step
+    that applies nothing, not naming the optimizers it does apply)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x) - y))
+        self.other.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
 @pytest.mark.parametrize(("cls", "message"), [(TwoApplies, "more than once"),
-                                              (TwoOptimizers, "another optimizer")])
+                                              (TwoOptimizers, "another optimizer"),
+                                              (TwoOptimizersApply, "another optimizer"),
+                                              (OnlyOtherOptimizers, "another optimizer")])
 def test_steps_without_an_exact_split_are_refused_before_anything_changes(cls, message):
     inputs = keras.Input((4,))
     model = cls(inputs, keras.layers.Dense(1)(inputs))
@@ -129,3 +207,36 @@ def test_a_custom_step_without_an_optimizer_is_refused_with_the_reason():
     with pytest.raises(UnsupportedModelError, match="GAN"):
         autosplit.fit_large_batch(model, np.zeros((8, 4), "float32"), batch_size=8,
                                   micro_batch_size=4, verbose=0)
+
+
+class FlipAtTest(keras.Model):
+    """Only test_step is its own (test-time augmentation: the mean of x and -x)."""
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = (self(x, training=False) + self(-x, training=False)) / 2
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        return self.compute_metrics(x, y, y_pred, sample_weight=None) | {"loss": loss}
+
+
+@pytest.mark.parametrize(("cls", "named"), [(Classifier, "train_step"),
+                                            (FlipAtTest, "test_step")])
+@pytest.mark.parametrize("how", ["validation_data", "validation_split"])
+def test_validation_with_a_step_of_its_own_is_refused_before_anything_changes(cls, named, how):
+    # model.fit validates with the model's test_step; autosplit's validation runs the
+    # compiled loss and metrics. A custom test_step alone used to pass unnoticed, its
+    # val_ logs those of the default step.
+    inputs = keras.Input((6,))
+    model = cls(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    r = np.random.default_rng(4)
+    x, y = r.normal(size=(N, 6)).astype("float32"), r.integers(0, 3, N)
+    before = [w.copy() for w in model.get_weights()]
+    extra = ({"validation_data": (x[:20], y[:20])} if how == "validation_data"
+             else {"validation_split": 0.2})
+    with pytest.raises(UnsupportedModelError, match=f"overrides {named}"):
+        autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M, verbose=0,
+                                  **extra)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+    assert int(model.optimizer.iterations) == 0

@@ -176,6 +176,24 @@ def test_one_trace_serves_an_epoch_and_graph_size_does_not_grow_with_k():
     assert sizes[32] == sizes[4], sizes  # k = 2 and k = 16 give the same graph
 
 
+def test_initial_epoch_at_or_past_epochs_trains_nothing_as_model_fit():
+    # A resumed script run again after its last epoch: model.fit returns quietly.
+    x, y = data(128)
+    reference, candidate = twin(make_mlp, (x[:16], y[:16], None))
+    expected = reference.fit(x, y, batch_size=64, epochs=2, initial_epoch=2, verbose=0)
+    seen = []
+    record = keras.callbacks.LambdaCallback(on_train_begin=lambda logs: seen.append("begin"),
+                                            on_train_end=lambda logs: seen.append("end"))
+    history = autosplit.fit_large_batch(candidate, x, y, batch_size=64, micro_batch_size=16,
+                                        epochs=2, initial_epoch=2, verbose=0,
+                                        callbacks=[record])
+    assert history.history == expected.history == {}
+    assert history.epoch == expected.epoch == []
+    assert seen == ["begin", "end"]
+    assert int(candidate.optimizer.iterations) == 0
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 0)
+
+
 def test_callbacks_see_large_batches_and_stop_training():
     x, y = data(300)
     seen = []
@@ -406,8 +424,8 @@ def test_errors_are_builtin_subclasses():
     ({"validation_freq": 0}, "Expected `validation_freq` to be a positive integer"),
     ({"steps_per_epoch": -1}, "Expected `steps_per_epoch` to be a positive integer"),
     ({"validation_steps": True}, "Expected `validation_steps` to be a positive integer"),
-    ({"initial_epoch": 3, "epochs": 3}, r"Expected `initial_epoch` to be an int in \[0, "
-                                        r"epochs=3\). Received: initial_epoch=3"),
+    ({"initial_epoch": -1, "epochs": 3}, r"Expected `initial_epoch` to be an int >= 0 "
+                                         r"\(epochs=3\). Received: initial_epoch=-1"),
     ({"y": 64}, "Expected targets as the third argument"),
 ])
 def test_bad_arguments_raise_argument_error(kwargs, message):

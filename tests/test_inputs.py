@@ -16,6 +16,7 @@ import tensorflow as tf
 from conftest import assert_weights_close
 
 import autosplit
+from autosplit.errors import DatasetError
 from autosplit.inputs import HOST, get_input
 from autosplit.pipeline import MicroBatches, elements_per_batch, skip_to_end_marker
 from autosplit.split import balanced_sizes, piece_pattern, split_batch
@@ -492,6 +493,19 @@ def test_the_traced_step_holds_no_tensor_of_b_rows_and_reads_input_on_the_host(k
             assert op.device in ("", HOST) and (op.device == HOST or any(
                 b"loc:@" in group for group in op.colocation_groups())
                 or op.inputs[0].dtype in (tf.resource, tf.variant)), op
+
+
+@pytest.mark.parametrize("kind", ["arrays", "dataset"])
+def test_class_weight_with_nested_targets_is_refused_up_front(kind):
+    # model.fit refuses class_weight for several outputs. Raised from the pipeline's map,
+    # it came wrapped in TensorFlow's StagingError: `except DatasetError` missed it.
+    x, y, _ = data()
+    targets = {"a": y, "b": y}
+    source = (dict(x=x, y=targets) if kind == "arrays"
+              else dict(x=tf.data.Dataset.from_tensor_slices((x, targets)).batch(10)))
+    with pytest.raises(DatasetError, match="Expected one target for `class_weight`"):
+        autosplit.fit_large_batch(make(), batch_size=B, micro_batch_size=M,
+                                  class_weight={0: 2.0}, verbose=0, **source)
 
 
 def test_class_weight_is_exact():
