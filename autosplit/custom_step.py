@@ -21,8 +21,10 @@ them. autosplit does the same thing inside its loop, exactly:
   it updated: for a full large batch, ``model.fit``'s logs.
 
 A step that applies gradients more than once, or through another optimizer (a GAN's
-two), has no exact split in one pass: refused by :func:`custom_plan` with
-``UnsupportedModelError``, from a throwaway trace, before anything changes.
+two), has no exact split in one pass; nor has one that assigns variables of its own
+(a moving average of the weights: it would run once per micro-batch). Both are refused
+by :func:`custom_facts` with ``UnsupportedModelError``, from a throwaway trace, before
+anything changes.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from autosplit.compiled import trace as trace_once
 from autosplit.errors import UnsupportedModelError
 
 __all__ = ["CustomFacts", "Intercepted", "batch_data", "custom_facts", "has_custom_step",
-           "intercept", "overridden_steps", "overrides_test_step"]
+           "intercept", "overridden_steps", "overrides_test_step", "watch_writes"]
 
 
 def overridden_steps(model: keras.Model) -> list[str]:
@@ -159,6 +161,64 @@ def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int
                 object.__delattr__(obj, name)
 
 
+@contextlib.contextmanager
+def watch_writes() -> Iterator[list]:
+    """The Keras variables a ``train_step`` assigns outside any layer's call and any seed
+    generator's draw, while it is traced: state the step keeps itself (an exponential
+    moving average of the weights, a queue, a counter). Layers' own state (BatchNorm's
+    statistics) is written in their call, a random op's seed by its generator, and
+    metrics' totals by their ``update_state``: the caller allows those by identity."""
+    written: list = []
+    depth = [0]
+
+    def inside(original):
+        def method(self, *args, **kwargs):
+            depth[0] += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return method
+
+    def watched(original):
+        def method(self, *args, **kwargs):
+            if not depth[0]:
+                written.append(self)
+            return original(self, *args, **kwargs)
+        return method
+
+    patches = [(keras.layers.Layer, "__call__", inside),
+               (keras.random.SeedGenerator, "next", inside)]
+    patches += [(keras.Variable, name, watched) for name in ("assign", "assign_add", "assign_sub")]
+    saved = [(cls, name, vars(cls).get(name)) for cls, name, _ in patches]
+    for cls, name, wrap in patches:
+        setattr(cls, name, wrap(getattr(cls, name)))
+    try:
+        yield written
+    finally:
+        for cls, name, original in saved:
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+
+
+def _check_writes(model: keras.Model, written: list) -> None:
+    metric_variables = {id(v) for m in model.metrics for v in m.variables}
+    own = [v for v in written if id(v) not in metric_variables]
+    if own:
+        names = sorted({getattr(v, "path", v.name) for v in own})
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise UnsupportedModelError(
+            f"Expected `{type(model).__name__}.train_step` to change variables only through "
+            "`self.optimizer`, the model's layers and its metrics. Received: a step that "
+            f"assigns {shown} itself (a moving average of the weights, a queue, a counter). "
+            "autosplit runs the step once per micro-batch, so that update would run once "
+            "per micro-batch, before the large batch's gradients are applied. Make it in "
+            "a callback's on_train_batch_end (once per large batch, after the update), or "
+            "train with model.fit.")
+
+
 def batch_data(x: Any, y: Any, sample_weight: Any) -> Any:
     """What ``model.fit`` passes to ``train_step``: ``x`` (or ``(x,)`` for a tuple x),
     ``(x, y)`` or ``(x, y, sample_weight)``."""
@@ -171,7 +231,8 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
 
     Raises:
         UnsupportedModelError: the step applies gradients more than once, to other
-            variables, through another optimizer, or never.
+            variables, through another optimizer, or never; or it assigns variables
+            of its own (:func:`watch_writes`).
     """
     if model.optimizer is None:
         raise UnsupportedModelError(
@@ -182,12 +243,13 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
     facts: dict[str, Any] = {}
 
     def trace(x, y, sample_weight):
-        with intercept(model, None, 1) as seen:
+        with intercept(model, None, 1) as seen, watch_writes() as written:
             logs = model.train_step(batch_data(x, y, sample_weight))
-        facts.update(seen=seen, logs=logs)
+        facts.update(seen=seen, logs=logs, written=written)
         return tf.constant(0.0)
 
     trace_once(trace, *specs)
+    _check_writes(model, facts["written"])
     seen = facts["seen"]
     if seen.calls == 0:
         raise UnsupportedModelError(

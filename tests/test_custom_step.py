@@ -240,3 +240,57 @@ def test_validation_with_a_step_of_its_own_is_refused_before_anything_changes(cl
                                   **extra)
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
     assert int(model.optimizer.iterations) == 0
+
+
+class WithEma(keras.Model):
+    """keras-io's DDIM pattern, shrunk: BatchNormalization and a seeded noise draw in the
+    step (state the layers and the generator keep: allowed), a loss tracker, and, with
+    ``ema``, the step's own moving average of the weights (refused: per micro-batch it
+    ran k times per large batch against weights not yet updated, 0.62 apart)."""
+
+    def __init__(self, ema, **kwargs):
+        super().__init__(**kwargs)
+        self.ema = ema
+        self.net = keras.Sequential([keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                                     keras.layers.Dense(1)])
+        self.shadow = keras.Sequential([keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                                        keras.layers.Dense(1)], name="shadow")
+        self.noise = keras.random.SeedGenerator(3)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, x):
+        return self.net(x)
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, data):
+        x, y = data
+        x = x + 0.01 * keras.random.normal(keras.ops.shape(x), seed=self.noise)
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self.net(x, training=True) - y))
+        variables = self.net.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        if self.ema:
+            for w, s in zip(self.net.weights, self.shadow.weights, strict=True):
+                s.assign(0.9 * s + 0.1 * w)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+@pytest.mark.parametrize("ema", [False, True])
+def test_a_step_that_keeps_state_of_its_own_is_refused_and_layer_state_is_not(ema):
+    r = np.random.default_rng(6)
+    x, y = r.normal(size=(N, 4)).astype("float32"), r.normal(size=(N, 1)).astype("float32")
+    model = WithEma(ema)
+    model.shadow.build((None, 4))
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    if not ema:
+        history = autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M,
+                                            verbose=0)
+        assert int(model.optimizer.iterations) == 2 and np.isfinite(history.history["loss"][0])
+        return
+    with pytest.raises(UnsupportedModelError, match=r"assigns shadow/.* itself"):
+        autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M, verbose=0)
+    assert int(model.optimizer.iterations) == 0
