@@ -326,7 +326,7 @@ class _Validation:
     """Validation logs after an epoch, in micro-batches (``autosplit.evaluate``)."""
 
     def __init__(self, data: Any, args: _Args) -> None:
-        self.adapter = validation_input(data)
+        self.adapter, self.steps = validation_input(data, args.validation_steps)
         self.args = args
         self._pipeline: MicroBatches | None = None
 
@@ -334,7 +334,8 @@ class _Validation:
     def make(cls, data: Any, args: _Args) -> _Validation | None:
         return None if data is None else cls(data, args)
 
-    def __call__(self, model: keras.Model, rows: int) -> dict[str, Any]:
+    def __call__(self, model: keras.Model, rows: int,
+                 callbacks: keras.callbacks.CallbackList | None = None) -> dict[str, Any]:
         # One evaluator per compiled model, like the train step: a second fit traces
         # nothing new, a compile() in between gives a fresh one.
         state = model_state(model)
@@ -347,7 +348,7 @@ class _Validation:
         rows = min(rows, batch_size)
         if self._pipeline is None or self._pipeline.rows != rows:
             self._pipeline = MicroBatches(self.adapter, batch_size, rows)
-        logs = evaluator(self._pipeline, steps=self.args.validation_steps)
+        logs = evaluator(self._pipeline, steps=self.steps, callbacks=callbacks)
         return {f"val_{name}": value for name, value in logs.items()}
 
 
@@ -454,7 +455,7 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: _Plan,
             break  # no epoch to report: a 0.0 loss would mislead EarlyStopping and co.
         epoch_logs = _epoch_logs(plan.step, loop.logs)
         if validation is not None and (epoch + 1) % args.validation_freq == 0:
-            epoch_logs.update(validation(model, recovery.rows))
+            epoch_logs.update(validation(model, recovery.rows, callback_list))
         adapter.on_epoch_end()
         sizes.append(recovery.rows)
         callback_list.on_epoch_end(epoch, epoch_logs)

@@ -287,8 +287,9 @@ def test_a_step_that_keeps_state_of_its_own_is_refused_and_layer_state_is_not(em
     model.shadow.build((None, 4))
     model.compile(optimizer=keras.optimizers.SGD(0.05))
     if not ema:
-        history = autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M,
-                                            verbose=0)
+        with pytest.warns(UserWarning, match="BatchNormalization layers in training mode"):
+            history = autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M,
+                                                verbose=0)
         assert int(model.optimizer.iterations) == 2 and np.isfinite(history.history["loss"][0])
         return
     with pytest.raises(UnsupportedModelError, match=r"assigns shadow/.* itself"):

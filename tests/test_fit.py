@@ -461,3 +461,49 @@ def test_shuffle_batch_keeps_each_large_batch_so_it_trains_as_unshuffled():
     autosplit.fit_large_batch(candidate, x, y, batch_size=64, micro_batch_size=16, epochs=2,
                               shuffle="batch", verbose=0)
     assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+
+
+class HookLog(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def on_test_begin(self, logs=None):
+        self.events.append(("begin",))
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self.events.append(("batch_begin", batch))
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.events.append(("batch_end", batch, round(logs["loss"], 5)))
+
+    def on_test_end(self, logs=None):
+        self.events.append(("end", round(logs["loss"], 5), round(logs["accuracy"], 5)))
+
+
+@pytest.mark.parametrize("kind", ["arrays", "batched"])
+def test_validation_calls_the_test_hooks_as_model_fit_does(kind):
+    # model.fit validates through model.evaluate with its callbacks: on_test_begin, a
+    # batch's begin and end for each validation batch (running logs), on_test_end with
+    # the logs. autosplit called none of them (TensorBoard lacked its evaluation_*
+    # curves). Batches of B = 64 rows: 64 and 36 of 100.
+    x, y = data(128)
+    vx, vy = data(100, seed=1)
+
+    def validation():
+        return (vx, vy) if kind == "arrays" else tf.data.Dataset.from_tensor_slices(
+            (vx, vy)).batch(64)
+
+    reference, candidate = twin(make_mlp, (x[:16], y[:16], None))
+    expected, got = HookLog(), HookLog()
+    reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
+                  validation_data=validation(), callbacks=[expected])
+    autosplit.fit_large_batch(candidate, x, y, batch_size=64, micro_batch_size=16, epochs=2,
+                              shuffle=False, verbose=0, validation_data=validation(),
+                              callbacks=[got])
+    assert [e[:2] for e in got.events] == [e[:2] for e in expected.events]
+    np.testing.assert_allclose([e[1:] for e in got.events if e[0] == "end"],
+                               [e[1:] for e in expected.events if e[0] == "end"], rtol=1e-5)
+    np.testing.assert_allclose([e[2] for e in got.events if e[0] == "batch_end"],
+                               [e[2] for e in expected.events if e[0] == "batch_end"],
+                               rtol=1e-4)

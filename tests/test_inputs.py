@@ -521,3 +521,31 @@ def test_class_weight_is_exact():
         autosplit.fit_large_batch(model, batch_size=B, micro_batch_size=M,
                                   class_weight=class_weight, verbose=0, **source)
         assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["batched", "PyDataset", "generator", "arrays"])
+def test_validation_steps_count_batches_as_model_fit_does(kind):
+    # model.fit counts validation_steps in the input's own batches (here of 20 rows);
+    # arrays in batches of validation_batch_size, else B. Counted in large batches of
+    # B everywhere, a batched input was scored on 2 * 64 rows instead of 2 * 20.
+    x, y, _ = data()
+    vx, vy, vw = data(100)
+
+    def validation():
+        return {"batched": lambda: tf.data.Dataset.from_tensor_slices((vx, vy, vw)).batch(20),
+                "PyDataset": lambda: Batches(vx, vy, vw, 20),
+                "generator": lambda: batches(vx, vy, vw, 20),
+                "arrays": lambda: (vx, vy, vw)}[kind]()
+
+    reference = make()
+    reference.build((None, 6))
+    initial = reference.get_weights()
+    expected = reference.fit(x, y, batch_size=B, validation_data=validation(), shuffle=False,
+                             validation_steps=2, verbose=0)
+    model = candidate(initial)
+    got = autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M,
+                                    validation_data=validation(), validation_steps=2,
+                                    shuffle=False, verbose=0)
+    for name in ("val_loss", "val_accuracy"):
+        np.testing.assert_allclose(got.history[name], expected.history[name], rtol=1e-5,
+                                   err_msg=name)
