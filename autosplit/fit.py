@@ -540,6 +540,12 @@ class _Batches:
                        and plan.pipeline.can_mark())
         plan.step.end_marker = self.marked
         self.iterator: Any = None
+        self.seen = 0  # large batches read from the iterator in use
+        # With steps_per_epoch, an input of known length is read again once its large
+        # batches run out, the epoch that reached the end ending early, as model.fit
+        # does (Keras 3 counts its batches: EpochIterator). Others stop training there.
+        self.rereads = (args.steps_per_epoch is not None and adapter.reiterable
+                        and plan.pipeline.steps() is not None)
         self.global_step = 0
         self.logs: dict[str, Any] = {}
 
@@ -549,9 +555,16 @@ class _Batches:
         self._start(epoch)
         ran = 0
         ended = False  # the input's end (or, marked, the epoch's) was reached
+        known = plan.pipeline.steps() if self.rereads else None
         for index in _steps(self.steps):
-            count = plan.pipeline.elements(index) if self.args.steps_per_epoch is None else (
-                plan.pipeline.per_batch)
+            if known is not None and self.seen >= known:
+                break  # every large batch of the data read: this epoch ends early
+            if known is not None:
+                count = plan.pipeline.elements(self.seen)
+            elif self.args.steps_per_epoch is None:
+                count = plan.pipeline.elements(index)
+            else:
+                count = plan.pipeline.per_batch
             callback_list.on_train_batch_begin(index)
             result = recovery.run(self.iterator, count, self.global_step)
             if result is None:
@@ -560,6 +573,7 @@ class _Batches:
             self.logs = _flat_logs(result)
             callback_list.on_train_batch_end(index, self.logs)
             self.global_step += 1
+            self.seen += 1
             ran += 1
             if self.model.stop_training:
                 break
@@ -571,6 +585,8 @@ class _Batches:
             # in model.fit, and its marker (after any rows past them) is read.
             skip_to_end_marker(self.iterator)
         self._check_ran(ran)
+        if known is not None and self.seen >= known:
+            self.release()  # the next epoch reads the data again, from a new iterator
         if ran and self.steps is None:
             self.steps = ran  # learnt from the first epoch, as model.fit does
             _publish(callback_list, recovery, self.args, plan, steps=ran)
@@ -586,6 +602,7 @@ class _Batches:
         elif self.iterator is not None and (self.repeat or self.marked):
             return  # the last epoch pulled all of its elements: this one starts here
         self.release()
+        self.seen = 0
         self.iterator = iter(self.plan.pipeline.dataset(
             repeat=self.repeat or self.marked, shuffle_seed=self.plan.shuffle_seed,
             epoch=epoch, marked=self.marked))
@@ -599,6 +616,14 @@ class _Batches:
     def _check_ran(self, ran: int) -> None:
         """Warn and stop, as model.fit does, when the input ran out of data."""
         wanted = self.args.steps_per_epoch
+        if (self.rereads and wanted is not None and 0 < ran < wanted
+                and not self.model.stop_training):
+            warn_user(
+                f"Your input ran out of data after {ran} of the {wanted} large batches of "
+                "this epoch: the epoch ends here and the next one reads the data again, as "
+                "model.fit does. Make sure that your input can generate at least "
+                "`steps_per_epoch * epochs` large batches; you may need `.repeat()`.")
+            return
         if ran == 0 or (wanted is not None and ran < wanted and not self.model.stop_training):
             # Steps per epoch as given, or as the first epoch counted them.
             per_epoch = wanted or self.steps

@@ -248,6 +248,31 @@ def test_steps_per_epoch_with_repeated_dataset():
     assert int(model.optimizer.iterations) == 6
 
 
+@pytest.mark.parametrize(("steps", "epochs", "iterations"), [(3, 4, 8), (2, 3, 6), (5, 2, 8)])
+def test_steps_per_epoch_past_the_data_ends_the_epoch_and_reads_it_again(steps, epochs,
+                                                                        iterations):
+    # Keras 3 counts an input's batches: an epoch that reaches the end of the data ends
+    # there with a warning, and the next one reads the data again. autosplit stopped
+    # training (5 large batches where model.fit ran 8, weights 0.70 apart).
+    x, y = data(230)  # 4 large batches of 64: 64, 64, 64, 38
+    reference, candidate = twin(make_mlp, (x[:16], y[:16], None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras's own "ran out of data"
+        reference.fit(x, y, batch_size=64, epochs=epochs, steps_per_epoch=steps,
+                      shuffle=False, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = autosplit.fit_large_batch(candidate, x, y, batch_size=64, micro_batch_size=16,
+                                            epochs=epochs, steps_per_epoch=steps,
+                                            shuffle=False, verbose=0)
+    assert int(candidate.optimizer.iterations) == int(reference.optimizer.iterations)
+    assert int(candidate.optimizer.iterations) == iterations
+    assert len(history.epoch) == epochs
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+    short = [w for w in caught if "the next one reads the data again" in str(w.message)]
+    assert bool(short) == (4 % steps != 0)  # an epoch ended early
+
+
 def test_batch_norm_warns_once_per_step_build():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
                               keras.layers.BatchNormalization(), keras.layers.Dense(3)])
