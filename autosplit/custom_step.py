@@ -18,7 +18,9 @@ them. autosplit does the same thing inside its loop, exactly:
   Trackers updated per example (``y_true, y_pred``) or with their own weights add up
   as they are.
 - The logs are what the step returned for the last micro-batch, read from the trackers
-  it updated: for a full large batch, ``model.fit``'s logs.
+  it updated: for a full large batch, ``model.fit``'s logs. A float scalar it computes
+  from the batch and returns as it is (a loss tensor, not a tracker's result:
+  :func:`_from_batch`) is averaged over the micro-batches, weighed by rows.
 
 A step that applies gradients more than once, or through another optimizer (a GAN's
 two), has no exact split in one pass; nor has one that assigns variables of its own
@@ -66,6 +68,9 @@ class CustomFacts:
 
     has_grad: tuple[bool, ...]  # per model.trainable_variables: the step applies a gradient
     logs: Any  # tf.TensorSpec structure of what the step returns
+    # Per flat log: a float scalar computed from the batch itself (a loss tensor returned
+    # as it is), not read from a tracker: averaged over the large batch's rows.
+    averaged: tuple[bool, ...] = ()
 
 
 class Intercepted:
@@ -245,7 +250,10 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
     def trace(x, y, sample_weight):
         with intercept(model, None, 1) as seen, watch_writes() as written:
             logs = model.train_step(batch_data(x, y, sample_weight))
-        facts.update(seen=seen, logs=logs, written=written)
+        inputs = {t.op for t in tf.nest.flatten((x, y, sample_weight)) if t is not None}
+        averaged = tuple(_from_batch(tf.convert_to_tensor(t), inputs)
+                         for t in tf.nest.flatten(logs))
+        facts.update(seen=seen, logs=logs, written=written, averaged=averaged)
         return tf.constant(0.0)
 
     trace_once(trace, *specs)
@@ -259,4 +267,26 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
     logs = tf.nest.map_structure(lambda t: tf.TensorSpec(tf.convert_to_tensor(t).shape,
                                                          tf.convert_to_tensor(t).dtype),
                                  facts["logs"])
-    return CustomFacts(has_grad=tuple(g is not None for g in seen.gradients), logs=logs)
+    return CustomFacts(has_grad=tuple(g is not None for g in seen.gradients), logs=logs,
+                       averaged=facts["averaged"])
+
+
+def _from_batch(tensor: tf.Tensor, inputs: set) -> bool:
+    """Whether ``tensor``, a float scalar, is computed from the batch (its data inputs
+    reach the step's inputs). A tracker's ``result()`` reads its variables only: the
+    update that feeds them is ordered by control edges, which this walk does not follow.
+    Keras's knowledge-distillation ``Distiller`` returns its loss tensors so; averaged
+    over the micro-batches, weighed by rows, they are the large batch's, as in
+    ``model.fit`` (the last micro-batch's alone moved with the split)."""
+    if tensor.shape.rank != 0 or not tensor.dtype.is_floating:
+        return False
+    seen, stack = set(), [tensor.op]
+    while stack:
+        op = stack.pop()
+        if op in inputs:
+            return True
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+    return False

@@ -167,8 +167,19 @@ class LargeBatchUpdate:
         piece = self._unflatten(list(values))
         if self.plan.custom is not None:  # the step updated its own metrics
             with tf.control_dependencies([] if ready is None else [ready]):
-                return after([v.assign(t) for v, t in zip(
-                    tf.nest.flatten(self.logs), tf.nest.flatten(piece.logs), strict=True)])
+                # After this piece's sums: the rows of the large batch so far, this one's
+                # included. A value computed from the batch is their running mean, weighed
+                # by rows (the first piece's value replaces the last large batch's).
+                share = tf.cast(piece.rows, tf.float32) / tf.maximum(
+                    tf.cast(self.sums.rows.read_value(), tf.float32), 1.0)
+                custom = self.plan.custom
+                return after([
+                    v.assign(v + (tf.cast(t, v.dtype) - v) * tf.cast(share, v.dtype))
+                    if averaged else v.assign(t)
+                    for v, t, averaged in zip(
+                        tf.nest.flatten(self.logs), tf.nest.flatten(piece.logs),
+                        custom.averaged or [False] * len(tf.nest.flatten(piece.logs)),
+                        strict=True)])
         with tf.control_dependencies([] if ready is None else [ready]):
             update_metrics(self.model, piece.y, piece.y_pred, piece.sample_weight, piece.valid,
                            piece.masks)
