@@ -39,6 +39,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from autosplit import _keras
 from autosplit.compiled import trace as trace_once
 from autosplit.errors import UnsupportedModelError
 
@@ -224,6 +225,24 @@ def _check_writes(model: keras.Model, written: list) -> None:
             "train with model.fit.")
 
 
+def _check_compiled_reduction(model: keras.Model, *, weighted: bool) -> None:
+    """A step's loss must be a mean over its rows for the n / B weighing: refuse a
+    compiled loss (built by the step's ``compute_loss``) that sums, or that divides by
+    the sample weights' sum when there are sample weights (its micro-batch means weigh
+    by weight, not rows). Unchecked, ``reduction="sum"`` ended 2.6 apart from model.fit."""
+    for flat in _keras.flat_losses(model):
+        reduction = getattr(flat.loss, "reduction", "sum_over_batch_size")
+        if reduction == "sum" or (reduction == "mean_with_sample_weight" and weighted):
+            raise UnsupportedModelError(
+                f"Expected the compiled loss of `{type(model).__name__}`, whose own "
+                "train_step autosplit runs once per micro-batch, to be a mean over the "
+                f"batch's examples. Received: reduction={reduction!r}"
+                f"{' with sample weights' if weighted else ''} ({type(flat.loss).__name__}): "
+                "each micro-batch's gradient is weighed by its share of the rows, exact "
+                "for a mean only. Compile with the default reduction "
+                "('sum_over_batch_size'), or train with model.fit.")
+
+
 def batch_data(x: Any, y: Any, sample_weight: Any) -> Any:
     """What ``model.fit`` passes to ``train_step``: ``x`` (or ``(x,)`` for a tuple x),
     ``(x, y)`` or ``(x, y, sample_weight)``."""
@@ -258,6 +277,7 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
 
     trace_once(trace, *specs)
     _check_writes(model, facts["written"])
+    _check_compiled_reduction(model, weighted=specs[2] is not None)
     seen = facts["seen"]
     if seen.calls == 0:
         raise UnsupportedModelError(

@@ -349,3 +349,22 @@ def test_loss_tensors_a_step_returns_are_the_large_batch_s_as_in_model_fit(m):
     got = autosplit.fit_large_batch(candidate, x, y, batch_size=64, micro_batch_size=m,
                                     epochs=2, shuffle=False, verbose=0)
     assert_same_as_fit(reference, candidate, expected, got, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("reduction", "weighted"), [("sum", False),
+                                                      ("mean_with_sample_weight", True)])
+def test_a_compiled_loss_that_is_not_a_mean_over_rows_is_refused(reduction, weighted):
+    # The step's gradient is weighed by its share of the rows, exact for a mean only:
+    # with reduction="sum" the weights ended 2.6 apart from model.fit, unannounced.
+    inputs = keras.Input((6,))
+    model = Classifier(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.
+                  SparseCategoricalCrossentropy(from_logits=True, reduction=reduction))
+    r = np.random.default_rng(8)
+    x, y = r.normal(size=(N, 6)).astype("float32"), r.integers(0, 3, N)
+    weights = r.uniform(0.5, 2.0, N).astype("float32") if weighted else None
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(UnsupportedModelError, match=f"reduction='{reduction}'"):
+        autosplit.fit_large_batch(model, x, y, sample_weight=weights, batch_size=B,
+                                  micro_batch_size=M, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
