@@ -123,9 +123,11 @@ def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_val
         weighted = values * weight
     else:
         weighted = values
-    # Zero-weight padding rows are copies of real rows, so `values` is finite there
-    # and multiplying by 0 cannot make a NaN.
-    weighted = weighted * row_weight(row_valid, weighted)
+    # Padding rows are copies of real rows: selected out, not multiplied by 0, so a
+    # real row whose loss overflowed to inf leaves the sum inf, as Keras logs it (0 *
+    # inf was NaN, and TerminateOnNaN's logs read nan where model.fit's read inf).
+    weighted = tf.where(row_weight(row_valid, weighted) > 0, weighted,
+                        tf.zeros([], weighted.dtype))  # broadcast, as the product was
     numerator = tf.cast(tf.reduce_sum(weighted), tf.float32)
     dims = values.shape[1:].as_list()
     per_row = None if any(d is None for d in dims) else math.prod(dims)

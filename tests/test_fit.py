@@ -532,3 +532,26 @@ def test_validation_calls_the_test_hooks_as_model_fit_does(kind):
     np.testing.assert_allclose([e[2] for e in got.events if e[0] == "batch_end"],
                                [e[2] for e in expected.events if e[0] == "batch_end"],
                                rtol=1e-4)
+
+
+def test_a_loss_that_overflows_logs_inf_as_model_fit_with_padding_rows():
+    # m = 12 does not divide B = 32: padding rows copy real rows. Multiplied by 0, a
+    # copy's inf loss made the sum NaN; TerminateOnNaN's logs then read nan, not inf.
+    r = np.random.default_rng(0)
+    x = (r.normal(size=(96, 4)) * 100).astype("float32")
+    y = (r.normal(size=(96, 1)) * 1e18).astype("float32")
+
+    def make():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(1e6), loss="mse")
+        return model
+
+    reference, candidate = twin(make, (x[:8], y[:8], None))
+    stop = [keras.callbacks.TerminateOnNaN()]
+    expected = reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0,
+                             callbacks=stop)
+    got = autosplit.fit_large_batch(candidate, x, y, batch_size=32, micro_batch_size=12,
+                                    epochs=3, shuffle=False, verbose=0, callbacks=stop)
+    assert np.isinf(expected.history["loss"]).all()
+    np.testing.assert_array_equal(got.history["loss"], expected.history["loss"])
+    assert int(candidate.optimizer.iterations) == int(reference.optimizer.iterations)
