@@ -169,12 +169,15 @@ class LargeBatchUpdate:
             with tf.control_dependencies([] if ready is None else [ready]):
                 # After this piece's sums: the rows of the large batch so far, this one's
                 # included. A value computed from the batch is their running mean, weighed
-                # by rows (the first piece's value replaces the last large batch's).
+                # by rows (the first piece's value replaces the last large batch's, a NaN
+                # there included).
                 share = tf.cast(piece.rows, tf.float32) / tf.maximum(
                     tf.cast(self.sums.rows.read_value(), tf.float32), 1.0)
                 custom = self.plan.custom
+                first = share >= 1.0  # a large batch's first piece: no mean to carry
                 return after([
-                    v.assign(v + (tf.cast(t, v.dtype) - v) * tf.cast(share, v.dtype))
+                    v.assign(tf.where(first, tf.cast(t, v.dtype),
+                                      v + (tf.cast(t, v.dtype) - v) * tf.cast(share, v.dtype)))
                     if averaged else v.assign(t)
                     for v, t, averaged in zip(
                         tf.nest.flatten(self.logs), tf.nest.flatten(piece.logs),

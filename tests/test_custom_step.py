@@ -368,3 +368,31 @@ def test_a_compiled_loss_that_is_not_a_mean_over_rows_is_refused(reduction, weig
         autosplit.fit_large_batch(model, x, y, sample_weight=weights, batch_size=B,
                                   micro_batch_size=M, verbose=0)
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
+class RatioStep(keras.Model):
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean((self(x) - y) ** 2)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                             self.trainable_variables)
+        return {"ratio": keras.ops.sum(y) / keras.ops.sum(x[:, 0])}
+
+
+def test_a_nan_in_one_large_batch_s_averaged_log_does_not_carry_into_the_next():
+    # The running mean of a returned tensor restarts with each large batch: a NaN in
+    # the first one (0 / 0) stayed NaN in every later log (NaN + (t - NaN) * 1).
+    r = np.random.default_rng(0)
+    x, y = r.random((96, 4)).astype("float32"), r.random((96, 1)).astype("float32")
+    x[:32, 0], y[:32] = 0.0, 0.0
+    inputs = keras.Input((4,))
+    model = RatioStep(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(logs["ratio"]))
+    autosplit.fit_large_batch(model, x, y, batch_size=32, micro_batch_size=16, epochs=2,
+                              shuffle=False, verbose=0, callbacks=[record])
+    assert np.isnan(seen[0]) and np.isnan(seen[3])
+    assert np.isfinite([seen[1], seen[2], seen[4], seen[5]]).all()
