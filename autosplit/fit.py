@@ -541,11 +541,12 @@ class _Batches:
         plan.step.end_marker = self.marked
         self.iterator: Any = None
         self.seen = 0  # large batches read from the iterator in use
-        # With steps_per_epoch, an input of known length is read again once its large
-        # batches run out, the epoch that reached the end ending early, as model.fit
-        # does (Keras 3 counts its batches: EpochIterator). Others stop training there.
-        self.rereads = (args.steps_per_epoch is not None and adapter.reiterable
-                        and plan.pipeline.steps() is not None)
+        # With steps_per_epoch, a reiterable input is read again once its large batches
+        # run out, the epoch that reached the end ending early, as model.fit does (Keras
+        # 3's EpochIterator counts an input's batches, or learns the count where the
+        # data first ends). A generator, read once, stops training there.
+        self.rereads = args.steps_per_epoch is not None and adapter.reiterable
+        self.known = plan.pipeline.steps()  # large batches in a pass (None: not yet known)
         self.global_step = 0
         self.logs: dict[str, Any] = {}
 
@@ -555,11 +556,10 @@ class _Batches:
         self._start(epoch)
         ran = 0
         ended = False  # the input's end (or, marked, the epoch's) was reached
-        known = plan.pipeline.steps() if self.rereads else None
         for index in _steps(self.steps):
-            if known is not None and self.seen >= known:
+            if self.rereads and self.known is not None and self.seen >= self.known:
                 break  # every large batch of the data read: this epoch ends early
-            if known is not None:
+            if self.rereads:
                 count = plan.pipeline.elements(self.seen)
             elif self.args.steps_per_epoch is None:
                 count = plan.pipeline.elements(index)
@@ -567,6 +567,12 @@ class _Batches:
                 count = plan.pipeline.per_batch
             callback_list.on_train_batch_begin(index)
             result = recovery.run(self.iterator, count, self.global_step)
+            if result is None and self.rereads and self.seen:
+                self.known = self.seen  # the data ended: now its length is known
+                if ran == 0:  # with the last epoch: this one reads it again
+                    self.release()
+                    self._start(epoch)
+                    result = recovery.run(self.iterator, count, self.global_step)
             if result is None:
                 ended = True
                 break
@@ -585,7 +591,7 @@ class _Batches:
             # in model.fit, and its marker (after any rows past them) is read.
             skip_to_end_marker(self.iterator)
         self._check_ran(ran)
-        if known is not None and self.seen >= known:
+        if self.rereads and self.known is not None and self.seen >= self.known:
             self.release()  # the next epoch reads the data again, from a new iterator
         if ran and self.steps is None:
             self.steps = ran  # learnt from the first epoch, as model.fit does

@@ -575,3 +575,29 @@ def test_rereading_shuffled_arrays_every_epoch_builds_the_cut_once(monkeypatch):
                               steps_per_epoch=2, verbose=0)
     assert int(model.optimizer.iterations) == 24
     assert len(built) <= 2  # the element spec's unseeded cut, and the seeded one
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_steps_per_epoch_past_an_input_of_unknown_length_reads_it_again(batched):
+    # Keras learns the count of batches where the data first ends and reads the data
+    # again in the next epoch; autosplit stopped training there (2 epochs of 4). 160
+    # rows, B = 32: 5 large batches a pass, 3 + 2 + 3 + 2 over 4 epochs.
+    x, y = data(160)
+    reference, candidate = twin(make_mlp, (x[:16], y[:16], None))
+
+    def unknown():  # a filter hides the length (cardinality unknown)
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True)
+        return ds.batch(32) if batched else ds
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = reference.fit(unknown() if batched else unknown().batch(32),
+                                 steps_per_epoch=3, epochs=4, verbose=0)
+        got = autosplit.fit_large_batch(candidate, unknown(), batch_size=32,
+                                        micro_batch_size=16, steps_per_epoch=3, epochs=4,
+                                        verbose=0)
+    assert len(got.history["loss"]) == len(expected.history["loss"]) == 4
+    # Keras also counts its steps that found the data ended (12); 10 large batches ran.
+    assert int(candidate.optimizer.iterations) == 10
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+    np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
