@@ -61,10 +61,13 @@ class Moments(NamedTuple):
 
 
 def pooled_layers(model: keras.Model) -> list:
-    """The BatchNormalization layers whose moving statistics autosplit pools."""
+    """The BatchNormalization layers whose moving statistics autosplit pools: built
+    ones (a layer the model holds but never calls has no statistics; it stopped the
+    step's set-up with an AttributeError)."""
     return [layer for layer in _keras.flatten_layers(model)
             if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-            and not getattr(layer, "renorm", False)]
+            and not getattr(layer, "renorm", False)
+            and getattr(layer, "moving_mean", None) is not None]
 
 
 def _counts(layer, inputs, mask) -> tf.Tensor:

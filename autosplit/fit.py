@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from autosplit import _keras
@@ -472,13 +473,15 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: _Plan,
     return history
 
 
-def _flat_logs(result: dict[str, Any]) -> dict[str, float]:
+def _flat_logs(result: dict[str, Any]) -> dict[str, Any]:
     """Logs as floats, a nested dict's entries lifted (a custom step may return the
     compiled metrics' ``result()``, a dict, as Keras's guide does)."""
-    logs: dict[str, float] = {}
+    logs: dict[str, Any] = {}
     for name, value in result.items():
         if isinstance(value, dict):
             logs.update(_flat_logs(value))
+        elif np.ndim(value):  # a vector a custom step returns: kept as an array, as Keras
+            logs[name] = np.asarray(value)
         else:
             logs[name] = float(value)
     return logs

@@ -145,8 +145,10 @@ def check_trainable(model: keras.Model) -> None:
 
 
 def has_batch_norm(model: keras.Model) -> bool:
-    """Whether a BatchNormalization layer may train (a frozen one runs in inference mode)."""
+    """Whether a BatchNormalization layer may train (a frozen one runs in inference mode;
+    one the model holds but never calls is never built)."""
     return any(isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+               and getattr(layer, "moving_mean", None) is not None
                for layer in _keras.flatten_layers(model))
 
 

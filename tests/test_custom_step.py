@@ -429,3 +429,34 @@ def test_state_kept_in_tensorflow_s_own_variables_is_refused_too(kind):
     model.compile(optimizer=keras.optimizers.SGD(0.1))
     with pytest.raises(UnsupportedModelError, match=r"assigns .* itself"):
         autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M, verbose=0)
+
+
+@pytest.mark.filterwarnings("ignore:`build\\(\\)` was called on layer")  # Keras's, unused layer
+def test_a_vector_log_and_an_unused_batch_norm_layer_run_as_in_model_fit():
+    # Two crashes of older code a review found: float() on a vector a step returns, and
+    # the pooled statistics of a BatchNormalization layer the model never calls (unbuilt).
+    class VectorLog(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense, self.unused = keras.layers.Dense(1), keras.layers.BatchNormalization()
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                errors = (self(x) - y) ** 2
+                loss = keras.ops.mean(errors)
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                                 self.trainable_variables)
+            return {"per_feature": keras.ops.mean(x, axis=0)}
+
+    r = np.random.default_rng(10)
+    x, y = r.normal(size=(N, 4)).astype("float32"), r.normal(size=(N, 1)).astype("float32")
+    model = VectorLog()
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    history = autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M,
+                                        verbose=0)
+    assert np.shape(history.history["per_feature"][0]) == (4,)
+    assert int(model.optimizer.iterations) == 2
