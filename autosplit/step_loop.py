@@ -48,8 +48,20 @@ def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=N
                                          (x, y, w, valid))
             inside = tf.cast(index < rows, tf.float32)
             part_valid = part[3] * (inside[None, :] if axis else inside)
-        done = update.micro_step(part[0], part[1], part[2], part_valid,
-                                 tf.minimum((p + 1) * size, rows))
+        end_row = tf.minimum((p + 1) * size, rows)
+
+        def step():
+            return after([update.micro_step(part[0], part[1], part[2], part_valid, end_row)])
+
+        def record_only():
+            return after([update.stash.record(end_row, rows)])
+
+        if update.replicas.count == 1:
+            # A piece of padding alone (a short element cut after an out-of-memory error)
+            # is recorded, not run: a custom train_step on 0 rows logged NaN for the epoch.
+            done = tf.cond(tf.reduce_any(part_valid > 0), step, record_only)
+        else:
+            done = step()  # every replica runs its pieces: they meet in collectives
         with tf.control_dependencies([done]):
             return p + 1
 

@@ -182,3 +182,55 @@ def test_real_oom_under_a_cap_recovers_to_the_weights_of_an_uninterrupted_run(tm
     saved = np.load(str(out / "weights.npz"))
     assert_weights_close(model.get_weights(), [saved[f"arr_{i}"] for i in range(len(saved))],
                          1e-5)
+
+
+class TrackedStep(keras.Model):
+    """A custom train_step with a tracker and a returned loss tensor."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracker = keras.metrics.Mean(name="tracked")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x) - y))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                             self.trainable_variables)
+        self.tracker.update_state(loss)
+        return {"raw": loss, "tracked": self.tracker.result()}
+
+
+@pytest.mark.slow
+def test_pieces_of_padding_alone_are_not_run_after_an_oom_in_a_short_batch():
+    """The short last batch (12 real rows of a 32-row element) runs out of memory at 12
+    rows and again at 16 (two real errors, ~10 s each); at 8 rows its last two pieces
+    hold padding alone. Run through a custom train_step on 0 rows, they made the epoch's
+    logs NaN; they are recorded, not run, and the weights and the returned loss equal
+    the uninterrupted run's. (The tracker is not compared: a real error in the backward
+    pass comes after the step's own update_state ran, a known defect, docs/memory.md.)"""
+    r = np.random.default_rng(11)
+    x, y = r.normal(size=(76, 6)).astype("float32"), r.normal(size=(76, 1)).astype("float32")
+    x[70, 0] = 1000.0  # in the short last batch (rows 64-75)
+
+    def make():
+        inputs = keras.Input((6,))
+        model = TrackedStep(inputs, keras.layers.Dense(1)(Hungry(10)(inputs)))
+        model.compile(optimizer=keras.optimizers.SGD(0.01))
+        return model
+
+    reference, candidate = twin(make, (x[:8], y[:8], None))
+    reference.layers[1].armed = False
+    expected = autosplit.fit_large_batch(reference, x, y, batch_size=32, micro_batch_size=32,
+                                         shuffle=False, verbose=0)
+    with pytest.warns(UserWarning, match="finishing the same batch"):
+        got = autosplit.fit_large_batch(candidate, x, y, batch_size=32, micro_batch_size=32,
+                                        shuffle=False, verbose=0)
+    assert [(o.failed, o.retry) for o in got.autosplit.oom_recoveries] == [(32, 16), (16, 8)]
+    assert np.isfinite(got.history["raw"]).all()
+    np.testing.assert_allclose(got.history["raw"], expected.history["raw"], rtol=1e-5)
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
