@@ -87,6 +87,9 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
     """
     stash = update.stash
     ops = [stash.pulled.assign(0), stash.exhausted.assign(False)]
+    # A custom step's trackers as the last committed piece left them: kept as a call
+    # begins, put back before a redo (its failed piece may have counted already).
+    ops.append(update.restore_metrics() if resume else update.keep_metrics())
     if resume:
         with tf.control_dependencies(ops):
             stashed = stash.get(update.element_spec)

@@ -76,6 +76,10 @@ class LargeBatchUpdate:
         self._jit = jit
         self._template: Any = None  # the structure of a piece, for _unflatten
         self.logs: Any = None  # a custom train_step's logs, in variables
+        # A custom train_step's metric variables as the last committed micro-step left
+        # them: its trackers count a micro-batch inside the step, before an error in the
+        # backward pass can stop it, so a redo restores them first (pull(resume=True)).
+        self._metric_copies: list = []
         self.element_spec: Any = None
         self.piece_spec: Any = None
         self.rows = 0
@@ -100,6 +104,10 @@ class LargeBatchUpdate:
                 f"{type(model).__name__} under {type(replicas.strategy).__name__} with "
                 f"{replicas.count} replicas; autosplit splits a custom train_step on one "
                 "device only (yet).")
+        if self.plan.custom is not None and not self._metric_copies:
+            self._metric_copies = [
+                (v, tf.Variable(tf.convert_to_tensor(v), trainable=False))
+                for m in model.metrics for v in m.variables]
         if self.plan.custom is not None and self.logs is None:
             # What the step returned for the last micro-batch: the large batch's logs.
             self.logs = tf.nest.map_structure(
@@ -188,6 +196,14 @@ class LargeBatchUpdate:
                            piece.masks)
             return tf.constant(True)
 
+    def keep_metrics(self) -> tf.Tensor:
+        """Copy a custom step's metric variables as they stand (after a committed piece)."""
+        return after([copy.assign(tf.convert_to_tensor(v)) for v, copy in self._metric_copies])
+
+    def restore_metrics(self) -> tf.Tensor:
+        """Put back a custom step's metric variables as the last committed piece left them."""
+        return after([v.assign(copy.read_value()) for v, copy in self._metric_copies])
+
     def micro_step(self, x, y, w, valid, end_row) -> tf.Tensor:
         """One micro-step on every local replica: compute, then (only once all of them
         have their gradients) add to the sums and record that the rows up to
@@ -209,7 +225,11 @@ class LargeBatchUpdate:
             recorded = self.stash.record(end_row, self.rows)
         if replicas.count == 1:
             with tf.control_dependencies([recorded]):
-                return self._commit_metrics(values)
+                committed = self._commit_metrics(values)
+            if not self._metric_copies:
+                return committed
+            with tf.control_dependencies([committed]):
+                return self.keep_metrics()
         return replicas.done(replicas.run(self._commit_metrics, values, recorded))
 
     # ------------------------------------------------------------ the apply
