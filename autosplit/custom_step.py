@@ -72,7 +72,7 @@ class CustomFacts:
     logs: Any  # tf.TensorSpec structure of what the step returns
     # Per flat log: a float scalar computed from the batch itself (a loss tensor returned
     # as it is), not read from a tracker: averaged over the large batch's rows.
-    averaged: tuple[bool, ...] = ()
+    averaged: tuple[bool, ...]
 
 
 class Intercepted:
@@ -150,22 +150,32 @@ def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int
     # Any other optimizer's apply_gradients or apply raises; model.optimizer's own
     # attributes (set above) shadow these class attributes.
     base = keras.optimizers.Optimizer
-    originals = {name: vars(base).get(name) for name in ("apply_gradients", "apply")}
     for obj, name, fn in patched:
         object.__setattr__(obj, name, fn)
-    for name in originals:
-        setattr(base, name, foreign)
     try:
-        yield seen
+        with _class_patches([(base, "apply_gradients", foreign), (base, "apply", foreign)]):
+            yield seen
     finally:
-        for name, original in originals.items():
-            if original is not None:
-                setattr(base, name, original)
-            else:
-                delattr(base, name)
         for obj, name, _ in patched:
             with contextlib.suppress(AttributeError):
                 object.__delattr__(obj, name)
+
+
+@contextlib.contextmanager
+def _class_patches(patches: list[tuple[type, str, Any]]) -> Iterator[None]:
+    """Set each ``(class, name, value)`` for the block, then put back what the class
+    itself had, or remove the attribute where it only inherited one."""
+    saved = [(cls, name, vars(cls).get(name)) for cls, name, _ in patches]
+    for cls, name, value in patches:
+        setattr(cls, name, value)
+    try:
+        yield
+    finally:
+        for cls, name, original in saved:
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
 
 
 @contextlib.contextmanager
@@ -196,24 +206,15 @@ def watch_writes() -> Iterator[list]:
             return inside(original)(self, *args, **kwargs)
         return method
 
-    patches = [(keras.layers.Layer, "__call__", inside),
-               (keras.random.SeedGenerator, "next", inside)]
+    wraps = [(keras.layers.Layer, "__call__", inside),
+             (keras.random.SeedGenerator, "next", inside)]
     # Keras variables, and TensorFlow's own (a tf.Variable the step holds, or a Keras
     # variable's `.value`): a review found both written unseen, 0.3-0.4 off model.fit.
     for cls in (keras.Variable, resource_variable_ops.BaseResourceVariable,
                 resource_variable_ops.ResourceVariable):
-        patches += [(cls, name, watched) for name in ("assign", "assign_add", "assign_sub")]
-    saved = [(cls, name, vars(cls).get(name)) for cls, name, _ in patches]
-    for cls, name, wrap in patches:
-        setattr(cls, name, wrap(getattr(cls, name)))
-    try:
+        wraps += [(cls, name, watched) for name in ("assign", "assign_add", "assign_sub")]
+    with _class_patches([(cls, name, wrap(getattr(cls, name))) for cls, name, wrap in wraps]):
         yield written
-    finally:
-        for cls, name, original in saved:
-            if original is None:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, original)
 
 
 def _check_writes(model: keras.Model, written: list) -> None:

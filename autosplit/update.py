@@ -181,7 +181,6 @@ class LargeBatchUpdate:
                 # there included).
                 share = tf.cast(piece.rows, tf.float32) / tf.maximum(
                     tf.cast(self.sums.rows.read_value(), tf.float32), 1.0)
-                custom = self.plan.custom
                 first = share >= 1.0  # a large batch's first piece: no mean to carry
                 return after([
                     v.assign(tf.where(first, tf.cast(t, v.dtype),
@@ -189,8 +188,7 @@ class LargeBatchUpdate:
                     if averaged else v.assign(t)
                     for v, t, averaged in zip(
                         tf.nest.flatten(self.logs), tf.nest.flatten(piece.logs),
-                        custom.averaged or [False] * len(tf.nest.flatten(piece.logs)),
-                        strict=True)])
+                        self.plan.custom.averaged, strict=True)])
         with tf.control_dependencies([] if ready is None else [ready]):
             update_metrics(self.model, piece.y, piece.y_pred, piece.sample_weight, piece.valid,
                            piece.masks)
