@@ -20,7 +20,7 @@ them. autosplit does the same thing inside its loop, exactly:
 - The logs are what the step returned for the last micro-batch, read from the trackers
   it updated: for a full large batch, ``model.fit``'s logs. A float scalar it computes
   from the batch and returns as it is (a loss tensor, not a tracker's result:
-  :func:`_from_batch`) is averaged over the micro-batches, weighed by rows.
+  :func:`from_batch`) is averaged over the micro-batches, weighed by rows.
 
 A step that applies gradients more than once, or through another optimizer (a GAN's
 two), has no exact split in one pass; nor has one that assigns variables of its own
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops  # tf.Variable's classes
 
@@ -44,8 +45,10 @@ from autosplit import _keras
 from autosplit.compiled import trace as trace_once
 from autosplit.errors import UnsupportedModelError
 
-__all__ = ["CustomFacts", "Intercepted", "batch_data", "custom_facts", "has_custom_step",
-           "intercept", "overridden_steps", "overrides_test_step", "watch_writes"]
+__all__ = ["CustomFacts", "Intercepted", "batch_data", "custom_facts", "flat_logs",
+           "from_batch", "has_custom_step", "intercept", "metrics_or_last",
+           "overridden_steps", "overrides_test_step", "runs_own_test_step", "watch_writes",
+           "weighed_trackers"]
 
 
 def overridden_steps(model: keras.Model) -> list[str]:
@@ -62,6 +65,13 @@ def has_custom_step(model: keras.Model) -> bool:
 def overrides_test_step(model: keras.Model) -> bool:
     """Whether ``model`` overrides ``test_step`` (what ``model.fit`` validates with)."""
     return getattr(type(model), "test_step", None) is not keras.Model.test_step
+
+
+def runs_own_test_step(model: keras.Model) -> bool:
+    """Whether validation must run ``model.test_step`` to give ``model.fit``'s logs: the
+    model overrides it, or ``train_step`` or ``compute_loss`` (Keras's default test_step
+    then calls that compute_loss, and reports the step's own trackers)."""
+    return has_custom_step(model) or overrides_test_step(model)
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,24 @@ def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int
             "other within the batch: there is no exact split in one pass; train it with "
             "model.fit.")
 
+    # Any other optimizer's apply_gradients or apply raises; model.optimizer's own
+    # attributes shadow these class attributes.
+    base = keras.optimizers.Optimizer
+    with (_object_patches([(optimizer, "apply_gradients", apply_gradients),
+                           (optimizer, "apply", apply)]),
+          weighed_trackers(model, rows, batch_size),
+          _class_patches([(base, "apply_gradients", foreign), (base, "apply", foreign)])):
+        yield seen
+
+
+@contextlib.contextmanager
+def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int | tf.Tensor
+                     ) -> Iterator[None]:
+    """While a step runs on a micro-batch of ``rows`` rows: a metric of the model updated
+    with one scalar and no sample weight (``self.loss_tracker.update_state(loss)``) is
+    given the weight ``rows / batch_size``, so that a large batch's micro-batches add up
+    to one update of the whole batch's mean. Updates per example, or with weights of
+    their own, pass as they are. ``rows`` None: no weighing (a throwaway trace)."""
     def weighted(metric):
         original = metric.update_state
 
@@ -138,25 +166,27 @@ def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int
             values = args[0] if args else kwargs.get("values")
             if (rows is not None and len(args) <= 1 and kwargs.keys() <= {"values"}
                     and values is not None and tf.convert_to_tensor(values).shape.rank == 0):
-                kwargs = {"sample_weight": tf.cast(rows, tf.float32) / batch_size}
-                return original(values, **kwargs)
+                share = tf.cast(rows, tf.float32) / tf.cast(batch_size, tf.float32)
+                return original(values, sample_weight=share)
             return original(*args, **kwargs)
 
         return update_state
 
-    patched = [(optimizer, "apply_gradients", apply_gradients), (optimizer, "apply", apply)]
-    patched += [(m, "update_state", weighted(m)) for m in model.metrics
-                if isinstance(m, keras.metrics.Metric)]
-    # Any other optimizer's apply_gradients or apply raises; model.optimizer's own
-    # attributes (set above) shadow these class attributes.
-    base = keras.optimizers.Optimizer
-    for obj, name, fn in patched:
-        object.__setattr__(obj, name, fn)
+    with _object_patches([(m, "update_state", weighted(m)) for m in model.metrics
+                          if isinstance(m, keras.metrics.Metric)]):
+        yield
+
+
+@contextlib.contextmanager
+def _object_patches(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Set each ``(object, name, value)`` on the instance for the block (shadowing its
+    class's attribute), then remove it."""
+    for obj, name, value in patches:
+        object.__setattr__(obj, name, value)
     try:
-        with _class_patches([(base, "apply_gradients", foreign), (base, "apply", foreign)]):
-            yield seen
+        yield
     finally:
-        for obj, name, _ in patched:
+        for obj, name, _ in patches:
             with contextlib.suppress(AttributeError):
                 object.__delattr__(obj, name)
 
@@ -254,6 +284,28 @@ def _check_compiled_reduction(model: keras.Model, *, weighted: bool) -> None:
                 "('sum_over_batch_size'), or train with model.fit.")
 
 
+def flat_logs(result: dict[str, Any]) -> dict[str, Any]:
+    """Logs as floats, a nested dict's entries lifted (a custom step may return the
+    compiled metrics' ``result()``, a dict, as Keras's guide does)."""
+    logs: dict[str, Any] = {}
+    for name, value in result.items():
+        if isinstance(value, dict):
+            logs.update(flat_logs(value))
+        elif np.ndim(value):  # a vector a custom step returns: kept as an array, as Keras
+            logs[name] = np.asarray(value)
+        else:
+            logs[name] = float(value)
+    return logs
+
+
+def metrics_or_last(model: keras.Model, last: dict[str, Any]) -> dict[str, Any]:
+    """The logs of an epoch or of a validation, as Keras picks them
+    (``Trainer._get_metrics_result_or_logs``): the metrics' results, or what the step
+    returned last when it names other things."""
+    results = flat_logs(model.get_metrics_result())
+    return results if set(results) == set(last) else dict(last)
+
+
 def batch_data(x: Any, y: Any, sample_weight: Any) -> Any:
     """What ``model.fit`` passes to ``train_step``: ``x`` (or ``(x,)`` for a tuple x),
     ``(x, y)`` or ``(x, y, sample_weight)``."""
@@ -281,7 +333,7 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
         with intercept(model, None, 1) as seen, watch_writes() as written:
             logs = model.train_step(batch_data(x, y, sample_weight))
         inputs = {t.op for t in tf.nest.flatten((x, y, sample_weight)) if t is not None}
-        averaged = tuple(_from_batch(tf.convert_to_tensor(t), inputs)
+        averaged = tuple(from_batch(tf.convert_to_tensor(t), inputs)
                          for t in tf.nest.flatten(logs))
         facts.update(seen=seen, logs=logs, written=written, averaged=averaged)
         return tf.constant(0.0)
@@ -302,7 +354,7 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
                        averaged=facts["averaged"])
 
 
-def _from_batch(tensor: tf.Tensor, inputs: set) -> bool:
+def from_batch(tensor: tf.Tensor, inputs: set) -> bool:
     """Whether ``tensor``, a float scalar, is computed from the batch (its data inputs
     reach the step's inputs). A tracker's ``result()`` reads its variables only: the
     update that feeds them is ordered by control edges, which this walk does not follow.

@@ -23,10 +23,19 @@ import types
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from autosplit.accumulate import added, sum_loop, zero_totals
-from autosplit.compiled import FunctionCache
+from autosplit.compiled import FunctionCache, trace
+from autosplit.custom_step import (
+    batch_data,
+    flat_logs,
+    from_batch,
+    metrics_or_last,
+    runs_own_test_step,
+    weighed_trackers,
+)
 from autosplit.inputs import HOST, InputAdapter, batched_ancestor, get_input
 from autosplit.piece import (
     LossPlan,
@@ -53,6 +62,10 @@ class Evaluator:
     def __init__(self, model: keras.Model) -> None:
         self.model = model
         self._functions = FunctionCache()
+        # Per element spec, for a model's own test_step: which of its flat logs are
+        # floats computed from the batch (averaged), and the logs' structure.
+        self._facts: dict[str, tuple[tuple[bool, ...], Any]] = {}
+        self._traced: tuple[tuple[bool, ...], Any] | None = None
 
     def _plan(self, spec) -> LossPlan:
         x, y, w, _ = spec
@@ -95,14 +108,13 @@ class Evaluator:
         one of them listens (not only the progress bar), ``on_test_batch_begin`` and
         ``on_test_batch_end`` around each large batch, as from ``model.fit``'s
         validation (TensorBoard writes its ``evaluation_*_vs_iterations`` there)."""
+        if runs_own_test_step(self.model):
+            return self._own_steps(pipeline, steps, callbacks)
         model, adapter = self.model, pipeline.adapter
         spec = pipeline.element_spec()
         fn, plan = self._function(spec), self._plan(spec)
-        known = pipeline.steps()  # large batches, when the input knows its length
-        if known is not None:
-            steps = known if steps is None else min(steps, known)
+        known, steps, hooks = _limits(pipeline, steps, callbacks)
         limit = None if steps is None else sum(pipeline.elements(s) for s in range(steps))
-        hooks = callbacks if callbacks is not None and _hears_test_batches(callbacks) else None
         # Each call of the loop sums up to _CHUNK micro-batches (one large batch when a
         # callback hears each) in float32; the calls are added up in float64, so a long
         # validation set loses no precision to the sum.
@@ -141,12 +153,98 @@ class Evaluator:
             callbacks.on_test_end(logs)
         return logs
 
+    def _own_steps(self, pipeline: MicroBatches, steps: int | None,
+                   callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
+        """Validation by the model's own ``test_step``, as ``model.fit`` validates a model
+        with its own steps: run on each micro-batch of real rows, one call each.
+
+        A tracker it updates with one scalar (``Mean`` of its loss) weighs
+        ``rows / batch_size`` (:func:`~autosplit.custom_step.weighed_trackers`), so over
+        a validation batch of ``batch_size`` rows the micro-batches add up to one update
+        of the whole batch's mean, as in ``model.fit``; a float it computes from the
+        batch and returns as it is is averaged over the batch's micro-batches by rows.
+        """
+        model, adapter = self.model, pipeline.adapter
+        spec = pipeline.element_spec()
+        key = repr(spec)
+        if key not in self._facts:
+            trace(self._own_step, *spec, tf.TensorSpec((), tf.float32))
+            assert self._traced is not None
+            self._facts[key] = self._traced
+        averaged, structure = self._facts[key]
+        fn = self._functions.get(("own", key), self._own_step, run_eagerly=model.run_eagerly)
+        batch_rows = tf.constant(float(pipeline.batch_size))
+        known, steps, hooks = _limits(pipeline, steps, callbacks)
+        model.reset_metrics()
+        if callbacks is not None:
+            callbacks.on_test_begin()
+        adapter.on_epoch_begin()
+        held = [iter(pipeline.dataset())]  # deleted by pipeline.release, off this thread
+        last: dict[str, Any] = {}
+        batch = 0
+        while steps is None or batch < steps:
+            count = pipeline.elements(batch) if known is not None else pipeline.per_batch
+            if hooks is not None:
+                hooks.on_test_batch_begin(batch)
+            rows, pulled, values = 0.0, 0, None
+            for x, y, w, valid in itertools.islice(held[0], count):
+                pulled += 1
+                n = float(tf.reduce_sum(valid))
+                if not n:
+                    continue  # padding alone: the step would average over no row
+                rows += n
+                out = [np.asarray(v) for v in tf.nest.flatten(fn(x, y, w, valid, batch_rows))]
+                # A float computed from the batch: its running mean over the batch's rows
+                # (the first micro-batch's value replaces the last batch's).
+                values = out if values is None else [
+                    v + (o - v) * (n / rows) if mean else o
+                    for v, o, mean in zip(values, out, averaged, strict=True)]
+            if values is not None:
+                last = flat_logs(tf.nest.pack_sequence_as(structure, values))
+                if hooks is not None:
+                    hooks.on_test_batch_end(batch, last)
+                batch += 1
+            if pulled < count:
+                break  # the data ended
+        release(held)
+        adapter.on_epoch_end()
+        logs = metrics_or_last(model, last) if last else flat_logs(model.get_metrics_result())
+        if callbacks is not None:
+            callbacks.on_test_end(logs)
+        return logs
+
+    @tf.autograph.experimental.do_not_convert
+    def _own_step(self, x, y, w, valid, batch_rows):
+        """``model.test_step`` on the real rows of one micro-batch; what it returns."""
+        x, y, w, valid = without_padding(True, x, empty_to_none(y), empty_to_none(w), valid)
+        rows = tf.reduce_sum(valid)
+        with weighed_trackers(self.model, rows, batch_rows):
+            logs = self.model.test_step(batch_data(x, y, w))
+        if not tf.executing_eagerly():  # what a trace learns (_own_steps keeps it)
+            inputs = {t.op for t in tf.nest.flatten((x, y, w)) if t is not None}
+            averaged = tuple(from_batch(tf.convert_to_tensor(t), inputs)
+                             for t in tf.nest.flatten(logs))
+            self._traced = (averaged, tf.nest.map_structure(lambda _: 0, logs))
+        return logs
+
     def _loss(self, totals: Totals, plan: LossPlan) -> tuple[tf.Tensor, list]:
         """The loss and per-output losses of what ``totals`` summed, as ``model.fit``."""
         return combined_loss(
             totals.numerators, totals.denominators, totals.forward, totals.rows,
             kinds=plan.kinds, weights=plan.weights,
             regularization=tf.cast(weight_regularization(self.model), tf.float64))
+
+
+def _limits(pipeline: MicroBatches, steps: int | None,
+            callbacks: keras.callbacks.CallbackList | None
+            ) -> tuple[int | None, int | None, keras.callbacks.CallbackList | None]:
+    """(large batches the input knows it has, large batches to evaluate, the callbacks
+    to call around each large batch: None unless one listens)."""
+    known = pipeline.steps()  # large batches, when the input knows its length
+    if known is not None:
+        steps = known if steps is None else min(steps, known)
+    hooks = callbacks if callbacks is not None and _hears_test_batches(callbacks) else None
+    return known, steps, hooks
 
 
 def _hears_test_batches(callbacks: keras.callbacks.CallbackList) -> bool:

@@ -18,19 +18,17 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from autosplit import _keras
 from autosplit.batchnorm import MODES
-from autosplit.custom_step import overridden_steps, overrides_test_step
+from autosplit.custom_step import flat_logs, metrics_or_last
 from autosplit.device import check_headroom
 from autosplit.distribute import Layout, layout
 from autosplit.errors import (
     ArgumentError,
     BatchSizeError,
     DatasetError,
-    UnsupportedModelError,
     describe,
 )
 from autosplit.evaluate import Evaluator, validation_input
@@ -289,16 +287,6 @@ def _validate(model: Any, given: dict[str, Any]) -> _Args:
         warn_user("Both `validation_split` and `validation_data` were given; "
                   "`validation_data` is used, as in model.fit.")
     check_model(model)
-    custom = overridden_steps(model) + (["test_step"] if overrides_test_step(model) else [])
-    if (given["validation_data"] is not None or args.validation_split) and custom:
-        # A custom test_step alone was once ignored: validation ran the compiled loss and
-        # metrics, and val_ logs differed from model.fit's without a word.
-        raise UnsupportedModelError(
-            f"Expected no validation data for `{type(model).__name__}`, which overrides "
-            f"{' and '.join(custom)}: autosplit validates with the compiled loss and "
-            "metrics, not with the model's own steps. Received: validation data. Evaluate "
-            "with model.evaluate(..., batch_size=<micro-batch size>) after training (or "
-            "in a callback) instead.")
     return args
 
 
@@ -473,27 +461,11 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: _Plan,
     return history
 
 
-def _flat_logs(result: dict[str, Any]) -> dict[str, Any]:
-    """Logs as floats, a nested dict's entries lifted (a custom step may return the
-    compiled metrics' ``result()``, a dict, as Keras's guide does)."""
-    logs: dict[str, Any] = {}
-    for name, value in result.items():
-        if isinstance(value, dict):
-            logs.update(_flat_logs(value))
-        elif np.ndim(value):  # a vector a custom step returns: kept as an array, as Keras
-            logs[name] = np.asarray(value)
-        else:
-            logs[name] = float(value)
-    return logs
-
-
 def _epoch_logs(step: TrainStep, last: dict[str, Any]) -> dict[str, Any]:
-    """The logs of an epoch, as ``model.fit`` picks them: the metrics' results, or
-    what a custom train_step returned last when it names other things."""
-    results = _flat_logs(step.model.get_metrics_result())
-    if step.update.plan.custom is None or set(results) == set(last):
-        return results
-    return dict(last)
+    """The logs of an epoch, as ``model.fit`` picks them (:func:`metrics_or_last`)."""
+    if step.update.plan.custom is None:
+        return flat_logs(step.model.get_metrics_result())
+    return metrics_or_last(step.model, last)
 
 
 def _recovery(plan: _Plan, adapter: InputAdapter, args: _Args,
@@ -579,7 +551,7 @@ class _Batches:
             if result is None:
                 ended = True
                 break
-            self.logs = _flat_logs(result)
+            self.logs = flat_logs(result)
             callback_list.on_train_batch_end(index, self.logs)
             self.global_step += 1
             self.seen += 1

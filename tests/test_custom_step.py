@@ -219,27 +219,81 @@ class FlipAtTest(keras.Model):
         return self.compute_metrics(x, y, y_pred, sample_weight=None) | {"loss": loss}
 
 
-@pytest.mark.parametrize(("cls", "named"), [(Classifier, "train_step"),
-                                            (FlipAtTest, "test_step")])
-@pytest.mark.parametrize("how", ["validation_data", "validation_split"])
-def test_validation_with_a_step_of_its_own_is_refused_before_anything_changes(cls, named, how):
-    # model.fit validates with the model's test_step; autosplit's validation runs the
-    # compiled loss and metrics. A custom test_step alone used to pass unnoticed, its
-    # val_ logs those of the default step.
+class OwnTestStep(Classifier):
+    """A train_step and a test_step of its own, keras-io's masked autoencoder's form: the
+    test step updates the loss tracker with its scalar loss and returns the trackers'
+    results and the loss tensor itself."""
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {"probe_loss": loss} | {m.name: m.result() for m in self.metrics}
+
+
+class TestHooks(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def on_test_begin(self, logs=None):
+        self.events.append("begin")
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self.events.append(f"batch {batch}")
+
+    def on_test_end(self, logs=None):
+        self.events.append(f"end {sorted(logs)}")
+
+
+@pytest.mark.parametrize("cls", [Classifier, FlipAtTest, OwnTestStep])
+@pytest.mark.parametrize("how", ["validation_data", "validation_split", "dataset"])
+def test_validation_runs_the_model_s_own_test_step_as_model_fit_does(cls, how):
+    # model.fit validates with the model's test_step (Keras's default one calls a custom
+    # compute_loss and reports the step's own trackers). autosplit once refused these
+    # (before that, it ran the compiled loss and metrics and logged other val_ values);
+    # now it runs that step on each micro-batch of real rows, scalar tracker updates
+    # weighed by rows. Validation batches of 20 rows each (m = 8: micro-batches of 7
+    # and 6), so Keras's unweighted mean over batches is the mean over rows.
     inputs = keras.Input((6,))
-    model = cls(inputs, keras.layers.Dense(3)(inputs))
-    model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"],
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    def make():
+        keras.utils.set_random_seed(3)
+        model = cls(inputs, keras.layers.Dense(3)(
+            keras.layers.Dense(12, activation="relu")(inputs)))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
     r = np.random.default_rng(4)
-    x, y = r.normal(size=(N, 6)).astype("float32"), r.integers(0, 3, N)
-    before = [w.copy() for w in model.get_weights()]
-    extra = ({"validation_data": (x[:20], y[:20])} if how == "validation_data"
-             else {"validation_split": 0.2})
-    with pytest.raises(UnsupportedModelError, match=f"overrides {named}"):
-        autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M, verbose=0,
-                                  **extra)
-    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
-    assert int(model.optimizer.iterations) == 0
+    x, y = r.normal(size=(N + 40, 6)).astype("float32"), r.integers(0, 3, N + 40)
+    if how == "validation_split":
+        data, extra = (x, y), {"validation_split": 0.25}  # 40 rows: two batches of 20
+    elif how == "dataset":
+        # Batches of B: a loss tensor the step returns is, in model.fit, the last input
+        # batch's; autosplit's is the last validation batch of `validation_batch_size`,
+        # else B, rows (docs/fit.md).
+        validation = tf.data.Dataset.from_tensor_slices((x[N:], y[N:])).batch(B)
+        data, extra = (x[:N], y[:N]), {"validation_data": validation}
+    else:
+        data, extra = (x[:N], y[:N]), {"validation_data": (x[N:], y[N:]),
+                                       "validation_batch_size": 20}
+    reference, candidate = make(), make()
+    batch = {} if how == "dataset" else {"validation_batch_size": 20}
+    heard, hooks = TestHooks(), TestHooks()
+    expected = reference.fit(*data, batch_size=B, epochs=2, shuffle=False, verbose=0,
+                             callbacks=[heard], **(extra | batch))
+    got = autosplit.fit_large_batch(candidate, *data, batch_size=B, micro_batch_size=8,
+                                    epochs=2, shuffle=False, verbose=0, callbacks=[hooks],
+                                    **(extra | batch))
+    assert any(name.startswith("val_") for name in got.history)
+    assert_same_as_fit(reference, candidate, expected, got, rtol=1e-5)
+    assert hooks.events == heard.events
 
 
 class WithEma(keras.Model):
