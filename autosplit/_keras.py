@@ -11,6 +11,8 @@ public names only (``keras.tree``, ``tf.distribute``). Checked against Keras 3.x
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import keras
@@ -29,6 +31,7 @@ __all__ = [
     "loss_tracker",
     "metric_lists",
     "output_loss_trackers",
+    "outside_strategy_scope",
     "peeked_batches",
     "per_replica",
     "resolve_path",
@@ -201,3 +204,42 @@ def per_replica(values: list) -> Any:
     from tensorflow.python.distribute import values as distribute_values
 
     return distribute_values.PerReplica(tuple(values))
+
+
+# Where tf.distribute's scopes define the variable creators they install.
+_DISTRIBUTE_LIB = "tensorflow.python.distribute.distribute_lib"
+
+
+@contextlib.contextmanager
+def outside_strategy_scope() -> Iterator[None]:
+    """Run the block as if outside the caller's ``with strategy.scope():`` (tf.distribute
+    internals: the default graph's thread-local strategy and variable-creator stacks).
+
+    Inside a scope the thread is in the strategy's cross-replica context: a distributed
+    variable has no ``handle`` there (a tape over the model's weights fails), and every
+    ``tf.Variable`` becomes a distributed one. ``model.fit`` meets neither, as all its
+    graph code runs in ``strategy.run``; autosplit also traces and computes outside it
+    (the loss plan, one replica's step, the host-side stash), which outside the scope
+    is the default replica context. So the scope's mode and its variable creator are set
+    aside for the block and put back, the same lists, after it: the caller's scope then
+    exits as it would have. autosplit enters the model's strategy itself where it needs
+    it (``strategy.scope()`` around the sums and the build). Outside every scope, and in
+    a replica context, nothing changes.
+    """
+    import tensorflow as tf
+    from tensorflow.python.framework import ops
+
+    if not tf.distribute.in_cross_replica_context():
+        yield
+        return
+    graph = ops.get_default_graph()
+    modes, creators = graph._distribution_strategy_stack, graph._variable_creator_stack
+    graph._distribution_strategy_stack = []
+    graph._variable_creator_stack = [
+        (priority, creator) for priority, creator in creators
+        if getattr(creator, "__module__", None) != _DISTRIBUTE_LIB]  # the user's own stay
+    try:
+        yield
+    finally:
+        graph._distribution_strategy_stack = modes
+        graph._variable_creator_stack = creators

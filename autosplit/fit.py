@@ -236,12 +236,14 @@ def fit_large_batch(
     if args.validation_split:
         x, y, sample_weight, validation_data = _split_off_validation(
             x, y, sample_weight, args.validation_split)
-    adapter = get_input(x, y, sample_weight, shuffle=shuffle, class_weight=class_weight)
-    _check_input(adapter, args)
-    validation = _Validation.make(validation_data, args)
-    plan = _plan(model, adapter, args, jit_compile=jit_compile, memory_limit=memory_limit,
-                 headroom=headroom, cache=cache, objective=objective)
-    return _train(model, adapter, plan, validation, args, callbacks)
+    # Called inside `with strategy.scope():` (as model.fit may be), it runs as outside.
+    with _keras.outside_strategy_scope():
+        adapter = get_input(x, y, sample_weight, shuffle=shuffle, class_weight=class_weight)
+        _check_input(adapter, args)
+        validation = _Validation.make(validation_data, args)
+        plan = _plan(model, adapter, args, jit_compile=jit_compile, memory_limit=memory_limit,
+                     headroom=headroom, cache=cache, objective=objective)
+        return _train(model, adapter, plan, validation, args, callbacks)
 
 
 # ---------------------------------------------------------------- validate

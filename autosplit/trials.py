@@ -28,6 +28,7 @@ from typing import Any, overload
 import keras
 import tensorflow as tf
 
+from autosplit import _keras
 from autosplit import cache as _cache
 from autosplit.compiled import Compilation
 from autosplit.device import budget_bytes, check_headroom, read_device
@@ -226,10 +227,12 @@ def probe(
     """
     batch_size = check_size("batch_size", batch_size)
     check_model(model)
-    adapter = get_input(x, y, sample_weight, shuffle=False)
-    return search_micro_batch(model, adapter, batch_size, memory_limit=memory_limit,
-                              headroom=headroom, cache=cache, jit_compile=jit_compile,
-                              verbose=verbose, on_trial=on_trial, objective=objective)
+    # Called inside `with strategy.scope():`, it runs as outside (as fit_large_batch).
+    with _keras.outside_strategy_scope():
+        adapter = get_input(x, y, sample_weight, shuffle=False)
+        return search_micro_batch(model, adapter, batch_size, memory_limit=memory_limit,
+                                  headroom=headroom, cache=cache, jit_compile=jit_compile,
+                                  verbose=verbose, on_trial=on_trial, objective=objective)
 
 
 def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: int, *,

@@ -1,12 +1,14 @@
 """Distribution-strategy scenarios, each in its own process (devices are fixed at start).
 
 ``python tests/strategy_child.py mirrored OUT.json``: MirroredStrategy over two logical
-CPU devices. ``python tests/strategy_child.py worker OUT.json`` with ``TF_CONFIG`` set:
-one worker of a MultiWorkerMirroredStrategy run on localhost.
+CPU devices; ``scope``, on the same devices: autosplit called inside ``strategy.scope()``.
+``python tests/strategy_child.py worker OUT.json`` with ``TF_CONFIG`` set: one worker of
+a MultiWorkerMirroredStrategy run on localhost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -19,7 +21,7 @@ import tensorflow as tf
 # Run as a script, the scenario is argv[1]; imported (the tests borrow demo_mlp and
 # demo_data), there is none and no device is configured.
 SCENARIO = sys.argv[1] if __name__ == "__main__" else None
-if SCENARIO == "mirrored":  # before anything initialises the devices
+if SCENARIO in ("mirrored", "scope"):  # before anything initialises the devices
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -132,6 +134,39 @@ def mirrored(out):
                                   verbose=0)
     except autosplit.BatchSizeError as exc:
         report["errors"]["indivisible"] = str(exc)
+    out.write(json.dumps(report))
+
+
+def inside_scope(out):
+    """fit_large_batch (with validation data) and probe called inside ``strategy.scope()``,
+    as users indent a whole script under it, against the same calls outside: per
+    strategy, the weights' relative error, whether the logs and the probed size agree,
+    and the variable the caller's scope creates after the calls."""
+    x, y, w = data()
+    strategies = {"mirrored": tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+                  "one_device": tf.distribute.OneDeviceStrategy("/cpu:0"),
+                  "default": tf.distribute.get_strategy()}
+    report = {}
+    for name, strategy in strategies.items():
+        runs = []
+        for inside in (False, True):
+            with strategy.scope():
+                model = make(OPTIMIZERS["adam"])
+            with strategy.scope() if inside else contextlib.nullcontext():
+                history = autosplit.fit_large_batch(
+                    model, (x, y, w), batch_size=40, micro_batch_size=6, epochs=2,
+                    shuffle=False, verbose=0, validation_data=(x[:30], y[:30]))
+                probed = autosplit.probe(model, x, y, batch_size=40, cache=False)
+                created = tf.Variable(0.0)
+            runs.append((model.get_weights(), history.history, probed.micro_batch_size,
+                         type(created).__name__))
+        (outside, logs, size, _), (weights, logs_in, size_in, created_in) = runs
+        report[name] = {
+            "error": relative_error(outside, weights),
+            "logs_error": max(abs(a - b) for key in logs
+                              for a, b in zip(logs[key], logs_in[key], strict=True)),
+            "log_keys": sorted(logs_in), "sizes": [size, size_in], "created": created_in,
+            "iterations": int(model.optimizer.iterations.numpy())}
     out.write(json.dumps(report))
 
 
@@ -250,5 +285,5 @@ def capped_worker(out):
 
 if __name__ == "__main__":
     with open(sys.argv[2], "w") as handle:
-        {"mirrored": mirrored, "worker": worker, "capped_worker": capped_worker}[SCENARIO](
-            handle)
+        {"mirrored": mirrored, "scope": inside_scope, "worker": worker,
+         "capped_worker": capped_worker}[SCENARIO](handle)

@@ -51,6 +51,26 @@ def test_mirrored_strategy_two_logical_cpus(tmp_path):
     assert report["bn_synchronized"] <= 1e-5, report["bn_synchronized"]
 
 
+def test_called_inside_the_strategy_scope_trains_as_outside(tmp_path):
+    """Users indent everything under `with strategy.scope():`, and model.fit works there:
+    fit_large_batch (its validation too) and probe give what they give outside it."""
+    out = tmp_path / "scope.json"
+    done = subprocess.run([sys.executable, str(HERE / "strategy_child.py"), "scope",
+                           str(out)], env=child_env(), capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for name, created in (("mirrored", "MirroredVariable"), ("one_device", "ResourceVariable"),
+                          ("default", "ResourceVariable")):
+        result = report[name]
+        assert result["error"] <= 1e-6, (name, result)
+        assert result["logs_error"] <= 1e-6, (name, result)
+        assert result["log_keys"] == ["accuracy", "loss", "val_accuracy", "val_loss"], result
+        assert result["sizes"][0] == result["sizes"][1], (name, result)
+        assert result["iterations"] == 6, (name, result)  # 2 epochs x 3 large batches
+        assert result["created"] == created, (name, result)  # the caller's scope is intact
+
+
 def free_ports(n):
     sockets = [socket.socket() for _ in range(n)]
     for s in sockets:
