@@ -39,7 +39,7 @@ from autosplit.custom_step import (
 )
 from autosplit.errors import ModelNotReadyError
 from autosplit.model_state import model_state
-from autosplit.reduction import COUNT, SUM, combined_loss, output_terms, row_weight
+from autosplit.reduction import COUNT, SUM, combined_loss, output_terms
 
 __all__ = [
     "COUNT_GROUP",
@@ -345,22 +345,29 @@ def update_loss_trackers(model, loss, per_output, rows) -> list:
 
 
 def update_metrics(model, y, y_pred, sample_weight, valid, masks=None) -> None:
-    """Update the compiled metrics from one micro-batch, padding rows weighted 0."""
+    """Update the compiled metrics from one micro-batch's real rows, as ``model.fit``
+    updates them from a batch: ``sample_weight`` as given (None without one).
+
+    A padded micro-batch's padding rows are dropped first (:func:`real_rows`), not
+    weighed 0: a weight Keras never passes reached every metric, and metrics that
+    flatten or broadcast it against their own values broke (``MeanIoU`` on per-pixel
+    targets raised; the Keras guide's ``CategoricalTruePositives`` counted m times).
+    """
+    unweighted, weighted, flatten = _keras.metric_lists(model)
+    if not unweighted and not weighted:
+        return
+    if masks is None:  # Keras masks ride on y_pred's tensors, which the cut replaces
+        masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
+    y, y_pred, masks, sample_weight = real_rows((y, y_pred, masks, sample_weight), valid)
     if masks is not None:
         for tensor, mask in zip(keras.tree.flatten(y_pred), keras.tree.flatten(masks),
                                 strict=False):
             if mask is not None:
                 _keras.set_keras_mask(tensor, mask)
-    unweighted, weighted, flatten = _keras.metric_lists(model)
-    if not unweighted and not weighted:
-        return
     y_flat, p_flat = flatten(y), flatten(y_pred)
     for mls, y_t, y_p in zip(unweighted, y_flat, p_flat, strict=False):
         if mls:
-            # Rank of a per-sample value (y_pred less its last axis), so that Keras
-            # broadcasts it against a (m, T) mask instead of refusing (m,) * (m, T).
-            rank = max(1, y_p.shape.rank - 1)
-            mls.update_state(y_t, y_p, sample_weight=tf.reshape(valid, [-1] + [1] * (rank - 1)))
+            mls.update_state(y_t, y_p)
     if sample_weight is not None:
         sw_flat = flatten(sample_weight)
         if len(sw_flat) < len(y_flat):
@@ -369,12 +376,22 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None) -> None:
         sw_flat = [None] * len(y_flat)
     for mls, y_t, y_p, s_w in zip(weighted, y_flat, p_flat, sw_flat, strict=False):
         if mls:
-            if s_w is None:
-                rank = max(1, y_p.shape.rank - 1)
-                s_w = tf.reshape(valid, [-1] + [1] * (rank - 1))
-            else:
-                s_w = tf.cast(s_w, tf.float32) * row_weight(valid, tf.cast(s_w, tf.float32))
             mls.update_state(y_t, y_p, sample_weight=s_w)
+
+
+def real_rows(structure: Any, valid: tf.Tensor) -> Any:
+    """``structure`` (tensors with a leading row axis, or None) less its padding rows;
+    a micro-batch without padding (all but the last of a large batch, usually) passes
+    as it is, not copied. The row count becomes dynamic."""
+    keep = valid > 0
+    leaves = tf.nest.flatten(structure)
+    present = [t for t in leaves if t is not None]
+    if not present:
+        return structure
+    kept = tf.cond(tf.reduce_all(keep), lambda: [tf.identity(t) for t in present],
+                   lambda: [tf.boolean_mask(t, keep) for t in present])
+    it = iter(kept)
+    return tf.nest.pack_sequence_as(structure, [None if t is None else next(it) for t in leaves])
 
 
 def without_padding(strip: bool, x, y, sample_weight, valid) -> tuple:
@@ -390,14 +407,7 @@ def without_padding(strip: bool, x, y, sample_weight, valid) -> tuple:
     """
     if not strip:
         return x, y, sample_weight, valid
-    keep = valid > 0
-    leaves = tf.nest.flatten((x, y, sample_weight, valid))
-    present = [t for t in leaves if t is not None]
-    kept = tf.cond(tf.reduce_all(keep), lambda: [tf.identity(t) for t in present],
-                   lambda: [tf.boolean_mask(t, keep) for t in present])
-    it = iter(kept)
-    return tuple(tf.nest.pack_sequence_as((x, y, sample_weight, valid),
-                                          [None if t is None else next(it) for t in leaves]))
+    return tuple(real_rows((x, y, sample_weight, valid), valid))
 
 
 def map_present(fn: Callable[[Any], Any], structure: Any) -> Any:

@@ -236,7 +236,7 @@ class OwnTestStep(Classifier):
         return {"probe_loss": loss} | {m.name: m.result() for m in self.metrics}
 
 
-class TestHooks(keras.callbacks.Callback):
+class ValidationHooks(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
         self.events = []
@@ -285,7 +285,7 @@ def test_validation_runs_the_model_s_own_test_step_as_model_fit_does(cls, how):
                                        "validation_batch_size": 20}
     reference, candidate = make(), make()
     batch = {} if how == "dataset" else {"validation_batch_size": 20}
-    heard, hooks = TestHooks(), TestHooks()
+    heard, hooks = ValidationHooks(), ValidationHooks()
     expected = reference.fit(*data, batch_size=B, epochs=2, shuffle=False, verbose=0,
                              callbacks=[heard], **(extra | batch))
     got = autosplit.fit_large_batch(candidate, *data, batch_size=B, micro_batch_size=8,

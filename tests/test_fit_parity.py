@@ -289,3 +289,76 @@ def test_loss_returning_one_value_per_batch_is_exact_with_padding_rows():
     assert got.autosplit.padded_rows == 1
     assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
     np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
+
+
+class CategoricalTruePositives(keras.metrics.Metric):
+    """The custom metric of Keras's guide "Training & evaluation with the built-in
+    methods", as written: it multiplies its values by any sample_weight it is given."""
+
+    def __init__(self, name="categorical_true_positives", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.true_positives = self.add_variable(shape=(), name="ctp", initializer="zeros")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        y_pred = keras.ops.reshape(keras.ops.argmax(y_pred, axis=1), (-1, 1))
+        values = keras.ops.cast(
+            keras.ops.cast(y_true, "int32") == keras.ops.cast(y_pred, "int32"), "float32")
+        if sample_weight is not None:
+            values = keras.ops.multiply(values, keras.ops.cast(sample_weight, "float32"))
+        self.true_positives.assign_add(keras.ops.sum(values))
+
+    def result(self):
+        # The guide returns the variable itself; model.fit's training log then holds
+        # that variable, which its validation resets and refills before the History
+        # reads it (the training log shows the validation count). A copy is read here.
+        return keras.ops.convert_to_tensor(self.true_positives) * 1.0
+
+    def reset_state(self):
+        self.true_positives.assign(0.0)
+
+
+@pytest.mark.parametrize("case", ["custom_metric", "mean_iou"])
+def test_metrics_see_the_rows_model_fit_gives_them(case):
+    # Metrics were given the padding mask as a sample_weight that model.fit never
+    # passes: the guide's CategoricalTruePositives counted m times (1850 against 74)
+    # and MeanIoU on per-pixel targets raised (it broadcasts a weight of shape (m,)
+    # against m*H*W pixels). They now see a micro-batch's real rows alone, unweighted.
+    # m = 7 does not divide B = 25: every large batch ends in a padded micro-batch.
+    r = np.random.default_rng(5)
+    if case == "custom_metric":
+        x, y = r.normal(size=(100, 4)).astype("float32"), r.integers(0, 3, size=(100, 1))
+        shape, metric = (4,), CategoricalTruePositives
+
+        def head(inputs):
+            return keras.layers.Dense(3, activation="softmax")(inputs)
+    else:
+        x = r.random((100, 8, 8, 3)).astype("float32")
+        y = r.integers(0, 3, size=(100, 8, 8, 1)).astype("uint8")
+        shape = (8, 8, 3)
+
+        def metric():
+            return keras.metrics.MeanIoU(num_classes=3, sparse_y_pred=False, name="iou")
+
+        def head(inputs):
+            return keras.layers.Conv2D(3, 3, padding="same", activation="softmax")(inputs)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input(shape)
+        model = keras.Model(inputs, head(inputs))
+        model.compile(keras.optimizers.SGD(0.5), "sparse_categorical_crossentropy",
+                      metrics=[metric()])
+        return model
+
+    reference, candidate = make(), make()
+    candidate.set_weights(reference.get_weights())
+    validation = (x[75:], y[75:])
+    expected = reference.fit(x[:75], y[:75], batch_size=25, epochs=2, shuffle=False,
+                             verbose=0, validation_data=validation)
+    got = autosplit.fit_large_batch(candidate, x[:75], y[:75], batch_size=25,
+                                    micro_batch_size=7, epochs=2, shuffle=False, verbose=0,
+                                    validation_data=validation)
+    assert set(got.history) == set(expected.history)
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(got.history[name], values, rtol=1e-5, err_msg=name)
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
