@@ -83,6 +83,7 @@ class CustomFacts:
     # Per flat log: a float scalar computed from the batch itself (a loss tensor returned
     # as it is), not read from a tracker: averaged over the large batch's rows.
     averaged: tuple[bool, ...]
+    sparse_gradients: bool  # a gradient it applies is tf.IndexedSlices (an Embedding's)
 
 
 class Intercepted:
@@ -351,7 +352,9 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
                                                          tf.convert_to_tensor(t).dtype),
                                  facts["logs"])
     return CustomFacts(has_grad=tuple(g is not None for g in seen.gradients), logs=logs,
-                       averaged=facts["averaged"])
+                       averaged=facts["averaged"],
+                       sparse_gradients=any(isinstance(g, tf.IndexedSlices)
+                                            for g in seen.gradients))
 
 
 def from_batch(tensor: tf.Tensor, inputs: set) -> bool:

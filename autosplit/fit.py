@@ -393,7 +393,9 @@ def _plan(model: keras.Model, adapter: InputAdapter, args: _Args, *, jit_compile
     step = step_for(model, pipeline, jit_compile=jit_compile, batch_norm=args.batch_norm)
     warn_if_inexact(model, accumulation_steps=split.accumulation_steps, rows=step.rows,
                     batch_size=args.batch_size, pooled=bool(step.update.pool),
-                    adds_losses=step.update.plan.forward_losses)
+                    adds_losses=step.update.plan.forward_losses,
+                    per_batch_losses=step.update.plan.per_batch_losses,
+                    sparse_gradients=step.update.plan.sparse_gradients)
     return _Plan(split, where, pipeline, step, probe_result, reason,
                  _shuffle_seed(step, where, adapter))
 

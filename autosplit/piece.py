@@ -78,6 +78,7 @@ class LossPlan:
     weights: tuple[float, ...]  # `loss_weights` per compiled loss
     custom: CustomFacts | None = None  # the model's own train_step runs per micro-batch
     per_batch_losses: bool = False  # a compiled loss returns one value per batch
+    sparse_gradients: bool = False  # a variable's gradient is tf.IndexedSlices (Embedding)
 
     @property
     def real_rows_only(self) -> bool:
@@ -148,7 +149,8 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
             total = tf.add_n(parts) if parts else tf.constant(0.0)
         grads = tape.gradient(total, model.trainable_variables)
         facts.update(terms=terms, forward=bool(in_call),
-                     has_grad=tuple(g is not None for g in grads))
+                     has_grad=tuple(g is not None for g in grads),
+                     sparse=any(isinstance(g, tf.IndexedSlices) for g in grads))
         return total
 
     trace_once(trace, *specs)
@@ -173,6 +175,7 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
         weights=tuple(1.0 if f.weight is None else float(f.weight)
                       for f in _keras.flat_losses(model)),
         per_batch_losses=not all(t.per_example for t in terms),
+        sparse_gradients=facts["sparse"],
     )
     cache[key] = plan
     return plan
@@ -189,7 +192,7 @@ def step_plan(model: keras.Model, specs: tuple) -> LossPlan:
         facts = custom_facts(model, specs)
         cache[key] = LossPlan(kinds=(), per_row=(), folded=(), forward_losses=False,
                               has_grad=facts.has_grad, groups=(COUNT_GROUP,), weights=(),
-                              custom=facts)
+                              custom=facts, sparse_gradients=facts.sparse_gradients)
     return cache[key]
 
 

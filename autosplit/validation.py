@@ -153,13 +153,40 @@ def has_batch_norm(model: keras.Model) -> bool:
 
 
 def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
-                    batch_size: int, pooled: bool, adds_losses: bool) -> None:
-    """Warn once about what cannot equal the full batch when it is split.
+                    batch_size: int, pooled: bool, adds_losses: bool,
+                    per_batch_losses: bool = False, sparse_gradients: bool = False) -> None:
+    """Warn once about what cannot equal the full batch when it is split, or
+    ``model.fit`` at all.
 
     ``rows`` per micro-batch of the global ``batch_size``; ``pooled``: BatchNormalization
     statistics pooled over the large batch; ``adds_losses``: the model adds losses in
-    ``call()``. The warnings name the user's line (``autosplit.warn``).
+    ``call()``; ``per_batch_losses``: a compiled loss returns one value per batch;
+    ``sparse_gradients``: a gradient is ``tf.IndexedSlices`` (an ``Embedding``'s). The
+    warnings name the user's line (``autosplit.warn``).
     """
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    if sparse_gradients and not isinstance(optimizer, keras.optimizers.SGD):
+        # Keras applies an IndexedSlices gradient per occurrence of a row where its
+        # update is not linear in the gradient (ops.square and co. act on the slices'
+        # values): Adam's second moment adds each occurrence's square, not the square
+        # of their sum. autosplit's sums are dense, so its step is the true gradient's.
+        warn_user(
+            "This model's Embedding layers get sparse gradients (tf.IndexedSlices) and "
+            f"its optimizer is {type(optimizer).__name__}. Keras applies a sparse gradient "
+            "to such an optimizer per occurrence of a row (Adam's second moment adds the "
+            "square of each occurrence's gradient, not the square of their sum); autosplit "
+            "sums every micro-batch into one dense gradient, the batch's true gradient, so "
+            "its updates of rows that occur more than once differ from model.fit's, even "
+            "without a split. With SGD the two agree.")
+    if accumulation_steps > 1 and per_batch_losses:
+        warn_user(
+            "A compiled loss of this model returns one value per batch, not one per "
+            "example. autosplit weighs each micro-batch's value by its share of the "
+            "batch's real rows: equal to the full batch for a mean over the batch's rows, "
+            "not for another ratio (sum(loss * mask) / sum(mask), a mean over tokens). "
+            "Return per-example values (shape (batch,) or (batch, ...)) and mask with "
+            "sample_weight or ignore_class, or run autosplit.check(model, x, y, "
+            "micro_batch_size=...) to compare with the full batch.")
     if accumulation_steps > 1 and has_batch_norm(model):
         moving = ("their moving statistics are updated once per large batch with the "
                   "exactly pooled statistics of all its micro-batches, as on the whole "

@@ -13,6 +13,8 @@ import inspect
 import warnings
 
 import keras
+import numpy as np
+from common import relative_error
 from conftest import classifier, labelled
 
 import autosplit
@@ -91,3 +93,55 @@ def test_deprecations_and_device_warnings_name_the_callers_line():
     assert_here(found, line)
     found, line = caught(lambda: read_device("GPU:0"), RuntimeWarning, match="no GPU")
     assert_here(found, line)
+
+
+def _tokens(optimizer, loss="sparse_categorical_crossentropy"):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(5, 4),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    model.compile(optimizer=optimizer, loss=loss)
+    return model
+
+
+def test_sparse_gradients_with_a_nonlinear_optimizer_are_named_and_differ_from_model_fit():
+    # Keras's Adam squares each occurrence's gradient of an Embedding row (tf.IndexedSlices
+    # values), where autosplit's dense sums give the square of the batch's gradient: the
+    # two differ even at m = B, which the warning says. With SGD they agree and it is quiet.
+    r = np.random.default_rng(0)
+    x, y = r.integers(0, 5, size=(64, 6)).astype("int32"), r.integers(0, 3, 64)
+    results = {}
+    for name in ("adam", "sgd"):
+        reference, candidate = _tokens(name), _tokens(name)
+        reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            line = inspect.currentframe().f_lineno + 1
+            autosplit.fit_large_batch(candidate, x, y, batch_size=32, micro_batch_size=32,
+                                      epochs=2, shuffle=False, verbose=0)
+        sparse = [w for w in seen if "sparse gradients" in str(w.message)]
+        results[name] = (sparse, relative_error(reference.get_weights(), candidate.get_weights()))
+        assert_here(sparse, line)
+    assert results["adam"][0] and "Adam" in str(results["adam"][0][0].message)
+    assert results["adam"][1] > 1e-3
+    assert not results["sgd"][0] and results["sgd"][1] < 1e-5
+
+
+def test_a_loss_of_one_value_per_batch_is_named_when_split():
+    # keras-io NER's CustomNonPaddingTokenLoss form: a mean over the batch's unmasked
+    # tokens, one value per batch, which a split weighed by rows does not reproduce.
+    def token_mean(y_true, y_pred):
+        losses = keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+        mask = keras.ops.cast(y_true > 0, "float32")
+        return keras.ops.sum(losses * mask) / keras.ops.maximum(keras.ops.sum(mask), 1.0)
+
+    r = np.random.default_rng(1)
+    x, y = r.integers(0, 5, size=(64, 6)).astype("int32"), r.integers(0, 3, 64)
+    found, line = caught(lambda: autosplit.fit_large_batch(
+        _tokens("sgd", token_mean), x, y, batch_size=32, micro_batch_size=8, verbose=0),
+        match="one value per batch")
+    assert_here(found, line)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        autosplit.fit_large_batch(_tokens("sgd", token_mean), x, y, batch_size=32,
+                                  micro_batch_size=32, verbose=0)  # k = 1: no split
+    assert not [w for w in seen if "one value per batch" in str(w.message)]
