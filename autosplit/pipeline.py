@@ -144,6 +144,43 @@ def skip_to_end_marker(iterator: Any) -> int:
     return dropped
 
 
+def varying_shapes(element_spec: Any) -> bool:
+    """Whether batches of ``element_spec`` may differ beyond their row count (a
+    ``padded_batch`` of sequences of varying length: a dimension after the rows of
+    unknown size)."""
+    return any(isinstance(leaf, tf.TensorSpec) and leaf.shape.rank is not None
+               and None in leaf.shape.as_list()[1:] for leaf in tf.nest.flatten(element_spec))
+
+
+def _padded_cut(ds: tf.data.Dataset, sizes: list[int]) -> tf.data.Dataset:
+    """``ds.rebatch(sizes)`` for batches whose shapes differ beyond the row count: the
+    rows of each piece are padded to the longest among them, with zeros (``""`` for
+    strings), as ``padded_batch`` pads by default.
+
+    ``rebatch`` copies slices of its input batches into each piece and stops with
+    "source and dst shapes are not compatible" when a piece spans two ``padded_batch``
+    batches padded to different lengths. Here the batches are unbatched, each row is
+    numbered, and ``group_by_window`` gathers the rows of each piece of the repeating
+    pattern and pads them together (one window at a time: the rows come in order).
+    """
+    period, count = sum(sizes), len(sizes)
+    ends = tf.constant([sum(sizes[:j + 1]) for j in range(count)], tf.int64)
+    table = tf.constant(sizes, tf.int64)
+
+    def piece(index, *_):
+        within = tf.searchsorted(ends, tf.reshape(index % period, [1]), side="right")[0]
+        return index // period * count + tf.cast(within, tf.int64)
+
+    def rows_of(key):
+        return tf.gather(table, key % count)
+
+    def padded(key, window):
+        return window.map(lambda _, *row: row[0] if len(row) == 1 else row).padded_batch(
+            rows_of(key))
+
+    return ds.unbatch().enumerate().group_by_window(piece, padded, window_size_func=rows_of)
+
+
 def _markable(element_spec: Any) -> bool:
     return all(type(leaf) is tf.TensorSpec for leaf in tf.nest.flatten(element_spec))
 
@@ -265,7 +302,10 @@ class MicroBatches:
             ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed, epoch=epoch,
                                            batch_size=self.batch_size)
             sizes = [p.rows for p in self.pattern]
-            ds = ds.rebatch(sizes if len(sizes) > 1 else sizes[0])
+            if varying_shapes(ds.element_spec):
+                ds = _padded_cut(ds, sizes)
+            else:
+                ds = ds.rebatch(sizes if len(sizes) > 1 else sizes[0])
             keep = [p.keep for p in self.pattern]
             if not all(keep):
                 table = tf.constant(keep)

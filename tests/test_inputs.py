@@ -549,3 +549,36 @@ def test_validation_steps_count_batches_as_model_fit_does(kind):
     for name in ("val_loss", "val_accuracy"):
         np.testing.assert_allclose(got.history[name], expected.history[name], rtol=1e-5,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("m", [22, 64])
+def test_padded_batches_of_varying_length_are_cut_across_their_batches(m):
+    # A padded_batch of sequences of varying length: each input batch is padded to its
+    # own longest sequence. Dataset.rebatch stopped with "source and dst shapes are not
+    # compatible" when a micro-batch spanned two batches of different lengths; such
+    # pieces are now padded together (zeros, as padded_batch pads). With the padding
+    # masked (mask_zero), equal to model.fit on the same rows in batches of B.
+    r = np.random.default_rng(0)
+    seqs = [r.integers(1, 30, r.integers(3, 20)).astype("int32") for _ in range(150)]
+    labels = np.array([s.sum() % 2 for s in seqs], "float32")
+
+    def dataset(batch):
+        return tf.data.Dataset.from_generator(
+            lambda: zip(seqs, labels, strict=True), output_signature=(
+                tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.float32))
+        ).padded_batch(batch)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([keras.Input((None,), dtype="int32"),
+                                keras.layers.Embedding(30, 8, mask_zero=True),
+                                keras.layers.GRU(8), keras.layers.Dense(1)])
+        net.compile(keras.optimizers.SGD(0.5), keras.losses.BinaryCrossentropy(from_logits=True))
+        return net
+
+    reference, candidate = model(), model()
+    expected = reference.fit(dataset(B), epochs=2, verbose=0)
+    got = autosplit.fit_large_batch(candidate, dataset(16), batch_size=B, micro_batch_size=m,
+                                    epochs=2, verbose=0)
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+    np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
