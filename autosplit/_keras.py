@@ -40,6 +40,7 @@ __all__ = [
     "squeeze_or_expand_to_same_rank",
     "symbolic_build",
     "train_validation_split",
+    "user_losses",
 ]
 
 
@@ -74,6 +75,12 @@ def symbolic_build(model: keras.Model, data_batch: tuple) -> None:
     model._symbolic_build(data_batch=data_batch)
     if model.optimizer is not None and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
+
+
+def user_losses(model: keras.Model) -> Any:
+    """The ``loss`` given to ``model.compile``, as given (``CompileLoss._user_loss``)."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    return getattr(compile_loss, "_user_loss", None)
 
 
 def has_compiled_loss(model: keras.Model) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import types
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -294,15 +295,19 @@ def _validate(model: Any, given: dict[str, Any]) -> _Args:
 
 def _split_off_validation(x: Any, y: Any, sample_weight: Any, fraction: float
                           ) -> tuple[Any, Any, Any, tuple[Any, ...]]:
-    if isinstance(x, tuple) and y is None:
-        x, y, *rest = x
-        sample_weight = rest[0] if rest else sample_weight
-    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or y is None:
+    """The last ``fraction`` of the arrays as validation data, as ``model.fit`` splits
+    them; ``x`` alone (a model whose loss needs no targets: an autoencoder's own
+    train_step, RealNVP) is split alone."""
+    if isinstance(x, tuple) and y is None and 1 <= len(x) <= 3:
+        x, y, sample_weight = (*x, None, sample_weight)[:3] if len(x) < 3 else x
+    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset, types.GeneratorType)):
         raise DatasetError(
             "Expected arrays with `validation_split` (model.fit only splits arrays). "
             f"Received: x={describe(x)}. Pass `validation_data=` instead.")
     (x, y, sample_weight), (vx, vy, vw) = _keras.train_validation_split(
         (x, y, sample_weight), fraction)
+    if vy is None and vw is None:
+        return x, y, sample_weight, (vx,)
     return x, y, sample_weight, (vx, vy) if vw is None else (vx, vy, vw)
 
 

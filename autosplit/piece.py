@@ -37,7 +37,7 @@ from autosplit.custom_step import (
     has_custom_step,
     intercept,
 )
-from autosplit.errors import ModelNotReadyError
+from autosplit.errors import DatasetError, ModelNotReadyError
 from autosplit.model_state import model_state
 from autosplit.reduction import COUNT, SUM, combined_loss, output_terms
 
@@ -101,7 +101,23 @@ def align_targets(model: keras.Model, y: Any, y_pred: Any) -> Any:
         return type(y_pred)(y[name] for name in model.output_names)
     if not keras.tree.is_nested(y) and isinstance(y_pred, (list, tuple)) and len(y_pred) == 1:
         return type(y_pred)([y])  # type: ignore[misc]  # len() == 1 made it tuple[Any]
-    return keras.tree.pack_sequence_as(y_pred, keras.tree.flatten(y))
+    flat_y = keras.tree.flatten(y)
+    if len(flat_y) == len(keras.tree.flatten(y_pred)):
+        return keras.tree.pack_sequence_as(y_pred, flat_y)
+    # A loss on some outputs only (`loss=[fn, None]`, as keras-io's miniature GPT
+    # compiles): one target per output that has a loss, None for the others.
+    losses = _keras.user_losses(model)
+    flat_losses = keras.tree.flatten(losses) if keras.tree.is_nested(losses) else [losses]
+    with_loss = [i for i, loss in enumerate(flat_losses) if loss is not None]
+    if len(with_loss) != len(flat_y) or len(flat_losses) != len(keras.tree.flatten(y_pred)):
+        raise DatasetError(
+            f"Expected targets `y` matching the model's outputs: one per output, or one per "
+            f"output with a loss ({len(with_loss)} here). Received: {len(flat_y)} target "
+            f"arrays for {len(keras.tree.flatten(y_pred))} outputs.")
+    aligned: list = [None] * len(flat_losses)
+    for i, target in zip(with_loss, flat_y, strict=True):
+        aligned[i] = target
+    return keras.tree.pack_sequence_as(y_pred, aligned)
 
 
 def weight_regularization(model: keras.Model) -> tf.Tensor:

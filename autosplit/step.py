@@ -251,10 +251,17 @@ def build_for(model: keras.Model, element_spec: Any, local_replicas: int = 1) ->
             "Pass (x, y), as to model.fit, or compile with loss=None when the model adds "
             "its loss in call().")
     with model.distribute_strategy.scope():
-        if custom and not model.built:
+        if custom:
             # As model.fit does without a strategy: a model whose train_step is its own
             # (and may have no call(), as the Keras VAE) is built by tracing that step
-            # (the step plan's throwaway trace); its optimizer right after it.
-            return
-        _keras.symbolic_build(model, (x, empty_to_none(y), empty_to_none(w)))
+            # (the step plan's throwaway trace), and so are its compiled loss and
+            # metrics, on the (y, y_pred) the step gives them (keras-io's masked
+            # autoencoder feeds them its own targets: built on the input's y = None,
+            # they raised). A model already built has its optimizer built now.
+            if not model.built:
+                return
+            if model.optimizer is not None and not model.optimizer.built:
+                model.optimizer.build(model.trainable_variables)
+        else:
+            _keras.symbolic_build(model, (x, empty_to_none(y), empty_to_none(w)))
     check_trainable(model)

@@ -514,3 +514,92 @@ def test_a_vector_log_and_an_unused_batch_norm_layer_run_as_in_model_fit():
                                         verbose=0)
     assert np.shape(history.history["per_feature"][0]) == (4,)
     assert int(model.optimizer.iterations) == 2
+
+
+class Reconstruct(keras.Model):
+    """An autoencoder's own steps on x alone (RealNVP's and the VAE's form): no targets."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x) - x))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+    def test_step(self, x):
+        self.tracker.update_state(tf.reduce_mean(tf.square(self(x) - x)))
+        return {"loss": self.tracker.result()}
+
+
+def test_validation_split_of_inputs_alone_as_model_fit():
+    # model.fit splits x alone when there are no targets; autosplit refused ("Expected
+    # arrays with validation_split") though x was an array.
+    x = np.random.default_rng(0).normal(size=(80, 3)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = Reconstruct()
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+        return model
+
+    reference, candidate = make(), make()
+    expected = reference.fit(x, batch_size=16, epochs=2, validation_split=0.2, shuffle=False,
+                             verbose=0)
+    got = autosplit.fit_large_batch(candidate, x, batch_size=16, micro_batch_size=8, epochs=2,
+                                    validation_split=0.2, shuffle=False, verbose=0)
+    assert_same_as_fit(reference, candidate, expected, got, rtol=1e-5)
+
+
+class OwnTargets(keras.Model):
+    """keras-io's masked autoencoder's form: a step on x alone that feeds the compiled
+    loss and metrics targets of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, x):
+        with tf.GradientTape() as tape:
+            y_pred = self(x)
+            loss = self.compute_loss(y=x, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return self.compute_metrics(x, x, y_pred, sample_weight=None)
+
+
+@pytest.mark.parametrize("called_first", [False, True])
+def test_a_step_feeding_its_own_targets_runs_whether_or_not_the_model_was_called(called_first):
+    # Called before fitting (model.summary(), loading weights), the model was built, and
+    # autosplit built its compiled metrics symbolically on the input's y = None:
+    # "None values not supported". model.fit leaves them to the step's first call.
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = OwnTargets()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+        if called_first:
+            model(x[:2])
+        return model
+
+    reference, candidate = make(), make()
+    expected = reference.fit(x, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    got = autosplit.fit_large_batch(candidate, x, batch_size=16, micro_batch_size=8, epochs=2,
+                                    shuffle=False, verbose=0)
+    assert_same_as_fit(reference, candidate, expected, got, rtol=1e-5)

@@ -152,3 +152,33 @@ def test_a_later_batch_without_a_shared_row_count_stops_training():
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(tf.errors.InvalidArgumentError, match="same batch size"):
         autosplit.fit_large_batch(model, data, batch_size=8, micro_batch_size=2, verbose=0)
+
+
+@pytest.mark.parametrize("kind", ["arrays", "dataset"])
+def test_a_loss_on_some_outputs_only_takes_one_target_per_loss(kind):
+    # keras-io's miniature GPT: outputs [logits, hidden], loss=[fn, None], one target.
+    # Keras matches the target to the output with a loss; autosplit packed it against
+    # every output and stopped ("Too few leaves for PyTreeSpec").
+    def make():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(8)(inputs)
+        model = keras.Model(inputs, [keras.layers.Dense(1, name="out")(hidden), hidden])
+        model.compile(keras.optimizers.SGD(0.05), loss=["mse", None], metrics=[["mae"], None])
+        return model
+
+    r = np.random.default_rng(0)
+    x = r.normal(size=(N, 4)).astype("float32")
+    y = x.sum(1, keepdims=True)
+    data = ((x, y) if kind == "arrays"
+            else (tf.data.Dataset.from_tensor_slices((x, y)).batch(10),))
+    reference, candidate = make(), make()
+    expected = reference.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(x[:30], y[:30]))
+    got = autosplit.fit_large_batch(candidate, *data, batch_size=B, micro_batch_size=M,
+                                    epochs=2, shuffle=False, verbose=0,
+                                    validation_data=(x[:30], y[:30]))
+    assert relative_error(reference.get_weights(), candidate.get_weights()) < 1e-5
+    assert set(got.history) == set(expected.history)
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(got.history[name], values, rtol=1e-5, err_msg=name)
