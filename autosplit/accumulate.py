@@ -158,6 +158,7 @@ def _prepare(model: keras.Model, specs: tuple[Any, ...]) -> LossPlan:
     return loss_plan(model, specs)
 
 
+@_keras.outside_strategy_scope()
 def accumulate_gradients(
     model: keras.Model,
     x: Any,
@@ -227,6 +228,7 @@ def accumulate_gradients(
     return _finish(model, plan, totals, global_batch, scale)
 
 
+@_keras.outside_strategy_scope()
 def accumulate_iterator(
     model: keras.Model,
     iterator: Any,

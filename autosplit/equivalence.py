@@ -153,6 +153,7 @@ class CheckReport:
         return "\n".join(lines)
 
 
+@_keras.outside_strategy_scope()
 def check(
     model: keras.Model,
     x: Any,

@@ -138,10 +138,11 @@ def mirrored(out):
 
 
 def inside_scope(out):
-    """fit_large_batch (with validation data) and probe called inside ``strategy.scope()``,
-    as users indent a whole script under it, against the same calls outside: per
-    strategy, the weights' relative error, whether the logs and the probed size agree,
-    and the variable the caller's scope creates after the calls."""
+    """fit_large_batch (with validation data), probe, check and accumulate_gradients
+    (eager and in a tf.function) called inside ``strategy.scope()``, as users indent a
+    whole script under it, against the same calls outside: per strategy, the weights'
+    and the gradients' relative errors, whether the logs, the probed size and the check
+    agree, and the variable the caller's scope creates after the calls."""
     x, y, w = data()
     strategies = {"mirrored": tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
                   "one_device": tf.distribute.OneDeviceStrategy("/cpu:0"),
@@ -157,15 +158,24 @@ def inside_scope(out):
                     model, (x, y, w), batch_size=40, micro_batch_size=6, epochs=2,
                     shuffle=False, verbose=0, validation_data=(x[:30], y[:30]))
                 probed = autosplit.probe(model, x, y, batch_size=40, cache=False)
+                checked = autosplit.check(model, x[:40], y[:40], micro_batch_size=6)
+                grads = autosplit.accumulate_gradients(
+                    model, x[:40], y[:40], micro_batch_size=6).gradients
+                traced = tf.function(lambda m: autosplit.accumulate_gradients(
+                    m, x[:40], y[:40], micro_batch_size=6).gradients)(model)
                 created = tf.Variable(0.0)
             runs.append((model.get_weights(), history.history, probed.micro_batch_size,
-                         type(created).__name__))
-        (outside, logs, size, _), (weights, logs_in, size_in, created_in) = runs
+                         type(created).__name__, checked.exact, grads + traced))
+        (outside, logs, size, _, exact, grads), (weights, logs_in, size_in, created_in,
+                                                 exact_in, grads_in) = runs
         report[name] = {
             "error": relative_error(outside, weights),
             "logs_error": max(abs(a - b) for key in logs
                               for a, b in zip(logs[key], logs_in[key], strict=True)),
             "log_keys": sorted(logs_in), "sizes": [size, size_in], "created": created_in,
+            "check_exact": [exact, exact_in],
+            "gradients_error": relative_error([g.numpy() for g in grads],
+                                              [g.numpy() for g in grads_in]),
             "iterations": int(model.optimizer.iterations.numpy())}
     out.write(json.dumps(report))
 

@@ -53,7 +53,8 @@ def test_mirrored_strategy_two_logical_cpus(tmp_path):
 
 def test_called_inside_the_strategy_scope_trains_as_outside(tmp_path):
     """Users indent everything under `with strategy.scope():`, and model.fit works there:
-    fit_large_batch (its validation too) and probe give what they give outside it."""
+    fit_large_batch (its validation too), probe, check and accumulate_gradients give what
+    they give outside it."""
     out = tmp_path / "scope.json"
     done = subprocess.run([sys.executable, str(HERE / "strategy_child.py"), "scope",
                            str(out)], env=child_env(), capture_output=True, text=True,
@@ -69,6 +70,8 @@ def test_called_inside_the_strategy_scope_trains_as_outside(tmp_path):
         assert result["sizes"][0] == result["sizes"][1], (name, result)
         assert result["iterations"] == 6, (name, result)  # 2 epochs x 3 large batches
         assert result["created"] == created, (name, result)  # the caller's scope is intact
+        assert result["check_exact"] == [True, True], (name, result)
+        assert result["gradients_error"] <= 1e-6, (name, result)
 
 
 def free_ports(n):
