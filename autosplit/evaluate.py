@@ -262,7 +262,8 @@ def _float64(totals: Totals) -> Totals:
     return tf.nest.map_structure(lambda t: tf.cast(t, tf.float64), totals)
 
 
-def validation_input(data: Any, steps: int | None = None) -> tuple[InputAdapter, int | None]:
+def validation_input(data: Any, steps: int | None = None, model: keras.Model | None = None
+                     ) -> tuple[InputAdapter, int | None]:
     """The adapter for ``validation_data`` (any input ``fit_large_batch`` takes), and the
     large batches to evaluate (None: all).
 
@@ -273,15 +274,15 @@ def validation_input(data: Any, steps: int | None = None) -> tuple[InputAdapter,
     in large batches everywhere, a ``.batch(32)`` dataset with ``validation_steps=2``
     was scored on 128 rows at B = 64 where ``model.fit`` scores 64.
     """
-    if steps is not None and _own_batches(data):
+    if steps is not None and _own_batches(data, model):
         # Decided before any adapter reads the data: one peeks a generator's first batch.
-        return _validation_adapter(_first_batches(data, steps)), None
-    return _validation_adapter(data), steps
+        return _validation_adapter(_first_batches(data, steps), model), None
+    return _validation_adapter(data, model), steps
 
 
-def _own_batches(data: Any) -> bool:
+def _own_batches(data: Any, model: keras.Model | None) -> bool:
     return isinstance(data, (keras.utils.PyDataset, types.GeneratorType)) or (
-        isinstance(data, tf.data.Dataset) and batched_ancestor(data) is not None)
+        isinstance(data, tf.data.Dataset) and batched_ancestor(data, model) is not None)
 
 
 def _first_batches(data: Any, n: int) -> Any:
@@ -318,12 +319,12 @@ class _FirstBatches(keras.utils.PyDataset):
         self.inner.on_epoch_end()
 
 
-def _validation_adapter(data: Any) -> InputAdapter:
+def _validation_adapter(data: Any, model: keras.Model | None) -> InputAdapter:
     if isinstance(data, (tuple, list)):
         if len(data) not in (1, 2, 3):
             raise ValueError(
                 "Expected `validation_data` to be (x, y), (x, y, sample_weight) or (x,), a "
                 "tf.data.Dataset, a keras.utils.PyDataset or a generator. Received: a "
                 f"{type(data).__name__} of {len(data)} items.")
-        return get_input(*data, shuffle=False, name="validation_data")
-    return get_input(data, shuffle=False, name="validation_data")
+        return get_input(*data, shuffle=False, name="validation_data", model=model)
+    return get_input(data, shuffle=False, name="validation_data", model=model)

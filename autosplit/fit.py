@@ -239,9 +239,10 @@ def fit_large_batch(
             x, y, sample_weight, args.validation_split)
     # Called inside `with strategy.scope():` (as model.fit may be), it runs as outside.
     with _keras.outside_strategy_scope():
-        adapter = get_input(x, y, sample_weight, shuffle=shuffle, class_weight=class_weight)
+        adapter = get_input(x, y, sample_weight, shuffle=shuffle, class_weight=class_weight,
+                            model=model)
         _check_input(adapter, args)
-        validation = _Validation.make(validation_data, args)
+        validation = _Validation.make(validation_data, args, model)
         plan = _plan(model, adapter, args, jit_compile=jit_compile, memory_limit=memory_limit,
                      headroom=headroom, cache=cache, objective=objective)
         return _train(model, adapter, plan, validation, args, callbacks)
@@ -321,14 +322,14 @@ def _check_input(adapter: InputAdapter, args: _Args) -> None:
 class _Validation:
     """Validation logs after an epoch, in micro-batches (``autosplit.evaluate``)."""
 
-    def __init__(self, data: Any, args: _Args) -> None:
-        self.adapter, self.steps = validation_input(data, args.validation_steps)
+    def __init__(self, data: Any, args: _Args, model: keras.Model) -> None:
+        self.adapter, self.steps = validation_input(data, args.validation_steps, model)
         self.args = args
         self._pipeline: MicroBatches | None = None
 
     @classmethod
-    def make(cls, data: Any, args: _Args) -> _Validation | None:
-        return None if data is None else cls(data, args)
+    def make(cls, data: Any, args: _Args, model: keras.Model) -> _Validation | None:
+        return None if data is None else cls(data, args, model)
 
     def __call__(self, model: keras.Model, rows: int,
                  callbacks: keras.callbacks.CallbackList | None = None) -> dict[str, Any]:

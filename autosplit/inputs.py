@@ -313,26 +313,63 @@ def _to_tensor(leaf: Any) -> Any:
                        f"{_HINT}")
 
 
-def batched_ancestor(dataset: tf.data.Dataset) -> str | None:
-    """Name of a batching transformation upstream of ``dataset`` (not undone), or None."""
-    node = dataset
-    for _ in range(1000):
+def batched_ancestor(dataset: tf.data.Dataset, model: keras.Model | None = None) -> str | None:
+    """How ``dataset``'s elements are known to be batches, or None (they are examples).
+
+    A batching transformation upstream on any path of its inputs, not undone by an
+    ``unbatch`` (through ``zip``, ``concatenate``, ``sample_from_datasets``, as
+    SimSiam's and SimCLR's pipelines zip batched views); ``from_tensors``, whose one
+    element ``model.fit`` reads as a batch; else elements of ``model``'s own input
+    ranks, batch axis included (``from_generator`` or a ``map`` yielding whole
+    batches), where the model declares its inputs.
+    """
+    seen: set[int] = set()
+    stack = [dataset]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
         name = type(node).__name__
-        if "Unbatch" in name or "FromTensorSlices" in name:
-            return None
-        if "Batch" in name:
+        if "Unbatch" in name or "TensorSlice" in name:
+            continue  # this path yields examples
+        if "Batch" in name or name == "_TensorDataset":
             return name.strip("_")
-        node = getattr(node, "_input_dataset", None)
-        if node is None:
-            return None
+        stack += _dataset_inputs(node)
+    if model is not None and _shaped_as_batches(dataset.element_spec, model):
+        return "elements of the model's input ranks"
     return None
+
+
+def _dataset_inputs(node: tf.data.Dataset) -> list:
+    try:
+        return list(node._inputs())  # tf.data internal: every input dataset
+    except (AttributeError, NotImplementedError, TypeError):
+        parent = getattr(node, "_input_dataset", None)
+        return [] if parent is None else [parent]
+
+
+def _shaped_as_batches(spec: Any, model: keras.Model) -> bool:
+    """Whether ``spec``'s inputs have the ranks of the model's declared inputs, batch axis
+    included (an example has one axis fewer)."""
+    try:
+        inputs = model.inputs  # a functional or Sequential model's Input()s
+    except (AttributeError, ValueError):
+        return False
+    if not inputs:
+        return False
+    found = arity(spec)
+    x = spec[0] if found else spec
+    ranks = sorted(leaf.shape.rank if hasattr(leaf, "shape") else -1
+                   for leaf in tf.nest.flatten(x))
+    return ranks == sorted(len(t.shape) for t in tf.nest.flatten(inputs))
 
 
 class DatasetInput(InputAdapter):
     """A ``tf.data.Dataset`` of examples or of batches (of any, even varying, size)."""
 
     def __init__(self, dataset: tf.data.Dataset, *, class_weight: dict | None = None,
-                 name: str = "x") -> None:
+                 name: str = "x", model: keras.Model | None = None) -> None:
         spec = dataset.element_spec
         found = arity(spec)
         if found is None:
@@ -344,7 +381,7 @@ class DatasetInput(InputAdapter):
         cardinality = int(dataset.cardinality())
         if cardinality == 0:
             raise DatasetError(f"Expected a non-empty `{name}`. Received: an empty dataset.")
-        self.batched = batched_ancestor(dataset) is not None
+        self.batched = batched_ancestor(dataset, model) is not None
         self.kind = "batched tf.data.Dataset" if self.batched else "tf.data.Dataset of examples"
         self.infinite = cardinality == tf.data.INFINITE_CARDINALITY
         self.rows = cardinality if (cardinality > 0 and not self.batched) else None
@@ -369,7 +406,9 @@ class DatasetInput(InputAdapter):
             raise DatasetError(
                 f"Expected `{name}` examples of a fixed shape. Received: element_spec={spec}. "
                 "Pad the examples first (e.g. `.padded_batch(32)`: autosplit rebatches "
-                "batched datasets) so every micro-batch has one shape.")
+                "batched datasets) so every micro-batch has one shape. If the elements are "
+                "batches already (a generator or a map yielding whole batches, to a model "
+                "that declares no Input), append `.unbatch().padded_batch(32)`.")
 
     def rows_dataset(self, *, shuffle_seed: int | None = None,
                      epoch: int | tf.Variable = 0,
@@ -459,11 +498,13 @@ def _with_y_check(generator):
 
 
 def get_input(x: Any, y: Any = None, sample_weight: Any = None, *, shuffle: bool | str = True,
-              class_weight: dict | None = None, name: str = "x") -> InputAdapter:
-    """The adapter for ``x`` (and ``y``, ``sample_weight`` when ``x`` is an array)."""
+              class_weight: dict | None = None, name: str = "x",
+              model: keras.Model | None = None) -> InputAdapter:
+    """The adapter for ``x`` (and ``y``, ``sample_weight`` when ``x`` is an array);
+    ``model`` tells a dataset of batches from one of examples where nothing else does."""
     if isinstance(x, tf.data.Dataset):
         _only_x(name, y, sample_weight, "a tf.data.Dataset")
-        return DatasetInput(x, class_weight=class_weight, name=name)
+        return DatasetInput(x, class_weight=class_weight, name=name, model=model)
     if isinstance(x, (keras.utils.PyDataset, types.GeneratorType)):
         _only_x(name, y, sample_weight, type(x).__name__)
         return KerasInput(x, shuffle=shuffle, class_weight=class_weight)

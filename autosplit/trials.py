@@ -229,7 +229,7 @@ def probe(
     check_model(model)
     # Called inside `with strategy.scope():`, it runs as outside (as fit_large_batch).
     with _keras.outside_strategy_scope():
-        adapter = get_input(x, y, sample_weight, shuffle=False)
+        adapter = get_input(x, y, sample_weight, shuffle=False, model=model)
         return search_micro_batch(model, adapter, batch_size, memory_limit=memory_limit,
                                   headroom=headroom, cache=cache, jit_compile=jit_compile,
                                   verbose=verbose, on_trial=on_trial, objective=objective)

@@ -88,6 +88,16 @@ KINDS = {
     "batched-by-7": lambda x, y, w: dict(x=tf.data.Dataset.from_tensor_slices((x, y, w))
                                          .batch(7)),
     "PyDataset": lambda x, y, w: dict(x=Batches(x, y, w, 25), shuffle=False),
+    # Batches autosplit must recognise though no `.batch` ends the pipeline: SimSiam's
+    # and SimCLR's zip of batched views, one element holding every row, a generator of
+    # batches (told by the model's Input rank).
+    "zipped-batches": lambda x, y, w: dict(x=tf.data.Dataset.zip(
+        tuple(tf.data.Dataset.from_tensor_slices(a).batch(32) for a in (x, y, w)))),
+    "from_tensors": lambda x, y, w: dict(x=tf.data.Dataset.from_tensors((x, y, w))),
+    "generated-batches": lambda x, y, w: dict(x=tf.data.Dataset.from_generator(
+        lambda: batches(x, y, w, 25), output_signature=(
+            tf.TensorSpec((None, 6), tf.float32), tf.TensorSpec((None,), tf.int32),
+            tf.TensorSpec((None,), tf.float32)))),
 }
 
 
