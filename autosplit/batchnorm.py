@@ -13,9 +13,12 @@ each micro-batch (of real rows only: padding never reaches it), pools them exact
     v = sum (n_j / N) v_j + sum (n_j / N) (mu_j - mu)**2
 
 and applies Keras's own update once per large batch:
-``moving = momentum * moving + (1 - momentum) * pooled``. The forward normalisation still
-uses each micro-batch's statistics (that cannot change in one pass); the moving
-statistics, which inference uses, are those of the whole batch.
+``moving = momentum * moving + (1 - momentum) * pooled``. A layer called c times per
+forward pass (one encoder over two views) is updated c times by Keras, once with each
+call's statistics: each call is pooled on its own and the c updates applied in order
+(the loss plan's trace counts the calls, ``LossPlan.batch_norm_calls``). The forward
+normalisation still uses each micro-batch's statistics (that cannot change in one
+pass); the moving statistics, which inference uses, are those of the whole batch.
 
 While a micro-batch's forward pass is traced, the layer's own assignments to its moving
 statistics are turned into no-ops (nothing reads them in training mode), so nothing but
@@ -39,7 +42,7 @@ import tensorflow as tf
 
 from autosplit import _keras
 
-__all__ = ["MODES", "Moments", "Pool", "combined", "pooled_layers", "recording"]
+__all__ = ["MODES", "Moments", "Pool", "calls_of", "counted_all", "pooled_layers", "recording"]
 
 MODES = ("pooled", "micro")
 
@@ -177,53 +180,80 @@ def recording(layers: Sequence[Any]) -> Iterator[list[list[Moments]]]:
             _PATCHES.uninstall(layer)
 
 
-def combined(calls: list[Moments], channels: int) -> Moments:
-    """The moments of every call of one layer in one micro-batch (none: zero count)."""
-    zeros = tf.zeros([channels], tf.float32)
-    total = Moments(zeros, zeros, zeros)
-    for moments in calls:
-        total = total.merged(moments)
-    return total
+def calls_of(layers: Sequence[Any], records: list[list[Moments]]) -> tuple[tuple[Any, int], ...]:
+    """(layer, calls recorded) per layer, from :func:`recording`'s records."""
+    return tuple((layer, len(calls)) for layer, calls in zip(layers, records, strict=True))
+
+
+def counted_all(model: keras.Model, calls: Sequence[tuple[Any, int]]) -> bool:
+    """Whether ``calls`` covers every layer :func:`pooled_layers` finds now (a first
+    trace of an unbuilt model builds its layers as it goes, too late to record them)."""
+    return [layer for layer, _ in calls] == pooled_layers(model)
 
 
 class Pool:
     """Per replica: the pooled moments of the micro-batches committed in this large
-    batch, per layer. Variables, created once by ``autosplit.sums.Sums``; only the
-    step's compiled functions change them."""
+    batch, per layer and per call of the layer in a forward pass. Variables, created
+    once by ``autosplit.sums.Sums``; only the step's compiled functions change them.
 
-    def __init__(self, layers: list, var) -> None:
+    A layer called twice per forward pass (one encoder over two views, as SimSiam's)
+    has its moving statistics updated twice per step by ``model.fit``, first with the
+    first view's statistics, then with the second's; so here each call is pooled over
+    the micro-batches on its own and the updates are applied in call order.
+    """
+
+    def __init__(self, layers: list, calls: Sequence[int], var) -> None:
         self.layers = layers
-        self.count = [var(layer.moving_mean.shape, "bn_count") for layer in layers]
-        self.mean = [var(layer.moving_mean.shape, "bn_mean") for layer in layers]
-        self.m2 = [var(layer.moving_mean.shape, "bn_m2") for layer in layers]
+        self.calls = tuple(calls)
+        self.count = [[var(layer.moving_mean.shape, "bn_count") for _ in range(n)]
+                      for layer, n in zip(layers, calls, strict=True)]
+        self.mean = [[var(layer.moving_mean.shape, "bn_mean") for _ in range(n)]
+                     for layer, n in zip(layers, calls, strict=True)]
+        self.m2 = [[var(layer.moving_mean.shape, "bn_m2") for _ in range(n)]
+                   for layer, n in zip(layers, calls, strict=True)]
 
-    def add(self, moments: list[Moments]) -> list:
-        """Commit one micro-batch's moments (per layer)."""
+    def add(self, moments: list[list[Moments]]) -> list:
+        """Commit one micro-batch's moments (per layer, per call)."""
         ops = []
-        for count, mean, m2, new in zip(self.count, self.mean, self.m2, moments, strict=True):
-            merged = Moments(count.read_value(), mean.read_value(), m2.read_value()).merged(new)
-            ops += [count.assign(merged.count), mean.assign(merged.mean), m2.assign(merged.m2)]
+        for layer, n, calls, counts, means, m2s in zip(
+                self.layers, self.calls, moments, self.count, self.mean, self.m2, strict=True):
+            if len(calls) != n:
+                raise RuntimeError(
+                    f"Expected {n} calls of {layer.name} in training mode per micro-batch, as "
+                    f"the loss plan's trace saw. Received: {len(calls)}.")
+            for count, mean, m2, new in zip(counts, means, m2s, calls, strict=True):
+                merged = Moments(count.read_value(), mean.read_value(),
+                                 m2.read_value()).merged(new)
+                ops += [count.assign(merged.count), mean.assign(merged.mean),
+                        m2.assign(merged.m2)]
         return ops
 
     def apply(self) -> list:
-        """Keras's update, once, with the pooled statistics (where a layer saw rows)."""
+        """Keras's update, once per call of each layer, in call order, with that call's
+        pooled statistics (where it saw rows)."""
         ops = []
-        for layer, count, mean, m2 in zip(self.layers, self.count, self.mean, self.m2,
-                                          strict=True):
-            n = count.read_value()
-            seen = n > 0
+        for layer, counts, means, m2s in zip(self.layers, self.count, self.mean, self.m2,
+                                             strict=True):
+            if not counts:
+                continue
             momentum = float(layer.momentum)
-            old_mean = tf.cast(layer.moving_mean.value, tf.float32)
-            old_var = tf.cast(layer.moving_variance.value, tf.float32)
-            pooled_var = tf.math.divide_no_nan(m2.read_value(), n)
-            new_mean = tf.where(seen, old_mean * momentum + mean.read_value() * (1 - momentum),
-                                old_mean)
-            new_var = tf.where(seen, old_var * momentum + pooled_var * (1 - momentum), old_var)
-            ops += [layer.moving_mean.assign(tf.cast(new_mean, layer.moving_mean.dtype)),
-                    layer.moving_variance.assign(tf.cast(new_var, layer.moving_variance.dtype))]
+            moving_mean = tf.cast(layer.moving_mean.value, tf.float32)
+            moving_var = tf.cast(layer.moving_variance.value, tf.float32)
+            for count, mean, m2 in zip(counts, means, m2s, strict=True):
+                n = count.read_value()
+                seen = n > 0
+                pooled_var = tf.math.divide_no_nan(m2.read_value(), n)
+                moving_mean = tf.where(
+                    seen, moving_mean * momentum + mean.read_value() * (1 - momentum),
+                    moving_mean)
+                moving_var = tf.where(seen, moving_var * momentum + pooled_var * (1 - momentum),
+                                      moving_var)
+            ops += [layer.moving_mean.assign(tf.cast(moving_mean, layer.moving_mean.dtype)),
+                    layer.moving_variance.assign(tf.cast(moving_var,
+                                                         layer.moving_variance.dtype))]
         return ops
 
     def zero(self) -> None:
         """Start the next large batch (after :meth:`apply`, or to forget one)."""
-        for v in [*self.count, *self.mean, *self.m2]:
+        for v in [v for per_layer in (*self.count, *self.mean, *self.m2) for v in per_layer]:
             v.assign(tf.zeros(v.shape, tf.float32))

@@ -42,6 +42,7 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops  # tf.Variable's classes
 
 from autosplit import _keras
+from autosplit.batchnorm import calls_of, counted_all, pooled_layers, recording
 from autosplit.compiled import trace as trace_once
 from autosplit.errors import UnsupportedModelError
 
@@ -84,6 +85,7 @@ class CustomFacts:
     # as it is), not read from a tracker: averaged over the large batch's rows.
     averaged: tuple[bool, ...]
     sparse_gradients: bool  # a gradient it applies is tf.IndexedSlices (an Embedding's)
+    batch_norm_calls: tuple[tuple[Any, int], ...] = ()  # as LossPlan.batch_norm_calls
 
 
 class Intercepted:
@@ -331,15 +333,20 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
     facts: dict[str, Any] = {}
 
     def trace(x, y, sample_weight):
-        with intercept(model, None, 1) as seen, watch_writes() as written:
+        layers = pooled_layers(model)
+        with intercept(model, None, 1) as seen, watch_writes() as written, \
+                recording(layers) as records:
             logs = model.train_step(batch_data(x, y, sample_weight))
         inputs = {t.op for t in tf.nest.flatten((x, y, sample_weight)) if t is not None}
         averaged = tuple(from_batch(tf.convert_to_tensor(t), inputs)
                          for t in tf.nest.flatten(logs))
-        facts.update(seen=seen, logs=logs, written=written, averaged=averaged)
+        facts.update(seen=seen, logs=logs, written=written, averaged=averaged,
+                     batch_norm_calls=calls_of(layers, records))
         return tf.constant(0.0)
 
     trace_once(trace, *specs)
+    if not counted_all(model, facts["batch_norm_calls"]):
+        trace_once(trace, *specs)  # the first trace built layers: count their calls too
     _check_writes(model, facts["written"])
     _check_compiled_reduction(model, weighted=specs[2] is not None)
     seen = facts["seen"]
@@ -354,7 +361,8 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
     return CustomFacts(has_grad=tuple(g is not None for g in seen.gradients), logs=logs,
                        averaged=facts["averaged"],
                        sparse_gradients=any(isinstance(g, tf.IndexedSlices)
-                                            for g in seen.gradients))
+                                            for g in seen.gradients),
+                       batch_norm_calls=facts["batch_norm_calls"])
 
 
 def from_batch(tensor: tf.Tensor, inputs: set) -> bool:

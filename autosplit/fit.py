@@ -401,7 +401,9 @@ def _plan(model: keras.Model, adapter: InputAdapter, args: _Args, *, jit_compile
                     batch_size=args.batch_size, pooled=bool(step.update.pool),
                     adds_losses=step.update.plan.forward_losses,
                     per_batch_losses=step.update.plan.per_batch_losses,
-                    sparse_gradients=step.update.plan.sparse_gradients)
+                    sparse_gradients=step.update.plan.sparse_gradients,
+                    batch_norm_in_training=any(
+                        calls for _, calls in step.update.plan.batch_norm_calls))
     return _Plan(split, where, pipeline, step, probe_result, reason,
                  _shuffle_seed(step, where, adapter))
 

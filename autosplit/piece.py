@@ -28,7 +28,7 @@ import keras
 import tensorflow as tf
 
 from autosplit import _keras
-from autosplit.batchnorm import combined, recording
+from autosplit.batchnorm import calls_of, counted_all, pooled_layers, recording
 from autosplit.compiled import trace as trace_once
 from autosplit.custom_step import (
     CustomFacts,
@@ -79,6 +79,10 @@ class LossPlan:
     custom: CustomFacts | None = None  # the model's own train_step runs per micro-batch
     per_batch_losses: bool = False  # a compiled loss returns one value per batch
     sparse_gradients: bool = False  # a variable's gradient is tf.IndexedSlices (Embedding)
+    # (layer, its calls in training mode per forward pass) for every BatchNormalization
+    # layer autosplit can pool (batchnorm.pooled_layers): two calls for an encoder over
+    # two views, each a moving-statistics update in Keras; none in inference mode.
+    batch_norm_calls: tuple[tuple[Any, int], ...] = ()
 
     @property
     def real_rows_only(self) -> bool:
@@ -159,17 +163,21 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
 
     def trace(x, y, sample_weight):
         valid = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.float32)
-        with tf.GradientTape() as tape:
+        layers = pooled_layers(model)
+        with recording(layers) as records, tf.GradientTape() as tape:
             _, _, terms, in_call = forward(model, x, y, sample_weight, valid)
             parts = [t.numerator for t in terms] + in_call
             total = tf.add_n(parts) if parts else tf.constant(0.0)
         grads = tape.gradient(total, model.trainable_variables)
         facts.update(terms=terms, forward=bool(in_call),
+                     batch_norm_calls=calls_of(layers, records),
                      has_grad=tuple(g is not None for g in grads),
                      sparse=any(isinstance(g, tf.IndexedSlices) for g in grads))
         return total
 
     trace_once(trace, *specs)
+    if not counted_all(model, facts["batch_norm_calls"]):
+        trace_once(trace, *specs)  # the first trace built layers: count their calls too
     terms = facts["terms"]
     if not terms and not facts["forward"]:
         raise ModelNotReadyError(
@@ -192,6 +200,7 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
                       for f in _keras.flat_losses(model)),
         per_batch_losses=not all(t.per_example for t in terms),
         sparse_gradients=facts["sparse"],
+        batch_norm_calls=facts["batch_norm_calls"],
     )
     cache[key] = plan
     return plan
@@ -208,7 +217,8 @@ def step_plan(model: keras.Model, specs: tuple) -> LossPlan:
         facts = custom_facts(model, specs)
         cache[key] = LossPlan(kinds=(), per_row=(), folded=(), forward_losses=False,
                               has_grad=facts.has_grad, groups=(COUNT_GROUP,), weights=(),
-                              custom=facts, sparse_gradients=facts.sparse_gradients)
+                              custom=facts, sparse_gradients=facts.sparse_gradients,
+                              batch_norm_calls=facts.batch_norm_calls)
     return cache[key]
 
 
@@ -272,11 +282,11 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
 
 
 def _moments(pool, records) -> list | None:
-    """Per pooled BatchNormalization layer: its moments over this piece's calls."""
+    """Per pooled BatchNormalization layer: the moments of each of its calls in this
+    piece, in call order (``batchnorm.Pool`` pools each call over the micro-batches)."""
     if not pool:
         return None
-    return [combined(calls, layer.moving_mean.shape[0])
-            for layer, calls in zip(pool, records, strict=True)]
+    return [list(calls) for calls in records]
 
 
 def _custom_piece(model, x, y, sample_weight, valid, *, batch_size: int, pool) -> Piece:

@@ -27,7 +27,6 @@ import keras
 import tensorflow as tf
 
 from autosplit import _keras
-from autosplit.batchnorm import pooled_layers
 from autosplit.compiled import Compilation, FunctionCache
 from autosplit.custom_step import has_custom_step
 from autosplit.errors import DatasetError
@@ -78,7 +77,7 @@ class TrainStep:
             check_reduction(flat.loss)
         self._functions = FunctionCache()
         self.update = LargeBatchUpdate(
-            model, batch_size, pool=pooled_layers(model) if batch_norm == "pooled" else [],
+            model, batch_size, pooled=batch_norm == "pooled",
             functions=self._functions,
             jit=self.compilation.jit_compile and not self.compilation.run_eagerly)
         self.replicas = self.update.replicas.count

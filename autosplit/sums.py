@@ -69,7 +69,9 @@ class Sums:
             self.fresh = tf.Variable(True, trainable=False, name="autosplit_fresh",
                                      **(flag if replicated else {}))
             # BatchNormalization statistics pooled over the large batch (batchnorm.py).
-            self.pool = Pool(list(pool), var) if pool else None
+            calls = {id(layer): n for layer, n in plan.batch_norm_calls}
+            self.pool = Pool(list(pool), [calls[id(layer)] for layer in pool],
+                             var) if pool else None
 
     def add(self, piece: Piece) -> tf.Tensor:
         """Per replica: add one piece; returns a token of the additions."""

@@ -52,8 +52,9 @@ class LargeBatchUpdate:
     Args:
         model: a compiled Keras model (TensorFlow backend).
         batch_size: B, the global large batch (under a strategy, across all replicas).
-        pool: the BatchNormalization layers whose moving statistics are pooled over
-            the large batch (``autosplit.batchnorm``); empty: updated per micro-batch.
+        pooled: pool BatchNormalization's moving statistics over the large batch
+            (``autosplit.batchnorm``: the layers the step calls in training mode, as
+            the loss plan's trace found them); False: updated per micro-batch.
         functions: the train step's compiled functions; the XLA-compiled piece joins them.
         jit: compile each micro-batch's computation with XLA.
 
@@ -66,11 +67,12 @@ class LargeBatchUpdate:
     sums: Sums  # the float32 sums of the large batch in flight, in variables
     stash: Stash  # the element in flight, on the host
 
-    def __init__(self, model: keras.Model, batch_size: int, *, pool: list,
+    def __init__(self, model: keras.Model, batch_size: int, *, pooled: bool,
                  functions: FunctionCache, jit: bool) -> None:
         self.model = model
         self.batch_size = batch_size
-        self.pool = pool
+        self.pooled = pooled
+        self.pool: list = []  # the layers pooled, once the plan is known
         self.replicas = Replicas(model.distribute_strategy)
         self._functions = functions
         self._jit = jit
@@ -94,6 +96,8 @@ class LargeBatchUpdate:
         self.piece_spec = (x, empty_to_none(y), empty_to_none(w), valid)
         self.rows = int(valid.shape[0])
         self.plan = step_plan(model, self.piece_spec[:3])
+        self.pool = [layer for layer, calls in self.plan.batch_norm_calls
+                     if calls] if self.pooled else []
         if not model.optimizer.built:  # a custom step's model, built by its trace
             with replicas.strategy.scope():
                 model.optimizer.build(model.trainable_variables)

@@ -12,7 +12,6 @@ from typing import Any
 
 import keras
 
-from autosplit import _keras
 from autosplit.custom_step import has_custom_step
 from autosplit.errors import (
     ArgumentError,
@@ -36,7 +35,6 @@ __all__ = [
     "check_size",
     "check_trainable",
     "check_verbose",
-    "has_batch_norm",
     "warn_if_inexact",
 ]
 
@@ -144,24 +142,20 @@ def check_trainable(model: keras.Model) -> None:
             "`trainable_variables` is empty (are all layers frozen?).")
 
 
-def has_batch_norm(model: keras.Model) -> bool:
-    """Whether a BatchNormalization layer may train (a frozen one runs in inference mode;
-    one the model holds but never calls is never built)."""
-    return any(isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-               and getattr(layer, "moving_mean", None) is not None
-               for layer in _keras.flatten_layers(model))
-
-
 def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
                     batch_size: int, pooled: bool, adds_losses: bool,
-                    per_batch_losses: bool = False, sparse_gradients: bool = False) -> None:
+                    per_batch_losses: bool = False, sparse_gradients: bool = False,
+                    batch_norm_in_training: bool = False) -> None:
     """Warn once about what cannot equal the full batch when it is split, or
     ``model.fit`` at all.
 
     ``rows`` per micro-batch of the global ``batch_size``; ``pooled``: BatchNormalization
     statistics pooled over the large batch; ``adds_losses``: the model adds losses in
     ``call()``; ``per_batch_losses``: a compiled loss returns one value per batch;
-    ``sparse_gradients``: a gradient is ``tf.IndexedSlices`` (an ``Embedding``'s). The
+    ``sparse_gradients``: a gradient is ``tf.IndexedSlices`` (an ``Embedding``'s);
+    ``batch_norm_in_training``: a BatchNormalization layer normalises with the batch's
+    statistics in the step (a frozen one, or one a custom step calls without
+    ``training=True``, does not). The
     warnings name the user's line (``autosplit.warn``).
     """
     optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
@@ -187,7 +181,7 @@ def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
             "Return per-example values (shape (batch,) or (batch, ...)) and mask with "
             "sample_weight or ignore_class, or run autosplit.check(model, x, y, "
             "micro_batch_size=...) to compare with the full batch.")
-    if accumulation_steps > 1 and has_batch_norm(model):
+    if accumulation_steps > 1 and batch_norm_in_training:
         moving = ("their moving statistics are updated once per large batch with the "
                   "exactly pooled statistics of all its micro-batches, as on the whole "
                   "batch" if pooled else

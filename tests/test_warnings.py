@@ -145,3 +145,22 @@ def test_a_loss_of_one_value_per_batch_is_named_when_split():
         autosplit.fit_large_batch(_tokens("sgd", token_mean), x, y, batch_size=32,
                                   micro_batch_size=32, verbose=0)  # k = 1: no split
     assert not [w for w in seen if "one value per batch" in str(w.message)]
+
+
+def test_the_ghost_batch_norm_note_only_for_layers_that_normalise_with_batch_statistics():
+    """SimSiam's and the siamese example's steps call their encoder without
+    ``training=True``: Keras 3 then runs BatchNormalization in inference mode, the split
+    changes nothing, and the note would be false. Called with ``training=True`` it is
+    true."""
+    from test_batchnorm import TwoViews
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    for training, expected in ((None, False), (True, True)):
+        model = TwoViews(training=training)
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            autosplit.fit_large_batch(model, x, x + 1.0, batch_size=32, micro_batch_size=16,
+                                      verbose=0)
+        noted = any("ghost batch norm" in str(w.message) for w in seen)
+        assert noted is expected, (training, [str(w.message) for w in seen])
