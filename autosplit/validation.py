@@ -159,19 +159,27 @@ def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
     warnings name the user's line (``autosplit.warn``).
     """
     optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-    if sparse_gradients and not isinstance(optimizer, keras.optimizers.SGD):
+    clipping = [name for name in ("clipvalue", "clipnorm", "global_clipnorm")
+                if getattr(optimizer, name, None) is not None]
+    if sparse_gradients and (clipping or not isinstance(optimizer, keras.optimizers.SGD)):
         # Keras applies an IndexedSlices gradient per occurrence of a row where its
         # update is not linear in the gradient (ops.square and co. act on the slices'
         # values): Adam's second moment adds each occurrence's square, not the square
-        # of their sum. autosplit's sums are dense, so its step is the true gradient's.
+        # of their sum; clipping clips each occurrence (clipvalue) or counts each in the
+        # norm (clipnorm, global_clipnorm). autosplit's sums are dense, so its step is
+        # the true gradient's.
+        how = (f" with {' and '.join(clipping)} set. Keras clips a sparse gradient per "
+               "occurrence of a row (each occurrence's value clipped, or counted apart in "
+               "the norm), not the sum of a row's occurrences" if clipping else
+               ". Keras applies a sparse gradient to such an optimizer per occurrence of a "
+               "row (Adam's second moment adds the square of each occurrence's gradient, "
+               "not the square of their sum)")
         warn_user(
             "This model's Embedding layers get sparse gradients (tf.IndexedSlices) and "
-            f"its optimizer is {type(optimizer).__name__}. Keras applies a sparse gradient "
-            "to such an optimizer per occurrence of a row (Adam's second moment adds the "
-            "square of each occurrence's gradient, not the square of their sum); autosplit "
-            "sums every micro-batch into one dense gradient, the batch's true gradient, so "
-            "its updates of rows that occur more than once differ from model.fit's, even "
-            "without a split. With SGD the two agree.")
+            f"its optimizer is {type(optimizer).__name__}{how}; autosplit sums every "
+            "micro-batch into one dense gradient, the batch's true gradient, so its "
+            "updates of rows that occur more than once differ from model.fit's, even "
+            "without a split. With SGD without clipping the two agree.")
     if accumulation_steps > 1 and per_batch_losses:
         warn_user(
             "A compiled loss of this model returns one value per batch, not one per "

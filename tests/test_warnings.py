@@ -106,12 +106,18 @@ def _tokens(optimizer, loss="sparse_categorical_crossentropy"):
 def test_sparse_gradients_with_a_nonlinear_optimizer_are_named_and_differ_from_model_fit():
     # Keras's Adam squares each occurrence's gradient of an Embedding row (tf.IndexedSlices
     # values), where autosplit's dense sums give the square of the batch's gradient: the
-    # two differ even at m = B, which the warning says. With SGD they agree and it is quiet.
+    # two differ even at m = B, which the warning says. With SGD they agree and it is quiet,
+    # unless SGD clips: Keras clips the slices' values, each occurrence on its own
+    # (clipvalue) or counted in the norm apart (clipnorm, global_clipnorm).
     r = np.random.default_rng(0)
     x, y = r.integers(0, 5, size=(64, 6)).astype("int32"), r.integers(0, 3, 64)
+    optimizers = {"adam": lambda: "adam", "sgd": lambda: "sgd",
+                  "clipvalue": lambda: keras.optimizers.SGD(0.5, clipvalue=0.01),
+                  "clipnorm": lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
+                  "global_clipnorm": lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.05)}
     results = {}
-    for name in ("adam", "sgd"):
-        reference, candidate = _tokens(name), _tokens(name)
+    for name, optimizer in optimizers.items():
+        reference, candidate = _tokens(optimizer()), _tokens(optimizer())
         reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -124,6 +130,9 @@ def test_sparse_gradients_with_a_nonlinear_optimizer_are_named_and_differ_from_m
     assert results["adam"][0] and "Adam" in str(results["adam"][0][0].message)
     assert results["adam"][1] > 1e-3
     assert not results["sgd"][0] and results["sgd"][1] < 1e-5
+    for name in ("clipvalue", "clipnorm", "global_clipnorm"):
+        assert results[name][0] and name in str(results[name][0][0].message), name
+        assert results[name][1] > 1e-3, (name, results[name][1])
 
 
 def test_a_loss_of_one_value_per_batch_is_named_when_split():
