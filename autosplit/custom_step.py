@@ -12,6 +12,10 @@ them. autosplit does the same thing inside its loop, exactly:
   gradients instead of applying them. A step's loss is a mean over its examples, so a
   micro-batch of n rows weighs n / B in the sum; autosplit's loop applies the sum once
   per large batch (times B / N for a short last batch of N rows, as for compiled losses).
+  A step whose tape target has a row per example (keras-io's siamese triplet loss,
+  ``tape.gradient(per_triplet_loss, ...)``: TensorFlow takes the gradient of its sum)
+  adds its micro-batches' gradients unweighed, the sum over the batch's rows as in
+  ``model.fit`` (:func:`watch_targets`).
 - A metric tracker updated with one scalar and no sample weight (``Mean`` of the step's
   loss: ``self.loss_tracker.update_state(loss)``) is given the weight n / B, so that
   after a full large batch it holds what ``model.fit`` leaves after one step of B rows.
@@ -48,8 +52,8 @@ from autosplit.errors import UnsupportedModelError
 
 __all__ = ["CustomFacts", "Intercepted", "batch_data", "custom_facts", "flat_logs",
            "from_batch", "has_custom_step", "intercept", "metrics_or_last",
-           "overridden_steps", "overrides_test_step", "runs_own_test_step", "watch_writes",
-           "weighed_trackers"]
+           "overridden_steps", "overrides_test_step", "runs_own_test_step", "watch_targets",
+           "watch_writes", "weighed_trackers"]
 
 
 def overridden_steps(model: keras.Model) -> list[str]:
@@ -86,6 +90,9 @@ class CustomFacts:
     averaged: tuple[bool, ...]
     sparse_gradients: bool  # a gradient it applies is tf.IndexedSlices (an Embedding's)
     batch_norm_calls: tuple[tuple[Any, int], ...] = ()  # as LossPlan.batch_norm_calls
+    # Per model.trainable_variables: its gradient is of a target with a row per example
+    # (summed by tape.gradient): the micro-batches' gradients add up unweighed.
+    summed: tuple[bool, ...] = ()
 
 
 class Intercepted:
@@ -212,6 +219,47 @@ def _class_patches(patches: list[tuple[type, str, Any]]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def watch_targets(model: keras.Model, rows: int | None) -> Iterator[dict[int, bool]]:
+    """While a ``train_step`` is traced on a batch of ``rows`` rows (None: unknown): per
+    model trainable variable (by id) that a ``tf.GradientTape.gradient`` call differentiates,
+    whether that call's target has a row per example (rank 1 or more, its first dimension
+    the batch's or unknown). ``tape.gradient`` sums a non-scalar target, so such a step's
+    gradient is a sum over the batch's rows, not a mean: its micro-batches' gradients add
+    up unweighed. A scalar (or a vector of a fixed size: several means) is a mean.
+
+    Raises:
+        UnsupportedModelError: a variable differentiated both ways (no one weight fits).
+    """
+    kinds: dict[int, bool] = {}
+    trainable = {id(v) for v in model.trainable_variables}
+    original = tf.GradientTape.gradient
+
+    def per_row(target) -> bool:
+        shape = tf.convert_to_tensor(target).shape
+        return shape.rank is not None and shape.rank >= 1 and shape[0] in (None, rows)
+
+    def gradient(tape, target, sources, *args, **kwargs):
+        flags = {per_row(t) for t in tf.nest.flatten(target)}
+        for v in tf.nest.flatten(sources):
+            if id(v) in trainable:
+                flags_of_v = flags | ({kinds[id(v)]} if id(v) in kinds else set())
+                if len(flags_of_v) > 1:
+                    raise UnsupportedModelError(
+                        f"Expected `{type(model).__name__}.train_step` to take the gradient "
+                        "of each variable from either a mean over the batch (a scalar) or "
+                        "a loss per example (a vector, which tape.gradient sums). "
+                        f"Received: both, for {getattr(v, 'path', v.name)}; no one weight "
+                        "per micro-batch splits that exactly. Reduce the per-example "
+                        "losses to their mean (or sum) before tape.gradient, or train it "
+                        "with model.fit.")
+                kinds[id(v)] = flags_of_v.pop()
+        return original(tape, target, sources, *args, **kwargs)
+
+    with _class_patches([(tf.GradientTape, "gradient", gradient)]):
+        yield kinds
+
+
+@contextlib.contextmanager
 def watch_writes() -> Iterator[list]:
     """The Keras variables a ``train_step`` assigns outside any layer's call and any seed
     generator's draw, while it is traced: state the step keeps itself (an exponential
@@ -335,13 +383,14 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
     def trace(x, y, sample_weight):
         layers = pooled_layers(model)
         with intercept(model, None, 1) as seen, watch_writes() as written, \
-                recording(layers) as records:
+                recording(layers) as records, \
+                watch_targets(model, tf.nest.flatten(x)[0].shape[0]) as targets:
             logs = model.train_step(batch_data(x, y, sample_weight))
         inputs = {t.op for t in tf.nest.flatten((x, y, sample_weight)) if t is not None}
         averaged = tuple(from_batch(tf.convert_to_tensor(t), inputs)
                          for t in tf.nest.flatten(logs))
         facts.update(seen=seen, logs=logs, written=written, averaged=averaged,
-                     batch_norm_calls=calls_of(layers, records))
+                     batch_norm_calls=calls_of(layers, records), targets=targets)
         return tf.constant(0.0)
 
     trace_once(trace, *specs)
@@ -362,7 +411,9 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
                        averaged=facts["averaged"],
                        sparse_gradients=any(isinstance(g, tf.IndexedSlices)
                                             for g in seen.gradients),
-                       batch_norm_calls=facts["batch_norm_calls"])
+                       batch_norm_calls=facts["batch_norm_calls"],
+                       summed=tuple(facts["targets"].get(id(v), False)
+                                    for v in model.trainable_variables))
 
 
 def from_batch(tensor: tf.Tensor, inputs: set) -> bool:

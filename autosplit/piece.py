@@ -250,8 +250,8 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
     """Forward and backward of one micro-batch; changes no variable but the model's own
     (BatchNormalization statistics, seed generators; a custom step's metric trackers)."""
     if plan.custom is not None:
-        return _custom_piece(model, x, y, sample_weight, valid, batch_size=batch_size,
-                             pool=pool)
+        return _custom_piece(model, plan.custom, x, y, sample_weight, valid,
+                             batch_size=batch_size, pool=pool)
     variables = model.trainable_variables
     with recording(pool) as records, tf.GradientTape(persistent=len(plan.groups) > 1) as tape:
         y, y_pred, terms, in_call = forward(model, x, y, sample_weight, valid)
@@ -289,14 +289,19 @@ def _moments(pool, records) -> list | None:
     return [list(calls) for calls in records]
 
 
-def _custom_piece(model, x, y, sample_weight, valid, *, batch_size: int, pool) -> Piece:
+def _custom_piece(model, facts: CustomFacts, x, y, sample_weight, valid, *,
+                  batch_size: int, pool) -> Piece:
     """The model's own train_step on one micro-batch of real rows, its apply caught: the
-    gradients of its mean over n rows, weighed n / B (``autosplit.custom_step``)."""
+    gradients of its mean over n rows, weighed n / B, or of its sum over them (a
+    per-example tape target), unweighed (``autosplit.custom_step``)."""
     rows = tf.reduce_sum(valid)
     with intercept(model, rows, batch_size) as seen, recording(pool) as records:
         logs = model.train_step(batch_data(x, y, sample_weight))
     share = rows / batch_size
-    gradients = [None if g is None else _dense_f32(g) * share for g in seen.gradients]
+    # A gradient of a per-example target is a sum over the rows: added unweighed.
+    weights = [1.0 if summed else share for summed in facts.summed]
+    gradients = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32) * weight
+                 for g, weight in zip(seen.gradients, weights, strict=True)]
     return Piece([gradients], [], [], tf.constant(0.0), rows, None, None, None, logs,
                  _moments(pool, records))
 
@@ -334,9 +339,11 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
     correction = tf.math.divide_no_nan(tf.constant(float(batch_size)), n)
     if plan.custom is not None:
         # The step's own loss (regularisation included, if it adds it) is in its gradients.
+        # A sum over the rows (a per-example tape target) needs no correction.
         (sums,) = totals.gradients
-        return tf.constant(0.0), [None if g is None else tf.cast(g * correction, v.dtype)
-                                  for g, v in zip(sums, variables, strict=True)], []
+        return tf.constant(0.0), [
+            None if g is None else tf.cast(g if summed else g * correction, v.dtype)
+            for g, v, summed in zip(sums, variables, plan.custom.summed, strict=True)], []
     with tf.GradientTape() as tape:
         # Counted once per large batch: each replica adds its 1/replicas share.
         regularization = weight_regularization(model) / replicas

@@ -172,7 +172,24 @@ class OnlyOtherOptimizers(TwoOptimizers):
         return {"loss": loss}
 
 
+class MeanAndPerRow(keras.Model):
+    """One variable's gradient from a mean and from a per-example vector (which
+    tape.gradient sums): a micro-batch's share is n / B for one and 1 for the other."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            errors = keras.ops.squeeze(keras.ops.square(self(x) - y), -1)
+            mean = keras.ops.mean(errors)
+        grads = [a + b for a, b in zip(tape.gradient(mean, self.trainable_variables),
+                                       tape.gradient(errors, self.trainable_variables),
+                                       strict=True)]
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return {"loss": mean}
+
+
 @pytest.mark.parametrize(("cls", "message"), [(TwoApplies, "more than once"),
+                                              (MeanAndPerRow, "Received: both"),
                                               (TwoOptimizers, "another optimizer"),
                                               (TwoOptimizersApply, "another optimizer"),
                                               (OnlyOtherOptimizers, "another optimizer")])
