@@ -19,6 +19,8 @@ them. autosplit does the same thing inside its loop, exactly:
 - A metric tracker updated with one scalar and no sample weight (``Mean`` of the step's
   loss: ``self.loss_tracker.update_state(loss)``) is given the weight n / B, so that
   after a full large batch it holds what ``model.fit`` leaves after one step of B rows.
+  A count of the rows (a scalar from the batch's shape alone, :func:`counts_rows`)
+  adds up over the micro-batches instead.
   Trackers updated per example (``y_true, y_pred``) or with their own weights add up
   as they are.
 - The logs are what the step returned for the last micro-batch, read from the trackers
@@ -50,8 +52,8 @@ from autosplit.batchnorm import calls_of, counted_all, pooled_layers, recording
 from autosplit.compiled import trace as trace_once
 from autosplit.errors import UnsupportedModelError
 
-__all__ = ["CustomFacts", "Intercepted", "batch_data", "custom_facts", "flat_logs",
-           "from_batch", "has_custom_step", "intercept", "metrics_or_last",
+__all__ = ["CustomFacts", "Intercepted", "batch_data", "counts_rows", "custom_facts",
+           "flat_logs", "from_batch", "has_custom_step", "intercept", "metrics_or_last",
            "overridden_steps", "overrides_test_step", "runs_own_test_step", "watch_targets",
            "watch_writes", "weighed_trackers"]
 
@@ -167,8 +169,11 @@ def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int
     """While a step runs on a micro-batch of ``rows`` rows: a metric of the model updated
     with one scalar and no sample weight (``self.loss_tracker.update_state(loss)``) is
     given the weight ``rows / batch_size``, so that a large batch's micro-batches add up
-    to one update of the whole batch's mean. Updates per example, or with weights of
-    their own, pass as they are. ``rows`` None: no weighing (a throwaway trace)."""
+    to one update of the whole batch's mean. A scalar computed from the batch's shape
+    alone (its row count: ``images_seen.update_state(ops.shape(x)[0])``,
+    :func:`counts_rows`) adds up over the micro-batches instead, to the large batch's
+    count. Updates per example, or with weights of their own, pass as they are.
+    ``rows`` None: no weighing (a throwaway trace)."""
     def weighted(metric):
         original = metric.update_state
 
@@ -177,7 +182,14 @@ def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int
             if (rows is not None and len(args) <= 1 and kwargs.keys() <= {"values"}
                     and values is not None and tf.convert_to_tensor(values).shape.rank == 0):
                 share = tf.cast(rows, tf.float32) / tf.cast(batch_size, tf.float32)
-                return original(values, sample_weight=share)
+                values = tf.convert_to_tensor(values)
+                if not counts_rows(values):
+                    return original(values, sample_weight=share)
+                # A count of the rows adds up over the micro-batches: a Sum adds it as
+                # it is; a Mean adds it with the weight n / B of one step's share.
+                if isinstance(metric, keras.metrics.Sum):
+                    return original(values)
+                return original(tf.cast(values, tf.float32) / share, sample_weight=share)
             return original(*args, **kwargs)
 
         return update_state
@@ -185,6 +197,32 @@ def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int
     with _object_patches([(m, "update_state", weighted(m)) for m in model.metrics
                           if isinstance(m, keras.metrics.Metric)]):
         yield
+
+
+_SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size"})
+
+
+def counts_rows(tensor: tf.Tensor) -> bool:
+    """Whether ``tensor`` (a scalar, in a graph being traced) is computed from tensors'
+    shapes and constants alone: no value of the batch or of a variable reaches it (a
+    function's inputs, captured tensors and variables are ``Placeholder`` ops). In a
+    micro-batch of real rows, whose row count is dynamic, that is a count of the rows
+    (or of their tokens); a loss or a metric's input reads values."""
+    if tf.executing_eagerly() or not hasattr(tensor, "op"):
+        return False
+    seen, stack, shapes = set(), [tensor.op], False
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in _SHAPE_OPS:
+            shapes = True  # its input's values do not reach the output
+        elif op.type == "Placeholder":
+            return False
+        else:
+            stack.extend(t.op for t in op.inputs)
+    return shapes
 
 
 @contextlib.contextmanager

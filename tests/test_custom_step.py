@@ -620,3 +620,66 @@ def test_a_step_feeding_its_own_targets_runs_whether_or_not_the_model_was_called
     got = autosplit.fit_large_batch(candidate, x, batch_size=16, micro_batch_size=8, epochs=2,
                                     shuffle=False, verbose=0)
     assert_same_as_fit(reference, candidate, expected, got, rtol=1e-5)
+
+
+class Counting(keras.Model):
+    """Trackers of counts, as keras-io's WGAN programs keep ``images_seen`` and
+    ``critic_steps`` (``keras.metrics.Sum``): the rows seen, the steps taken, and the
+    mean rows per step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.seen = keras.metrics.Sum(name="seen")
+        self.steps = keras.metrics.Sum(name="steps")
+        self.rows_per_step = keras.metrics.Mean(name="rows_per_step")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.seen, self.steps, self.rows_per_step]
+
+    def _track(self, x, loss):
+        rows = keras.ops.shape(x)[0]
+        self.loss_tracker.update_state(loss)
+        self.seen.update_state(rows)
+        self.steps.update_state(1.0)
+        self.rows_per_step.update_state(rows)
+        return {m.name: m.result() for m in self.metrics}
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return self._track(x, loss)
+
+    def test_step(self, data):
+        x, y = data
+        return self._track(x, keras.ops.mean(keras.ops.square(self(x) - y)))
+
+
+def test_trackers_of_counts_count_the_large_batch_as_model_fit_does():
+    # A count of the batch's rows is a sum over its micro-batches, not a mean: weighed
+    # n / B like a loss, `seen` ended at 13.4 where model.fit's was 40. A constant per
+    # step (`steps`) is still weighed n / B: one per large batch. 40 rows at B = 20,
+    # m = 8 (micro-batches of 7, 7 and 6).
+    r = np.random.default_rng(3)
+    x, y = r.normal(size=(40, 4)).astype("float32"), r.normal(size=(40, 1)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        model = Counting(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+        return model
+
+    reference, candidate = make(), make()
+    expected = reference.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(x, y))
+    got = autosplit.fit_large_batch(candidate, x, y, batch_size=20, micro_batch_size=8,
+                                    epochs=2, shuffle=False, verbose=0,
+                                    validation_data=(x, y))
+    assert expected.history["seen"] == [40.0, 40.0]
+    assert expected.history["val_seen"] == [40.0, 40.0]
+    assert_same_as_fit(reference, candidate, expected, got, rtol=1e-5)
