@@ -298,9 +298,11 @@ def _split_off_validation(x: Any, y: Any, sample_weight: Any, fraction: float
                           ) -> tuple[Any, Any, Any, tuple[Any, ...]]:
     """The last ``fraction`` of the arrays as validation data, as ``model.fit`` splits
     them; ``x`` alone (a model whose loss needs no targets: an autoencoder's own
-    train_step, RealNVP) is split alone."""
-    if isinstance(x, tuple) and y is None and 1 <= len(x) <= 3:
-        x, y, sample_weight = (*x, None, sample_weight)[:3] if len(x) < 3 else x
+    train_step, RealNVP) is split alone. A tuple ``x`` is read as ``get_input`` reads it:
+    ``(x, y[, sample_weight])`` when neither ``y`` nor ``sample_weight`` is given."""
+    if isinstance(x, tuple) and y is None and sample_weight is None and len(x) in (2, 3):
+        x, y, *rest = x
+        sample_weight = rest[0] if rest else None
     if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset, types.GeneratorType)):
         raise DatasetError(
             "Expected arrays with `validation_split` (model.fit only splits arrays). "

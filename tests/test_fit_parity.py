@@ -362,3 +362,23 @@ def test_metrics_see_the_rows_model_fit_gives_them(case):
     for name, values in expected.history.items():
         np.testing.assert_allclose(got.history[name], values, rtol=1e-5, err_msg=name)
     assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+
+
+def test_validation_split_reads_a_tuple_x_as_without_it():
+    # The tuple form (x, y, w) is split as its three parts; a tuple x next to a
+    # sample_weight= is not that form, as get_input reads it: before, the split read
+    # (x, y) from it and dropped the weights silently (without the split: refused).
+    x, y = data()
+    w = np.random.default_rng(4).uniform(size=len(x)).astype("float32")
+    reference, candidate = pair(mlp)
+    expected = reference.fit(x, y, sample_weight=w, batch_size=B, validation_split=0.25,
+                             shuffle=False, verbose=0).history
+    history = autosplit.fit_large_batch(candidate, (x, y, w), batch_size=B,
+                                        micro_batch_size=M, validation_split=0.25,
+                                        shuffle=False, verbose=0).history
+    for name, values in expected.items():
+        np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=name)
+    for split in ({}, {"validation_split": 0.25}):
+        with pytest.raises(autosplit.DatasetError, match="Expected targets `y`"):
+            autosplit.fit_large_batch(candidate, (x, y), sample_weight=w, batch_size=B,
+                                      micro_batch_size=M, verbose=0, **split)
