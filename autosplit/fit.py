@@ -402,7 +402,7 @@ def _plan(model: keras.Model, adapter: InputAdapter, args: _Args, *, jit_compile
     warn_if_inexact(model, accumulation_steps=split.accumulation_steps, rows=step.rows,
                     batch_size=args.batch_size, pooled=bool(step.update.pool),
                     adds_losses=step.update.plan.forward_losses,
-                    per_batch_losses=step.update.plan.per_batch_losses,
+                    per_batch_losses=step.update.plan.per_batch_ratios,
                     sparse_gradients=step.update.plan.sparse_gradients,
                     batch_norm_in_training=any(
                         calls for _, calls in step.update.plan.batch_norm_calls))

@@ -78,6 +78,9 @@ class LossPlan:
     weights: tuple[float, ...]  # `loss_weights` per compiled loss
     custom: CustomFacts | None = None  # the model's own train_step runs per micro-batch
     per_batch_losses: bool = False  # a compiled loss returns one value per batch
+    # ... and it is not a plain mean over the rows (reduction.mean_over_rows): a ratio
+    # that weighing by rows need not reproduce (a mean over unmasked tokens)
+    per_batch_ratios: bool = False
     sparse_gradients: bool = False  # a variable's gradient is tf.IndexedSlices (Embedding)
     # (layer, its calls in training mode per forward pass) for every BatchNormalization
     # layer autosplit can pool (batchnorm.pooled_layers): two calls for an encoder over
@@ -199,6 +202,7 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
         weights=tuple(1.0 if f.weight is None else float(f.weight)
                       for f in _keras.flat_losses(model)),
         per_batch_losses=not all(t.per_example for t in terms),
+        per_batch_ratios=not all(t.per_example or t.row_mean for t in terms),
         sparse_gradients=facts["sparse"],
         batch_norm_calls=facts["batch_norm_calls"],
     )

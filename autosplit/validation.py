@@ -151,7 +151,8 @@ def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
 
     ``rows`` per micro-batch of the global ``batch_size``; ``pooled``: BatchNormalization
     statistics pooled over the large batch; ``adds_losses``: the model adds losses in
-    ``call()``; ``per_batch_losses``: a compiled loss returns one value per batch;
+    ``call()``; ``per_batch_losses``: a compiled loss returns one value per batch
+    that is not a plain mean over the batch's rows (``reduction.mean_over_rows``);
     ``sparse_gradients``: a gradient is ``tf.IndexedSlices`` (an ``Embedding``'s);
     ``batch_norm_in_training``: a BatchNormalization layer normalises with the batch's
     statistics in the step (a frozen one, or one a custom step calls without

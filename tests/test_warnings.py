@@ -14,6 +14,7 @@ import warnings
 
 import keras
 import numpy as np
+import pytest
 from common import relative_error
 from conftest import classifier, labelled
 
@@ -154,6 +155,40 @@ def test_a_loss_of_one_value_per_batch_is_named_when_split():
         autosplit.fit_large_batch(_tokens("sgd", token_mean), x, y, batch_size=32,
                                   micro_batch_size=32, verbose=0)  # k = 1: no split
     assert not [w for w in seen if "one value per batch" in str(w.message)]
+
+
+def _contrastive_mean(y_true, y_pred):  # keras-io siamese_contrastive's loss, as written
+    y_true = keras.ops.cast(y_true, "float32")
+    losses = (1 - y_true) * keras.ops.square(y_pred) + y_true * keras.ops.square(
+        keras.ops.maximum(1.0 - y_pred, 0.0))
+    return keras.ops.mean(losses)
+
+
+@pytest.mark.parametrize("loss", [
+    _contrastive_mean,
+    lambda y_true, y_pred: 0.5 * keras.ops.mean(keras.ops.square(y_pred - y_true)),
+    lambda y_true, y_pred: -keras.ops.mean(keras.ops.sum(y_true * y_pred, axis=-1)) / 4.0,
+], ids=["mean", "constant_times_mean", "negated_mean_of_row_sums"])
+def test_a_mean_over_the_rows_returned_as_one_value_is_exact_and_quiet(loss):
+    # A plain mean over the batch's rows is the rows-weighed mean of its micro-batches'
+    # means: exact, so the per-batch-loss warning (given for ratios) stays quiet.
+    r = np.random.default_rng(2)
+    x, y = r.normal(size=(60, 4)).astype("float32"), r.uniform(size=(60, 2)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        return model
+
+    reference, candidate = make(), make()
+    reference.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        autosplit.fit_large_batch(candidate, x, y, batch_size=30, micro_batch_size=8,
+                                  epochs=2, shuffle=False, verbose=0)
+    assert not [w for w in seen if "one value per batch" in str(w.message)]
+    assert relative_error(reference.get_weights(), candidate.get_weights()) < 1e-5
 
 
 def test_the_ghost_batch_norm_note_only_for_layers_that_normalise_with_batch_statistics():

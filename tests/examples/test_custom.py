@@ -355,7 +355,8 @@ def test_siamese_contrastive_as_written_with_batch_norm_runs():
                          ids=["per_example_loss", "batch_mean_loss"])
 def test_siamese_contrastive_without_batch_norm(per_example):
     # B=32 cut into 3 micro-batches of 11: one padding row (weight 0) in every large
-    # batch. A loss that returns one value per batch (the example's) cannot weight it out.
+    # batch. The example's loss returns one value per batch, a mean over the rows: it
+    # runs on micro-batches of real rows only, weighed by rows, and is exact (no warning).
     n, batch, micro = 64, 32, 12
     x1, x2, labels = pairs(n)
     reference, candidate = twins(lambda: siamese(batch_norm=False, per_example=per_example))
