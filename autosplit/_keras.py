@@ -20,6 +20,7 @@ from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 
 __all__ = [
     "FlatLoss",
+    "all_metrics",
     "call_has_training_arg",
     "compile_loss_built",
     "data_adapter",
@@ -144,6 +145,16 @@ def metric_lists(model: keras.Model) -> tuple[list, list, Any]:
         list(compile_metrics._flat_weighted_metrics),
         compile_metrics._flatten_y,
     )
+
+
+def all_metrics(model: keras.Model) -> list:
+    """``model.metrics`` and Keras's own trackers, once each. A model that overrides the
+    ``metrics`` property (keras-io's masked language model lists only its own tracker)
+    hides Keras's ``loss`` tracker and compiled metrics, which Keras's default
+    ``train_step`` updates all the same (``Trainer._get_own_metrics``)."""
+    own = getattr(model, "_get_own_metrics", None)
+    metrics = list(model.metrics) + (list(own()) if callable(own) else [])
+    return list({id(m): m for m in metrics}.values())
 
 
 def loss_tracker(model: keras.Model) -> keras.metrics.Metric | None:

@@ -51,8 +51,9 @@ from autosplit import _keras
 from autosplit.batchnorm import calls_of, counted_all, pooled_layers, recording
 from autosplit.compiled import trace as trace_once
 from autosplit.errors import UnsupportedModelError
+from autosplit.traced import counts_rows, row_reduction
 
-__all__ = ["CustomFacts", "Intercepted", "batch_data", "counts_rows", "custom_facts",
+__all__ = ["CustomFacts", "Intercepted", "batch_data", "custom_facts",
            "flat_logs", "from_batch", "has_custom_step", "intercept", "metrics_or_last",
            "overridden_steps", "overrides_test_step", "runs_own_test_step", "watch_targets",
            "watch_writes", "weighed_trackers"]
@@ -194,35 +195,9 @@ def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int
 
         return update_state
 
-    with _object_patches([(m, "update_state", weighted(m)) for m in model.metrics
+    with _object_patches([(m, "update_state", weighted(m)) for m in _keras.all_metrics(model)
                           if isinstance(m, keras.metrics.Metric)]):
         yield
-
-
-_SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size"})
-
-
-def counts_rows(tensor: tf.Tensor) -> bool:
-    """Whether ``tensor`` (a scalar, in a graph being traced) is computed from tensors'
-    shapes and constants alone: no value of the batch or of a variable reaches it (a
-    function's inputs, captured tensors and variables are ``Placeholder`` ops). In a
-    micro-batch of real rows, whose row count is dynamic, that is a count of the rows
-    (or of their tokens); a loss or a metric's input reads values."""
-    if tf.executing_eagerly() or not hasattr(tensor, "op"):
-        return False
-    seen, stack, shapes = set(), [tensor.op], False
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        if op.type in _SHAPE_OPS:
-            shapes = True  # its input's values do not reach the output
-        elif op.type == "Placeholder":
-            return False
-        else:
-            stack.extend(t.op for t in op.inputs)
-    return shapes
 
 
 @contextlib.contextmanager
@@ -273,8 +248,11 @@ def watch_targets(model: keras.Model, rows: int | None) -> Iterator[dict[int, bo
     original = tf.GradientTape.gradient
 
     def per_row(target) -> bool:
-        shape = tf.convert_to_tensor(target).shape
-        return shape.rank is not None and shape.rank >= 1 and shape[0] in (None, rows)
+        target = tf.convert_to_tensor(target)
+        shape = target.shape
+        if shape.rank == 0:  # a sum over the rows (ops.sum of the losses) adds up too
+            return row_reduction(target) == "sum"
+        return shape.rank is not None and shape[0] in (None, rows)
 
     def gradient(tape, target, sources, *args, **kwargs):
         flags = {per_row(t) for t in tf.nest.flatten(target)}
@@ -337,9 +315,9 @@ def watch_writes() -> Iterator[list]:
 
 
 def _check_writes(model: keras.Model, written: list) -> None:
-    metric_variables = {id(v) for m in model.metrics for v in m.variables}
-    metric_variables |= {id(getattr(v, "value", None)) for m in model.metrics
-                         for v in m.variables}
+    metrics = _keras.all_metrics(model)
+    metric_variables = {id(v) for m in metrics for v in m.variables}
+    metric_variables |= {id(getattr(v, "value", None)) for m in metrics for v in m.variables}
     own = [v for v in written if id(v) not in metric_variables]
     if own:
         names = sorted({getattr(v, "path", v.name) for v in own})

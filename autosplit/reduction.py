@@ -27,6 +27,7 @@ from keras import tree
 
 from autosplit import _keras
 from autosplit.errors import UnsupportedModelError
+from autosplit.traced import row_reduction
 
 __all__ = [
     "COUNT",
@@ -60,50 +61,6 @@ class LossTerms(NamedTuple):
     # static: a value per batch that is a plain mean over the batch's rows (ops.mean of
     # per-example losses, times a constant): weighed by rows, exactly the full batch's
     row_mean: bool = False
-
-
-_PASS_THROUGH = frozenset({"Identity", "Cast", "CheckNumerics"})
-
-
-def mean_over_rows(value: tf.Tensor) -> bool:
-    """Whether ``value``, a scalar traced in a graph, is a mean over its batch's rows: a
-    ``Mean`` over every axis of a tensor whose rows hold a fixed number of elements,
-    maybe cast or multiplied by a constant (``0.5 * ops.mean(...)``). Such a mean is the
-    rows-weighed mean of its micro-batches' means; a ratio (``sum(l * m) / sum(m)``, a
-    mean over unmasked tokens) is not."""
-    if tf.executing_eagerly() or not hasattr(value, "op") or value.shape.rank != 0:
-        return False
-    op = value.op
-    while True:
-        if op.type in _PASS_THROUGH:
-            op = op.inputs[0].op
-        elif (operand := _one_variable_operand(op)) is not None:
-            op = operand.op
-        else:
-            break
-    if op.type != "Mean":
-        return False
-    shape = op.inputs[0].shape
-    axes = tf.get_static_value(op.inputs[1])
-    if shape.rank is None or shape.rank < 1 or axes is None:
-        return False
-    reduced = {int(a) % shape.rank for a in tf.nest.flatten(axes.tolist())}
-    return reduced == set(range(shape.rank)) and None not in shape[1:].as_list()
-
-
-def _one_variable_operand(op) -> tf.Tensor | None:
-    """The one operand of ``op`` that is not a scalar constant (a ``Neg``'s only one),
-    or None (another op). A division must divide by the constant, not into it."""
-    if op.type not in ("Mul", "RealDiv", "Neg"):
-        return None
-    if op.type == "Neg":
-        return op.inputs[0]
-    constant = [tf.get_static_value(t) is not None and t.shape.rank == 0 for t in op.inputs]
-    if constant == [False, True]:
-        return op.inputs[0]
-    if constant == [True, False] and op.type == "Mul":
-        return op.inputs[1]
-    return None
 
 
 def row_weight(row_valid: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
@@ -179,7 +136,7 @@ def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_val
     dims = values.shape[1:].as_list()
     per_row = None if any(d is None for d in dims) else math.prod(dims)
     per_example = values.shape.rank is None or values.shape.rank >= 1
-    row_mean = not per_example and mean_over_rows(values)
+    row_mean = not per_example and row_reduction(values, (y_true, y_pred)) == "mean"
 
     if reduction == "sum":
         return LossTerms(numerator, tf.constant(1.0, tf.float32), False, SUM, per_row,

@@ -26,6 +26,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from autosplit import _keras
 from autosplit.compiled import FunctionCache
 from autosplit.errors import UnsupportedModelError
 from autosplit.piece import (
@@ -111,7 +112,7 @@ class LargeBatchUpdate:
         if self.plan.custom is not None and not self._metric_copies:
             self._metric_copies = [
                 (v, tf.Variable(tf.convert_to_tensor(v), trainable=False))
-                for m in model.metrics for v in m.variables]
+                for m in _keras.all_metrics(model) for v in m.variables]
         if self.plan.custom is not None and self.logs is None:
             # What the step returned for the last micro-batch: the large batch's logs.
             self.logs = tf.nest.map_structure(

@@ -10,6 +10,8 @@
 - vision/siamese_contrastive.py: twin towers on a list of two images, contrastive loss.
 - vision/siamese_network.py: triplets through one embedding network, a custom
   train_step whose tape target is the per-triplet loss vector, not its mean.
+- nlp/masked_language_modeling.py: a compute_loss that returns the sum of the masked
+  tokens' losses, and a `metrics` property listing only its own tracker.
 """
 
 from __future__ import annotations
@@ -451,4 +453,66 @@ def test_siamese_triplet_step_on_the_loss_vector():
                              micro_batch_size=micro, epochs=2, validation_data=val)
     assert set(expected) == {"loss", "val_loss"}
     assert_same_training(reference, candidate, expected, got, rtol=ADAM_RTOL,
+                         steps=steps(n, batch, 2))
+
+
+# masked_language_modeling.py: a small BERT (token and position embeddings, one
+# Transformer block) whose compute_loss returns ops.sum of the per-token losses,
+# weighted by sample_weight (1 on the masked tokens), updates a module-level tracker
+# and lists only it in `metrics`; Keras's default train_step still updates its own loss
+# tracker. Before: refused as a step that keeps state of its own (Keras's tracker), and
+# with that passed, the sum weighed as a mean (1.37 relative off model.fit with SGD).
+def masked_language_model(tracker):
+    vocab, length, width = 20, 8, 8
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(reduction=None)
+
+    class MaskedLanguageModel(keras.Model):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+            loss = loss_fn(y, y_pred, sample_weight)
+            tracker.update_state(loss, sample_weight=sample_weight)
+            return ops.sum(loss)
+
+        def compute_metrics(self, x, y, y_pred, sample_weight):
+            return {"loss": tracker.result()}
+
+        @property
+        def metrics(self):
+            return [tracker]
+
+    inputs = layers.Input((length,), dtype="int64")
+    embedded = (layers.Embedding(vocab, width)(inputs)
+                + layers.Embedding(length, width)(ops.arange(length)))
+    # The key projection's bias shifts every score of a query alike, which softmax
+    # cancels: its gradient is rounding noise (as in model.fit), so none here.
+    attention = layers.MultiHeadAttention(num_heads=2, key_dim=4, use_bias=False)(
+        embedded, embedded, embedded)
+    block = layers.LayerNormalization(epsilon=1e-6)(embedded + attention)
+    ffn = layers.Dense(width)(layers.Dense(16, activation="relu")(block))
+    outputs = layers.Dense(vocab, activation="softmax")(
+        layers.LayerNormalization(epsilon=1e-6)(block + ffn))
+    model = MaskedLanguageModel(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    return model
+
+
+def test_masked_language_model_with_a_summed_loss_and_its_own_metrics_list():
+    n, batch, micro, vocab = 90, 32, 7, 20
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, vocab - 1, (n, 8))
+    tokens[:, -2:] = 0  # padding
+    masked = (rng.random(tokens.shape) < 0.3) & (tokens > 2)
+    inputs = np.where(masked, vocab - 1, tokens)
+    weights = masked.astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((inputs, tokens, weights)).batch(batch)
+    trackers = []
+
+    def make():
+        trackers.append(keras.metrics.Mean(name="loss"))
+        return masked_language_model(trackers[-1])
+
+    reference, candidate = twins(make)
+    expected, got = fit_both(reference, candidate, data, batch_size=batch,
+                             micro_batch_size=micro, epochs=2)
+    assert set(expected) == {"loss"}
+    assert_same_training(reference, candidate, expected, got, rtol=SGD_RTOL,
                          steps=steps(n, batch, 2))

@@ -1,0 +1,144 @@
+"""What a traced graph says about a scalar a step computes: how it adds up over rows.
+
+A micro-batch's value of a loss or a tracker's input must be weighed so that the
+micro-batches of a large batch add up to the large batch's value. That depends on what
+the value is, which the graph a trace builds tells, before anything runs:
+
+- :func:`row_reduction`: a ``Mean`` over every axis of per-row values (a loss function
+  returning ``ops.mean(losses)``) is the rows-weighed mean of its micro-batches' means;
+  a ``Sum`` over every axis (``ops.sum(losses)``, keras-io's masked language model) is
+  the sum of its micro-batches' sums. A ratio (``sum(l * m) / sum(m)``, a mean over
+  unmasked tokens), or a mean of values that mix rows (``x @ transpose(x)``, a
+  supervised-contrastive loss), is neither.
+- :func:`counts_rows`: a value computed from shapes alone is a count of the rows.
+
+The walks read ops and static values only; they run nothing. AutoGraph must not
+convert them (they are called while a step is traced).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+__all__ = ["counts_rows", "row_reduction"]
+
+_PASS_THROUGH = frozenset({"Identity", "Cast", "CheckNumerics"})
+_REDUCTIONS = {"Mean": "mean", "Sum": "sum"}
+# Ops that combine rows with one another (where axis 0 is the rows).
+_MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
+_AXIS_REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax",
+                              "ArgMin", "Cumsum", "Cumprod", "EuclideanNorm"})
+_SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size"})
+
+
+@tf.autograph.experimental.do_not_convert
+def row_reduction(value: Any, sources: Any = None) -> str | None:
+    """``"mean"`` or ``"sum"`` when ``value``, a scalar in a graph being traced, is a
+    ``Mean`` or a ``Sum`` over every axis of a tensor whose rows hold a fixed number of
+    elements, maybe cast, negated, multiplied or divided by a constant, or added to
+    another of the same kind (``mse + 0.1 * penalty``); None otherwise.
+
+    ``sources``: tensors whose rows are the batch's rows (a loss function's ``y_true``
+    and ``y_pred``). With them, the values reduced must keep the rows apart on their
+    way from the sources: none of them may come out of a matrix product or of a
+    reduction over the rows (a supervised-contrastive loss's similarity matrix).
+    Without them (a tape target, reached through the whole model) that is not checked.
+    """
+    if tf.executing_eagerly() or not hasattr(value, "op") or value.shape.rank != 0:
+        return None
+    stop = {t.op for t in tf.nest.flatten(sources) if hasattr(t, "op")}
+    return _reduction(value.op, stop, check_rows=sources is not None)
+
+
+def _reduction(op, stop: set, *, check_rows: bool) -> str | None:
+    while True:
+        if op.type in _PASS_THROUGH:
+            op = op.inputs[0].op
+        elif (operand := _scaled_operand(op)) is not None:
+            op = operand.op
+        else:
+            break
+    if op.type in ("AddV2", "Add", "Sub"):
+        kinds = {_reduction(t.op, stop, check_rows=check_rows) for t in op.inputs}
+        return kinds.pop() if len(kinds) == 1 else None
+    if op.type not in _REDUCTIONS:
+        return None
+    shape = op.inputs[0].shape
+    axes = tf.get_static_value(op.inputs[1])
+    if shape.rank is None or shape.rank < 1 or axes is None:
+        return None
+    reduced = {int(a) % shape.rank for a in tf.nest.flatten(axes.tolist())}
+    if reduced != set(range(shape.rank)) or None in shape[1:].as_list():
+        return None
+    if check_rows and _mixes_rows(op.inputs[0].op, stop):
+        return None
+    return _REDUCTIONS[op.type]
+
+
+def _scaled_operand(op) -> Any:
+    """The one operand of ``op`` that is not a scalar constant (a ``Neg``'s only one),
+    or None (another op). A division must divide by the constant, not into it."""
+    if op.type == "Neg":
+        return op.inputs[0]
+    if op.type not in ("Mul", "RealDiv"):
+        return None
+    constant = [tf.get_static_value(t) is not None and t.shape.rank == 0 for t in op.inputs]
+    if constant == [False, True]:
+        return op.inputs[0]
+    if constant == [True, False] and op.type == "Mul":
+        return op.inputs[1]
+    return None
+
+
+def _mixes_rows(top, stop: set) -> bool:
+    """Whether an op between ``stop`` (the sources' ops) and ``top`` combines rows: a
+    matrix product, a reduction over axis 0 (or over axes not known), a transpose that
+    moves axis 0. Shapes do not count (``eye(batch_size)`` alone mixes nothing)."""
+    seen, stack = set(), [top]
+    while stack:
+        op = stack.pop()
+        if op in seen or op in stop or op.type == "Placeholder":
+            continue
+        seen.add(op)
+        if op.type in _SHAPE_OPS:
+            continue
+        if op.type in _MATMULS:
+            return True
+        if op.type in _AXIS_REDUCTIONS and len(op.inputs) > 1:
+            axes = tf.get_static_value(op.inputs[1])
+            rank = op.inputs[0].shape.rank
+            if axes is None or rank is None or 0 in {int(a) % max(rank, 1)
+                                                     for a in tf.nest.flatten(axes.tolist())}:
+                return True
+        if op.type == "Transpose":
+            perm = tf.get_static_value(op.inputs[1])
+            if perm is None or int(perm[0]) != 0:
+                return True
+        stack.extend(t.op for t in op.inputs)
+    return False
+
+
+@tf.autograph.experimental.do_not_convert
+def counts_rows(tensor: Any) -> bool:
+    """Whether ``tensor`` (a scalar, in a graph being traced) is computed from tensors'
+    shapes and constants alone: no value of the batch or of a variable reaches it (a
+    function's inputs, captured tensors and variables are ``Placeholder`` ops). In a
+    micro-batch of real rows, whose row count is dynamic, that is a count of the rows
+    (or of their tokens); a loss or a metric's input reads values."""
+    if tf.executing_eagerly() or not hasattr(tensor, "op"):
+        return False
+    seen, stack, shapes = set(), [tensor.op], False
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in _SHAPE_OPS:
+            shapes = True  # its input's values do not reach the output
+        elif op.type == "Placeholder":
+            return False
+        else:
+            stack.extend(t.op for t in op.inputs)
+    return shapes
