@@ -409,9 +409,20 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
                      batch_norm_calls=calls_of(layers, records), targets=targets)
         return tf.constant(0.0)
 
-    trace_once(trace, *specs)
-    if not counted_all(model, facts["batch_norm_calls"]):
-        trace_once(trace, *specs)  # the first trace built layers: count their calls too
+    try:
+        trace_once(trace, *specs)
+        if not counted_all(model, facts["batch_norm_calls"]):
+            trace_once(trace, *specs)  # the first trace built layers: count their calls
+    except (ValueError, TypeError, IndexError, tf.errors.OpError) as error:
+        rows = tf.nest.flatten(specs[0])[0].shape[0]
+        error.add_note(
+            f"autosplit traced `{type(model).__name__}.train_step` on a micro-batch of "
+            f"{rows or 'some'} rows: it cuts every input along its first axis, one row "
+            "per example, as a batch of fewer rows. A step that reads positions along that "
+            "axis (data[0] and data[1] as anchors and positives, keras-io's metric "
+            "learning) or needs the whole batch cannot be split so: give such parts an "
+            "axis of their own after the rows, or train with model.fit.")
+        raise
     _check_writes(model, facts["written"])
     _check_compiled_reduction(model, weighted=specs[2] is not None)
     seen = facts["seen"]

@@ -683,3 +683,29 @@ def test_trackers_of_counts_count_the_large_batch_as_model_fit_does():
     assert expected.history["seen"] == [40.0, 40.0]
     assert expected.history["val_seen"] == [40.0, 40.0]
     assert_same_as_fit(reference, candidate, expected, got, rtol=1e-5)
+
+
+class AnchorsAndPositives(keras.Model):
+    """keras-io metric learning: each batch is (2, classes, features), anchors at data[0]
+    and positives at data[1]; the step reads positions along the batch axis."""
+
+    def train_step(self, data):
+        anchors, positives = data[0], data[1]
+        with tf.GradientTape() as tape:
+            similarity = keras.ops.matmul(self(anchors), keras.ops.transpose(self(positives)))
+            loss = keras.ops.mean(keras.ops.square(similarity))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return {"loss": loss}
+
+
+def test_a_step_that_reads_positions_along_the_rows_fails_with_the_reason_noted():
+    inputs = keras.Input((6,))
+    model = AnchorsAndPositives(inputs, keras.layers.Dense(4)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    pairs = np.random.default_rng(0).normal(size=(2, 5, 6)).astype("float32")
+    data = tf.data.Dataset.from_tensors(pairs).repeat(4)  # batches of (2, 5, 6)
+    with pytest.raises(ValueError, match="out of bounds") as info:
+        autosplit.fit_large_batch(model, data, batch_size=2, micro_batch_size=1, verbose=0)
+    assert "cuts every input along its first axis" in "\n".join(info.value.__notes__)
+    assert int(model.optimizer.iterations) == 0
