@@ -54,10 +54,10 @@ from autosplit.compiled import trace as trace_once
 from autosplit.errors import UnsupportedModelError
 from autosplit.traced import counts_rows, row_reduction
 
-__all__ = ["CustomFacts", "Intercepted", "batch_data", "custom_facts",
+__all__ = ["CustomFacts", "Intercepted", "Targets", "batch_data", "custom_facts",
            "flat_logs", "from_batch", "has_custom_step", "intercept", "metrics_or_last",
-           "overridden_steps", "overrides_test_step", "runs_own_test_step", "watch_targets",
-           "watch_writes", "weighed_trackers"]
+           "overridden_steps", "overrides_test_step", "runs_own_test_step",
+           "watch_targets", "watch_writes", "weighed_trackers"]
 
 
 def overridden_steps(model: keras.Model) -> list[str]:
@@ -97,6 +97,9 @@ class CustomFacts:
     # Per model.trainable_variables: its gradient is of a target with a row per example
     # (summed by tape.gradient): the micro-batches' gradients add up unweighed.
     summed: tuple[bool, ...] = ()
+    # The loss it differentiates divides by a value of the batch (a mean over unmasked
+    # tokens): weighed as a mean, it is not the full batch's (warned when split).
+    ratio_loss: bool = False
 
 
 class Intercepted:
@@ -232,48 +235,64 @@ def _class_patches(patches: list[tuple[type, str, Any]]) -> Iterator[None]:
                 setattr(cls, name, original)
 
 
+class Targets:
+    """What :func:`watch_targets` saw: per model trainable variable (by id), whether its
+    gradient is of a sum over the rows; whether a target is a ratio over the batch."""
+
+    def __init__(self) -> None:
+        self.summed: dict[int, bool] = {}
+        self.ratio = False
+
+
 @contextlib.contextmanager
-def watch_targets(model: keras.Model, rows: int | None) -> Iterator[dict[int, bool]]:
+def watch_targets(model: keras.Model, rows: int | None) -> Iterator[Targets]:
     """While a ``train_step`` is traced on a batch of ``rows`` rows (None: unknown): per
     model trainable variable (by id) that a ``tf.GradientTape.gradient`` call differentiates,
-    whether that call's target has a row per example (rank 1 or more, its first dimension
-    the batch's or unknown). ``tape.gradient`` sums a non-scalar target, so such a step's
-    gradient is a sum over the batch's rows, not a mean: its micro-batches' gradients add
-    up unweighed. A scalar (or a vector of a fixed size: several means) is a mean.
+    whether that call's target is a sum over the rows. ``tape.gradient`` sums a
+    non-scalar target, so a target with a row per example (rank 1 or more, its first
+    dimension the batch's or unknown) is one, as is a scalar ``Sum`` of per-row values
+    (``compute_loss`` returning ``ops.sum(loss)``, :func:`autosplit.traced.row_reduction`):
+    their micro-batches' gradients add up unweighed. Another scalar is taken for a mean;
+    one that divides by a value of the batch (a mean over unmasked tokens) is noted as a
+    ratio, which no weighing of the micro-batches reproduces.
 
     Raises:
         UnsupportedModelError: a variable differentiated both ways (no one weight fits).
     """
-    kinds: dict[int, bool] = {}
+    targets = Targets()
     trainable = {id(v) for v in model.trainable_variables}
     original = tf.GradientTape.gradient
 
-    def per_row(target) -> bool:
+    def summed(target) -> bool:
         target = tf.convert_to_tensor(target)
         shape = target.shape
-        if shape.rank == 0:  # a sum over the rows (ops.sum of the losses) adds up too
-            return row_reduction(target) == "sum"
+        if shape.rank == 0:
+            kind = row_reduction(target, rows=rows)
+            targets.ratio |= kind == "ratio"
+            return kind == "sum"
         return shape.rank is not None and shape[0] in (None, rows)
 
     def gradient(tape, target, sources, *args, **kwargs):
-        flags = {per_row(t) for t in tf.nest.flatten(target)}
+        if any(id(v) in trainable for v in tf.nest.flatten(sources)):
+            flags = {summed(t) for t in tf.nest.flatten(target)}
         for v in tf.nest.flatten(sources):
             if id(v) in trainable:
-                flags_of_v = flags | ({kinds[id(v)]} if id(v) in kinds else set())
+                seen = targets.summed
+                flags_of_v = flags | ({seen[id(v)]} if id(v) in seen else set())
                 if len(flags_of_v) > 1:
                     raise UnsupportedModelError(
                         f"Expected `{type(model).__name__}.train_step` to take the gradient "
                         "of each variable from either a mean over the batch (a scalar) or "
-                        "a loss per example (a vector, which tape.gradient sums). "
+                        "a sum over it (a loss per example, which tape.gradient sums). "
                         f"Received: both, for {getattr(v, 'path', v.name)}; no one weight "
                         "per micro-batch splits that exactly. Reduce the per-example "
                         "losses to their mean (or sum) before tape.gradient, or train it "
                         "with model.fit.")
-                kinds[id(v)] = flags_of_v.pop()
+                seen[id(v)] = flags_of_v.pop()
         return original(tape, target, sources, *args, **kwargs)
 
     with _class_patches([(tf.GradientTape, "gradient", gradient)]):
-        yield kinds
+        yield targets
 
 
 @contextlib.contextmanager
@@ -396,6 +415,7 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
             "once per large batch. Received: model.optimizer=None (a step that applies its "
             "own optimizers, as a GAN does, has no exact split in one pass).")
     facts: dict[str, Any] = {}
+    static_rows = tf.nest.flatten(specs[0])[0].shape[0]
 
     def trace(x, y, sample_weight):
         layers = pooled_layers(model)
@@ -415,12 +435,11 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
         if not counted_all(model, facts["batch_norm_calls"]):
             trace_once(trace, *specs)  # the first trace built layers: count their calls
     except (ValueError, TypeError, IndexError, tf.errors.OpError) as error:
-        rows = tf.nest.flatten(specs[0])[0].shape[0]
         if sys.version_info < (3, 11):  # no notes: the error as it is
             raise
         error.add_note(
             f"autosplit traced `{type(model).__name__}.train_step` on a micro-batch of "
-            f"{rows or 'some'} rows: it cuts every input along its first axis, one row "
+            f"{static_rows or 'some'} rows: it cuts every input along its first axis, one row "
             "per example, as a batch of fewer rows. A step that reads positions along that "
             "axis (data[0] and data[1] as anchors and positives, keras-io's metric "
             "learning) or needs the whole batch cannot be split so: give such parts an "
@@ -442,8 +461,9 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
                        sparse_gradients=any(isinstance(g, tf.IndexedSlices)
                                             for g in seen.gradients),
                        batch_norm_calls=facts["batch_norm_calls"],
-                       summed=tuple(facts["targets"].get(id(v), False)
-                                    for v in model.trainable_variables))
+                       summed=tuple(facts["targets"].summed.get(id(v), False)
+                                    for v in model.trainable_variables),
+                       ratio_loss=facts["targets"].ratio)
 
 
 def from_batch(tensor: tf.Tensor, inputs: set) -> bool:

@@ -222,6 +222,7 @@ def step_plan(model: keras.Model, specs: tuple) -> LossPlan:
         cache[key] = LossPlan(kinds=(), per_row=(), folded=(), forward_losses=False,
                               has_grad=facts.has_grad, groups=(COUNT_GROUP,), weights=(),
                               custom=facts, sparse_gradients=facts.sparse_gradients,
+                              per_batch_ratios=facts.ratio_loss,
                               batch_norm_calls=facts.batch_norm_calls)
     return cache[key]
 

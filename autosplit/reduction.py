@@ -136,7 +136,8 @@ def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_val
     dims = values.shape[1:].as_list()
     per_row = None if any(d is None for d in dims) else math.prod(dims)
     per_example = values.shape.rank is None or values.shape.rank >= 1
-    row_mean = not per_example and row_reduction(values, (y_true, y_pred)) == "mean"
+    rows = tf.nest.flatten(y_pred)[0].shape[0] if tf.nest.flatten(y_pred) else None
+    row_mean = not per_example and row_reduction(values, (y_true, y_pred), rows) == "mean"
 
     if reduction == "sum":
         return LossTerms(numerator, tf.constant(1.0, tf.float32), False, SUM, per_row,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 __all__ = ["counts_rows", "row_reduction"]
@@ -34,25 +35,41 @@ _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size"})
 
 
 @tf.autograph.experimental.do_not_convert
-def row_reduction(value: Any, sources: Any = None) -> str | None:
-    """``"mean"`` or ``"sum"`` when ``value``, a scalar in a graph being traced, is a
-    ``Mean`` or a ``Sum`` over every axis of a tensor whose rows hold a fixed number of
-    elements, maybe cast, negated, multiplied or divided by a constant, or added to
-    another of the same kind (``mse + 0.1 * penalty``); None otherwise.
+def row_reduction(value: Any, sources: Any = None, rows: int | None = None) -> str | None:
+    """How ``value``, a scalar in a graph being traced, adds up over the batch's rows:
 
-    ``sources``: tensors whose rows are the batch's rows (a loss function's ``y_true``
-    and ``y_pred``). With them, the values reduced must keep the rows apart on their
-    way from the sources: none of them may come out of a matrix product or of a
-    reduction over the rows (a supervised-contrastive loss's similarity matrix).
+    - ``"mean"``: a ``Mean`` over every axis of per-row values (``ops.mean(losses)``),
+      or a ``Sum`` of them divided by a count of their elements (Keras's own reduction),
+      maybe cast, negated, multiplied or divided by a constant, or added to another
+      mean or to a term that reads no batch (a weight penalty: Keras's
+      ``compute_loss`` stacks the loss and the penalty and sums them);
+    - ``"sum"``: a ``Sum`` over every axis of per-row values (``ops.sum(losses)``);
+    - ``"ratio"``: a division by a value computed from the batch's values
+      (``sum(l * mask) / sum(mask)``, a mean over unmasked tokens);
+    - None: anything else.
+
+    Per-row values have ``rows`` rows (the batch's static row count) or an unknown
+    number. ``sources``: tensors whose rows are the batch's rows (a loss function's
+    ``y_true`` and ``y_pred``); with them, the values reduced must keep the rows apart
+    on their way from the sources (none may come out of a matrix product or of a
+    reduction over the rows: a supervised-contrastive loss's similarity matrix).
     Without them (a tape target, reached through the whole model) that is not checked.
     """
     if tf.executing_eagerly() or not hasattr(value, "op") or value.shape.rank != 0:
         return None
     stop = {t.op for t in tf.nest.flatten(sources) if hasattr(t, "op")}
-    return _reduction(value.op, stop, check_rows=sources is not None)
+    kind = _reduction(value.op, _Walk(stop, sources is not None, rows))
+    return None if kind == "const" else kind
 
 
-def _reduction(op, stop: set, *, check_rows: bool) -> str | None:
+class _Walk:
+    def __init__(self, stop: set, check_rows: bool, rows: int | None) -> None:
+        self.stop, self.check_rows, self.rows = stop, check_rows, rows
+
+
+def _reduction(op, walk: _Walk) -> str | None:
+    if _divides_by_its_count(op, walk):
+        return "mean"
     while True:
         if op.type in _PASS_THROUGH:
             op = op.inputs[0].op
@@ -61,20 +78,92 @@ def _reduction(op, stop: set, *, check_rows: bool) -> str | None:
         else:
             break
     if op.type in ("AddV2", "Add", "Sub"):
-        kinds = {_reduction(t.op, stop, check_rows=check_rows) for t in op.inputs}
-        return kinds.pop() if len(kinds) == 1 else None
-    if op.type not in _REDUCTIONS:
-        return None
-    shape = op.inputs[0].shape
+        return _combined([_reduction(t.op, walk) for t in op.inputs])
+    if op.type in ("RealDiv", "DivNoNan") and _reduction(op.inputs[0].op, walk) == "sum":
+        divisor = op.inputs[1]
+        if counts_rows(divisor):  # the count of the summed elements, from shapes
+            return "mean"
+        return "ratio" if _reads_batch(divisor.op) else None
+    if op.type in _REDUCTIONS:
+        kind = _full_reduction(op, walk)
+        if kind is not None:
+            return kind
+    return None if _reads_batch(op) else "const"
+
+
+def _divides_by_its_count(op, walk: _Walk) -> bool:
+    """A ``Sum`` of per-row values divided by their count where the trace knows the
+    count as a constant (static shapes: ``ops.shape(x)[0]`` is a number there): by the
+    rows, or by the elements summed. Another constant only scales the sum."""
+    if op.type not in ("RealDiv", "DivNoNan"):
+        return False
+    divisor = tf.get_static_value(op.inputs[1])
+    dividend = op.inputs[0].op
+    while dividend.type in _PASS_THROUGH:
+        dividend = dividend.inputs[0].op
+    if divisor is None or np.ndim(divisor) or dividend.type != "Sum":
+        return False
+    shape = dividend.inputs[0].shape
+    if not shape.is_fully_defined() or _full_reduction(dividend, walk) != "sum":
+        return False
+    return float(divisor) in (float(shape[0]), float(np.prod(shape.as_list())))
+
+
+def _full_reduction(op, walk: _Walk) -> str | None:
+    """The kind of a Mean or Sum ``op`` over every axis: of per-row values, or of a
+    stack of scalars (each of which has its own kind)."""
+    reduced_input = op.inputs[0]
+    shape = reduced_input.shape
     axes = tf.get_static_value(op.inputs[1])
     if shape.rank is None or shape.rank < 1 or axes is None:
         return None
     reduced = {int(a) % shape.rank for a in tf.nest.flatten(axes.tolist())}
     if reduced != set(range(shape.rank)) or None in shape[1:].as_list():
         return None
-    if check_rows and _mixes_rows(op.inputs[0].op, stop):
+    if reduced_input.op.type == "Pack" and shape.rank == 1:
+        kinds = [_reduction(t.op, walk) for t in reduced_input.op.inputs]
+        if op.type == "Sum":
+            return _combined(kinds)
+        return _combined(kinds) if "sum" not in kinds else None  # a mean of means
+    if shape[0] not in (None, walk.rows):
+        return None  # not the batch's rows
+    if walk.check_rows and _mixes_rows(reduced_input.op, walk.stop):
         return None
     return _REDUCTIONS[op.type]
+
+
+def _combined(kinds: list) -> str | None:
+    """The kind of a sum of terms of ``kinds``: terms that read no batch ("const") add
+    to a mean exactly (each micro-batch's share of them adds up to one), not to a sum."""
+    if None in kinds or "ratio" in kinds:
+        return "ratio" if "ratio" in kinds else None
+    varying = set(kinds) - {"const"}
+    if not varying:
+        return "const"
+    if varying == {"mean"}:
+        return "mean"
+    if varying == {"sum"} and "const" not in kinds:
+        return "sum"
+    return None
+
+
+def _reads_batch(top) -> bool:
+    """Whether a value of the batch reaches ``top``: a function input or captured tensor
+    (a ``Placeholder`` that is not a variable's handle), not through a shape alone."""
+    seen, stack = set(), [top]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in _SHAPE_OPS:
+            continue
+        if op.type == "Placeholder":
+            if op.outputs[0].dtype != tf.resource:
+                return True
+            continue
+        stack.extend(t.op for t in op.inputs)
+    return False
 
 
 def _scaled_operand(op) -> Any:

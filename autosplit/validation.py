@@ -183,8 +183,9 @@ def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
             "without a split. With SGD without clipping the two agree.")
     if accumulation_steps > 1 and per_batch_losses:
         warn_user(
-            "A compiled loss of this model returns one value per batch, not one per "
-            "example. autosplit weighs each micro-batch's value by its share of the "
+            "A loss of this model (compiled, or the one its train_step differentiates) "
+            "returns one value per batch, not one per example. autosplit weighs each "
+            "micro-batch's value by its share of the "
             "batch's real rows: equal to the full batch for a mean over the batch's rows, "
             "not for another ratio (sum(loss * mask) / sum(mask), a mean over tokens). "
             "Return per-example values (shape (batch,) or (batch, ...)) and mask with "

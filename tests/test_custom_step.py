@@ -709,3 +709,29 @@ def test_a_step_that_reads_positions_along_the_rows_fails_with_the_reason_noted(
         autosplit.fit_large_batch(model, data, batch_size=2, micro_batch_size=1, verbose=0)
     assert "cuts every input along its first axis" in "\n".join(info.value.__notes__)
     assert int(model.optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize("regularizer", ["kernel", "activity"])
+def test_the_guide_s_step_with_a_regularised_model_equals_model_fit(regularizer):
+    # Keras's compute_loss stacks the compiled loss and the model's penalties and sums
+    # the stack: a mean plus terms of the whole batch, not a sum over the rows. Taken
+    # for one (keras-io's trainer pattern), the update was k times model.fit's.
+    def make():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        penalty = {f"{regularizer}_regularizer": keras.regularizers.l2(1e-2)}
+        hidden = keras.layers.Dense(12, activation="relu", **penalty)(inputs)
+        model = Classifier(inputs, keras.layers.Dense(3)(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    r = np.random.default_rng(1)
+    x = r.normal(size=(N, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 1)
+    reference, candidate = make(), make()
+    expected = reference.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    got = autosplit.fit_large_batch(candidate, x, y, batch_size=B, micro_batch_size=M,
+                                    epochs=2, shuffle=False, verbose=0)
+    assert_same_as_fit(reference, candidate, expected, got, rtol=1e-5)

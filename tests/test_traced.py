@@ -12,13 +12,24 @@ from keras import ops
 
 from autosplit.traced import counts_rows, row_reduction
 
+PENALTY = tf.Variable([1.0, -2.0])  # a weight penalty reads variables, not the batch
+
 FORMS = {
     "mean": (lambda x: ops.mean(ops.square(x)), "mean"),
     "sum": (lambda x: ops.sum(ops.square(x)), "sum"),
     "half_sum_minus_sum": (lambda x: 0.5 * ops.sum(x) - ops.sum(ops.abs(x)), "sum"),
     "mean_over_rows_of_row_sums": (lambda x: -ops.mean(ops.sum(x, axis=1)) / 3.0, "mean"),
     "mean_plus_sum": (lambda x: ops.mean(x) + ops.sum(x), None),
-    "ratio": (lambda x: ops.sum(x * x) / ops.sum(ops.abs(x)), None),
+    "ratio": (lambda x: ops.sum(x * x) / ops.sum(ops.abs(x)), "ratio"),
+    # Keras's own reduction (losses.loss.reduce_values): a sum over a count from shapes.
+    "keras_reduction": (lambda x: ops.divide_no_nan(
+        ops.sum(x), ops.cast(ops.prod(ops.shape(x)), "float32")), "mean"),
+    "sum_over_rows": (lambda x: ops.sum(x) / ops.cast(ops.shape(x)[0], "float32"), "mean"),
+    # Keras's compute_loss: the stack of the loss and a penalty that reads no batch.
+    "stack_of_mean_and_penalty": (lambda x: ops.sum(ops.stack(
+        [ops.mean(x), 0.1 * ops.sum(ops.square(PENALTY))])), "mean"),
+    "stack_of_sum_and_penalty": (lambda x: ops.sum(ops.stack(
+        [ops.sum(x), ops.sum(PENALTY)])), None),
     "mean_of_column_maxima": (lambda x: ops.mean(ops.max(x, axis=0)), None),
     "similarity": (lambda x: ops.mean(ops.matmul(x, ops.transpose(x))), None),
     "centred": (lambda x: ops.mean(ops.square(x - ops.mean(x, axis=0))), None),
@@ -34,7 +45,7 @@ def test_row_reduction_is_what_the_arithmetic_says(name):
     @tf.function(input_signature=[tf.TensorSpec([None, 3])])
     def traced(t):
         value = fn(t)
-        kinds.append(row_reduction(value, (t,)))
+        kinds.append(row_reduction(value, (t,), rows=None))
         return value
 
     assert kinds == [] and traced(x) is not None and kinds == [expected]
@@ -59,3 +70,28 @@ def test_counts_rows_tells_a_count_from_a_value():
     traced(np.zeros((2, 3), "float32"))
     assert seen == {"rows": True, "tokens": True, "constant": False, "loss": False,
                     "rows_times_loss": False}
+
+
+def test_with_static_shapes_a_division_by_the_count_is_a_mean_and_by_another_constant_not():
+    # A step traced on a micro-batch of a known size sees ops.shape(x)[0] as a number:
+    # dividing by it (or by the number of elements) is a mean; by another constant (a
+    # global batch size, as tf.nn.compute_average_loss divides) it scales a sum.
+    kinds = {}
+
+    @tf.function(input_signature=[tf.TensorSpec([6, 3])])
+    def traced(t):
+        forms = {"by_rows": ops.sum(t) / ops.shape(t)[0],
+                 "by_elements": ops.sum(t) / float(np.prod(t.shape)),
+                 # Keras's reduction: its count is a product the trace does not fold;
+                 # None, which a custom step weighs as a mean (as it is).
+                 "keras_reduction": ops.divide_no_nan(
+                     ops.sum(t), ops.cast(ops.prod(ops.shape(t)), "float32")),
+                 "by_global_batch": ops.sum(ops.square(t)) / 32.0,
+                 "mean": ops.mean(t)}
+        for name, value in forms.items():
+            kinds[name] = row_reduction(value, rows=6)
+        return t
+
+    traced(np.zeros((6, 3), "float32"))
+    assert kinds == {"by_rows": "mean", "by_elements": "mean", "keras_reduction": None,
+                     "by_global_batch": "sum", "mean": "mean"}

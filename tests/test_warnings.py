@@ -15,6 +15,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from common import relative_error
 from conftest import classifier, labelled
 
@@ -209,6 +210,33 @@ def test_a_mean_of_values_that_mix_rows_is_named_when_split():
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=similarity_loss)
     found, line = caught(lambda: autosplit.fit_large_batch(
         model, x, y, batch_size=30, micro_batch_size=8, verbose=0),
+        match="one value per batch")
+    assert_here(found, line)
+
+
+def test_a_custom_step_that_differentiates_a_ratio_is_named_when_split():
+    # keras-io image captioning: a custom train_step whose loss is a mean over the
+    # unmasked tokens, sum(l * mask) / sum(mask): weighed by rows it is not the full
+    # batch's (0.28 relative off model.fit), and it was silent.
+    class TokenMean(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                losses = keras.losses.sparse_categorical_crossentropy(
+                    y, self(x, training=True), from_logits=True)
+                mask = keras.ops.cast(y > 0, "float32")
+                loss = keras.ops.sum(losses * mask) / keras.ops.sum(mask)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+            return {"loss": loss}
+
+    r = np.random.default_rng(1)
+    x, y = r.integers(0, 5, size=(64, 6)).astype("int32"), r.integers(0, 3, (64, 6))
+    inputs = keras.Input((6,), dtype="int32")
+    model = TokenMean(inputs, keras.layers.Dense(3)(keras.layers.Embedding(5, 4)(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    found, line = caught(lambda: autosplit.fit_large_batch(
+        model, x, y, batch_size=32, micro_batch_size=8, verbose=0),
         match="one value per batch")
     assert_here(found, line)
 
