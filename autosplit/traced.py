@@ -68,9 +68,9 @@ class _Walk:
 
 
 def _reduction(op, walk: _Walk) -> str | None:
-    if _divides_by_its_count(op, walk):
-        return "mean"
     while True:
+        if _divides_by_its_count(op, walk):  # before a constant divisor is peeled off
+            return "mean"
         if op.type in _PASS_THROUGH:
             op = op.inputs[0].op
         elif (operand := _scaled_operand(op)) is not None:

@@ -80,7 +80,7 @@ def test_with_static_shapes_a_division_by_the_count_is_a_mean_and_by_another_con
 
     @tf.function(input_signature=[tf.TensorSpec([6, 3])])
     def traced(t):
-        forms = {"by_rows": ops.sum(t) / ops.shape(t)[0],
+        forms = {"by_rows": 0.5 * (ops.sum(t) / ops.shape(t)[0]),
                  "by_elements": ops.sum(t) / float(np.prod(t.shape)),
                  # Keras's reduction: its count is a product the trace does not fold;
                  # None, which a custom step weighs as a mean (as it is).
