@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -323,19 +324,14 @@ def batched_ancestor(dataset: tf.data.Dataset, model: keras.Model | None = None)
     ranks, batch axis included (``from_generator`` or a ``map`` yielding whole
     batches), where the model declares its inputs.
     """
-    seen: set[int] = set()
-    stack = [dataset]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
+    def yields_batches(node: tf.data.Dataset) -> bool:
+        name = type(node).__name__  # past an unbatch, a path yields examples
+        return "Unbatch" not in name and "TensorSlice" not in name
+
+    for node in _upstream(dataset, yields_batches):
         name = type(node).__name__
-        if "Unbatch" in name or "TensorSlice" in name:
-            continue  # this path yields examples
-        if "Batch" in name or name == "_TensorDataset":
+        if yields_batches(node) and ("Batch" in name or name == "_TensorDataset"):
             return name.strip("_")
-        stack += _dataset_inputs(node)
     if model is not None and _shaped_as_batches(dataset.element_spec, model):
         return "elements of the model's input ranks"
     return None
@@ -344,13 +340,7 @@ def batched_ancestor(dataset: tf.data.Dataset, model: keras.Model | None = None)
 def _draws_randomness(dataset: tf.data.Dataset) -> bool:
     """Whether ``dataset`` or a dataset upstream shuffles, samples or runs a function
     with a random op (a ``map`` that augments): each new iterator then moves a seed on."""
-    seen: set[int] = set()
-    stack = [dataset]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in _upstream(dataset):
         name = type(node).__name__
         if "Shuffle" in name or "Random" in name or "DirectedInterleave" in name:
             return True
@@ -359,8 +349,24 @@ def _draws_randomness(dataset: tf.data.Dataset) -> bool:
             if graph is not None and any("Random" in op.type
                                          for op in graph.get_operations()):
                 return True
-        stack += _dataset_inputs(node)
     return False
+
+
+def _upstream(dataset: tf.data.Dataset,
+              descend: Callable[[tf.data.Dataset], bool] = lambda _: True
+              ) -> Iterator[tf.data.Dataset]:
+    """``dataset`` and the datasets on every path of its inputs, once each, depth first;
+    the inputs of a node where ``descend`` is false are not visited."""
+    seen: set[int] = set()
+    stack = [dataset]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        if descend(node):
+            stack += _dataset_inputs(node)
 
 
 def _dataset_inputs(node: tf.data.Dataset) -> list:

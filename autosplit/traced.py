@@ -18,6 +18,7 @@ convert them (they are called while a step is traced).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -150,20 +151,22 @@ def _combined(kinds: list) -> str | None:
 def _reads_batch(top) -> bool:
     """Whether a value of the batch reaches ``top``: a function input or captured tensor
     (a ``Placeholder`` that is not a variable's handle), not through a shape alone."""
+    return any(op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
+               for op in _ancestors(top))
+
+
+def _ancestors(top, stop: frozenset | set = frozenset()) -> Iterator[Any]:
+    """``top`` and every op it is computed from, once each, depth first; not through
+    a shape op's input (its values do not reach the output), nor ``stop``'s ops."""
     seen, stack = set(), [top]
     while stack:
         op = stack.pop()
-        if op in seen:
+        if op in seen or op in stop:
             continue
         seen.add(op)
-        if op.type in _SHAPE_OPS:
-            continue
-        if op.type == "Placeholder":
-            if op.outputs[0].dtype != tf.resource:
-                return True
-            continue
-        stack.extend(t.op for t in op.inputs)
-    return False
+        yield op
+        if op.type not in _SHAPE_OPS:
+            stack.extend(t.op for t in op.inputs)
 
 
 def _scaled_operand(op) -> Any:
@@ -185,27 +188,20 @@ def _mixes_rows(top, stop: set) -> bool:
     """Whether an op between ``stop`` (the sources' ops) and ``top`` combines rows: a
     matrix product, a reduction over axis 0 (or over axes not known), a transpose that
     moves axis 0. Shapes do not count (``eye(batch_size)`` alone mixes nothing)."""
-    seen, stack = set(), [top]
-    while stack:
-        op = stack.pop()
-        if op in seen or op in stop or op.type == "Placeholder":
-            continue
-        seen.add(op)
-        if op.type in _SHAPE_OPS:
-            continue
-        if op.type in _MATMULS:
-            return True
-        if op.type in _AXIS_REDUCTIONS and len(op.inputs) > 1:
-            axes = tf.get_static_value(op.inputs[1])
-            rank = op.inputs[0].shape.rank
-            if axes is None or rank is None or 0 in {int(a) % max(rank, 1)
-                                                     for a in tf.nest.flatten(axes.tolist())}:
-                return True
-        if op.type == "Transpose":
-            perm = tf.get_static_value(op.inputs[1])
-            if perm is None or int(perm[0]) != 0:
-                return True
-        stack.extend(t.op for t in op.inputs)
+    return any(_combines_rows(op) for op in _ancestors(top, stop))
+
+
+def _combines_rows(op) -> bool:
+    if op.type in _MATMULS:
+        return True
+    if op.type in _AXIS_REDUCTIONS and len(op.inputs) > 1:
+        axes = tf.get_static_value(op.inputs[1])
+        rank = op.inputs[0].shape.rank
+        return axes is None or rank is None or 0 in {int(a) % max(rank, 1)
+                                                     for a in tf.nest.flatten(axes.tolist())}
+    if op.type == "Transpose":
+        perm = tf.get_static_value(op.inputs[1])
+        return perm is None or int(perm[0]) != 0
     return False
 
 
@@ -218,16 +214,9 @@ def counts_rows(tensor: Any) -> bool:
     (or of their tokens); a loss or a metric's input reads values."""
     if tf.executing_eagerly() or not hasattr(tensor, "op"):
         return False
-    seen, stack, shapes = set(), [tensor.op], False
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        if op.type in _SHAPE_OPS:
-            shapes = True  # its input's values do not reach the output
-        elif op.type == "Placeholder":
+    shapes = False
+    for op in _ancestors(tensor.op):
+        if op.type == "Placeholder":
             return False
-        else:
-            stack.extend(t.op for t in op.inputs)
+        shapes |= op.type in _SHAPE_OPS  # its input's values do not reach the output
     return shapes
