@@ -38,7 +38,6 @@ anything changes.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +50,7 @@ from tensorflow.python.ops import resource_variable_ops  # tf.Variable's classes
 from autosplit import _keras
 from autosplit.batchnorm import calls_of, counted_all, pooled_layers, recording
 from autosplit.compiled import trace as trace_once
-from autosplit.errors import UnsupportedModelError
+from autosplit.errors import AutosplitError, UnsupportedModelError, add_note_once
 from autosplit.traced import counts_rows, row_reduction
 
 __all__ = ["CustomFacts", "Intercepted", "Targets", "batch_data", "custom_facts",
@@ -434,16 +433,16 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
         trace_once(trace, *specs)
         if not counted_all(model, facts["batch_norm_calls"]):
             trace_once(trace, *specs)  # the first trace built layers: count their calls
+    except AutosplitError:
+        raise  # our own refusal (a GAN's second optimizer) says why: no note on rows
     except (ValueError, TypeError, IndexError, tf.errors.OpError) as error:
-        if sys.version_info < (3, 11):  # no notes: the error as it is
-            raise
-        error.add_note(
+        add_note_once(error, (
             f"autosplit traced `{type(model).__name__}.train_step` on a micro-batch of "
             f"{static_rows or 'some'} rows: it cuts every input along its first axis, one row "
             "per example, as a batch of fewer rows. A step that reads positions along that "
             "axis (data[0] and data[1] as anchors and positives, keras-io's metric "
             "learning) or needs the whole batch cannot be split so: give such parts an "
-            "axis of their own after the rows, or train with model.fit.")
+            "axis of their own after the rows, or train with model.fit."))
         raise
     _check_writes(model, facts["written"])
     _check_compiled_reduction(model, weighted=specs[2] is not None)

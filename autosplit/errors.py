@@ -8,6 +8,8 @@ errors are raised before any model, optimizer or metric state changes.
 
 from __future__ import annotations
 
+import sys
+
 __all__ = [
     "ArgumentError",
     "AutosplitError",
@@ -76,3 +78,17 @@ def describe(value: object) -> str:
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{text} (type {type(value).__name__})"
+
+
+def add_note_once(error: BaseException, note: str) -> None:
+    """Add ``note`` to ``error`` unless an autosplit note is there already.
+
+    A model's own error (a reshape that fixes the batch size) gets one explanation of
+    what autosplit did to its inputs, however many of our frames it passes. Python 3.10
+    has no notes: the error goes on as it is.
+    """
+    if sys.version_info < (3, 11):
+        return
+    if any(n.startswith("autosplit ") for n in getattr(error, "__notes__", ())):
+        return
+    error.add_note(note)

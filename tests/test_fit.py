@@ -364,6 +364,31 @@ def test_custom_train_step_calling_keras_own_equals_model_fit():
         np.testing.assert_allclose(got.history[name], values, rtol=1e-5, err_msg=name)
 
 
+class FixedBatchReshape(keras.layers.Layer):
+    """keras-io's Switch Transformer: a reshape to a fixed batch_size * tokens."""
+
+    def call(self, x):
+        return keras.ops.reshape(x, (16 * 3, 2))
+
+
+def test_a_model_that_fixes_the_batch_size_fails_with_the_reason_noted():
+    inputs = keras.Input((3, 2))
+    hidden = FixedBatchReshape()(keras.layers.Dense(2)(inputs))
+    outputs = keras.layers.Dense(1)(keras.layers.Reshape((3 * 2,))(
+        keras.ops.reshape(hidden, (16, 3, 2))))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    r = np.random.default_rng(0)
+    x, y = r.normal(size=(32, 3, 2)).astype("float32"), r.normal(size=(32, 1)).astype("float32")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # model.fit at its batch size: fine
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="reshape") as info:
+        autosplit.fit_large_batch(model, x, y, batch_size=16, micro_batch_size=6, verbose=0)
+    [note] = info.value.__notes__
+    assert "micro-batches of 6 rows (batch_size=16)" in note and "ops.shape(x)[0]" in note
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
 def test_unreduced_loss_is_refused():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
     model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="none"))
