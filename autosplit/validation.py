@@ -208,5 +208,7 @@ def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
             "autosplit weights each micro-batch's value by its share of the batch's real "
             "rows, which equals the full batch for losses averaged over the batch (as "
             "Keras's activity regularizers are) but not for a loss summed over the batch "
-            "(it comes out k times smaller). Run autosplit.check(model, x, y, "
-            "micro_batch_size=...) to compare with the full batch.")
+            "(it comes out k times smaller) nor for one that mixes examples (a product "
+            "of batch means, as a mixture of experts' load-balancing loss). Run "
+            "autosplit.check(model, x, y, micro_batch_size=...) to compare with the full "
+            "batch.")
