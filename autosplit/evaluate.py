@@ -4,16 +4,17 @@ The validation data go through the same host pipeline as training
 (``autosplit.pipeline``), cut into micro-batches; one compiled loop pulls them, runs
 the model in inference mode, updates the compiled metrics per micro-batch (padding
 weighs 0) and sums every compiled loss's numerator and denominator
-(``autosplit.reduction``). The loss and the per-output losses are divided once, over
-the whole validation set, by the train step's own ``combined_loss`` (on the sums
-added up in float64), and written to Keras's trackers once, so ``val_loss`` and
-``val_<output>_loss`` are the exact means over the validation examples.
+(``autosplit.reduction``). The loss and the per-output losses of each validation batch
+are divided by the train step's own ``combined_loss`` (on the sums added up in
+float64) and averaged by the batches' rows, as ``model.fit`` weighs its ``val_loss``
+tracker; they are written to Keras's trackers once. Where every loss is a mean over
+each row's fixed number of elements, the batches' mean is the whole set's: the sums
+are then divided once, over the whole set (no call per batch).
 
-That is what ``model.fit`` logs when its validation batches are all the same size.
 Keras updates its per-output loss trackers with the static batch dimension of each
-batch, which its validation pipeline leaves unknown, so it averages per-batch means
-unweighted: with a short last validation batch its ``val_<output>_loss`` is off the
-true mean (and depends on ``validation_batch_size``); autosplit's is not.
+batch, which its validation pipeline leaves unknown, so it averages per-batch values
+unweighted: with a short last validation batch its ``val_<output>_loss`` moves from
+the rows' mean (and depends on ``validation_batch_size``); autosplit's does not.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from autosplit.piece import (
     without_padding,
 )
 from autosplit.pipeline import MicroBatches, release
-from autosplit.reduction import combined_loss
+from autosplit.reduction import COUNT, combined_loss
 
 __all__ = ["Evaluator"]
 
@@ -115,11 +116,15 @@ class Evaluator:
         fn, plan = self._function(spec), self._plan(spec)
         known, steps, hooks = _limits(pipeline, steps, callbacks)
         limit = None if steps is None else sum(pipeline.elements(s) for s in range(steps))
-        # Each call of the loop sums up to _CHUNK micro-batches (one large batch when a
-        # callback hears each) in float32; the calls are added up in float64, so a long
-        # validation set loses no precision to the sum.
-        chunk_size = _CHUNK if hooks is None else pipeline.per_batch
+        # Each call of the loop sums up to _CHUNK micro-batches in float32, added up in
+        # float64, so a long validation set loses no precision to the sum. Where a
+        # batch's loss is not its rows' mean (a loss summed, or divided by unmasked
+        # tokens or weights), or a callback hears each batch, a call sums one
+        # validation batch and its loss is taken alone, as model.fit takes it.
+        per_batch = hooks is not None or not _pools(plan)
+        chunk_size = pipeline.per_batch if per_batch else _CHUNK
         totals = _float64(zero_totals(len(plan.kinds)))
+        means = _RowMeans()
         pulled = 0
         model.reset_metrics()
         if callbacks is not None:
@@ -128,26 +133,30 @@ class Evaluator:
         held = [iter(pipeline.dataset())]  # deleted by pipeline.release, off this thread
         batch = 0
         while limit is None or pulled < limit:
-            size = chunk_size if hooks is None or known is None else pipeline.elements(batch)
+            size = chunk_size if not per_batch or known is None else pipeline.elements(batch)
             count = size if limit is None else min(size, limit - pulled)
             if hooks is not None:
                 hooks.on_test_batch_begin(batch)
             chunk, stop = fn(held[0], tf.constant(count))
-            totals = tf.nest.map_structure(tf.add, totals, _float64(chunk))
             pulled += count
+            if per_batch:
+                chunk = _float64(chunk)
+                means.add(*self._loss(chunk, plan), chunk.rows)
+            else:
+                totals = tf.nest.map_structure(tf.add, totals, _float64(chunk))
             if hooks is not None and float(chunk.rows):
                 running = model.get_metrics_result()
-                running["loss"] = self._loss(totals, plan)[0]
+                running["loss"] = means.loss
                 hooks.on_test_batch_end(batch, {k: float(v) for k, v in running.items()})
                 batch += 1
             if bool(stop):
                 break
         release(held)
         adapter.on_epoch_end()
-        loss, per_output = self._loss(totals, plan)
-        if float(totals.rows):
-            update_loss_trackers(model, float(loss), [float(v) for v in per_output],
-                                 float(totals.rows))
+        if not per_batch:
+            means.add(*self._loss(totals, plan), totals.rows)
+        if means.rows:
+            update_loss_trackers(model, means.loss, means.per_output, means.rows)
         logs = {name: float(value) for name, value in model.get_metrics_result().items()}
         if callbacks is not None:
             callbacks.on_test_end(logs)
@@ -256,6 +265,44 @@ def _hears_test_batches(callbacks: keras.callbacks.CallbackList) -> bool:
             getattr(type(c), hook) is not getattr(base, hook)
             for hook in ("on_test_batch_begin", "on_test_batch_end"))
         for c in callbacks.callbacks)
+
+
+def _pools(plan: LossPlan) -> bool:
+    """Whether the loss over the whole validation set, divided once, is model.fit's mean
+    of its batches' losses by rows: every compiled loss is a mean over the rows' fixed
+    number of elements (reduction.COUNT, no mask), the losses added in call() are kept
+    times rows. A summed loss, or one divided by unmasked tokens or sample weights, is
+    not: its value over a batch depends on which rows the batch holds."""
+    return all(kind == COUNT and folded for kind, folded in zip(plan.kinds, plan.folded,
+                                                                   strict=True))
+
+
+class _RowMeans:
+    """The loss and per-output losses of validation batches, averaged by their rows
+    (``model.fit`` weighs its ``val_loss`` tracker by each batch's rows)."""
+
+    def __init__(self) -> None:
+        self.rows = 0.0
+        self._loss = 0.0
+        self._per_output: list[float] = []
+
+    def add(self, loss: tf.Tensor, per_output: list, rows: tf.Tensor) -> None:
+        n = float(rows)
+        if not n:
+            return
+        self.rows += n
+        self._loss += float(loss) * n
+        values = [float(v) * n for v in per_output]
+        self._per_output = values if not self._per_output else [
+            a + b for a, b in zip(self._per_output, values, strict=True)]
+
+    @property
+    def loss(self) -> float:
+        return self._loss / self.rows if self.rows else 0.0
+
+    @property
+    def per_output(self) -> list[float]:
+        return [v / self.rows for v in self._per_output] if self.rows else []
 
 
 def _float64(totals: Totals) -> Totals:

@@ -382,3 +382,52 @@ def test_validation_split_reads_a_tuple_x_as_without_it():
         with pytest.raises(autosplit.DatasetError, match="Expected targets `y`"):
             autosplit.fit_large_batch(candidate, (x, y), sample_weight=w, batch_size=B,
                                       micro_batch_size=M, verbose=0, **split)
+
+
+def tokens(n, seed):
+    """Sequences of 1 to 8 tokens padded with 0, the short ones first: validation
+    batches hold very different numbers of real tokens."""
+    r = np.random.default_rng(seed)
+    lengths = np.sort(r.integers(1, 9, size=n))
+    x = np.zeros((n, 8), "int32")
+    for i, length in enumerate(lengths):
+        x[i, :length] = r.integers(1, 20, size=length)
+    return x, np.where(x > 0, x % 4 + 1, 0).astype("int32")
+
+
+@pytest.mark.parametrize("loss", ["masked tokens", "sum", "weighted mean"])
+@pytest.mark.parametrize("val_rows", [100, 90])  # two equal batches; a short last one
+def test_val_loss_is_model_fit_s_mean_of_batch_losses(loss, val_rows):
+    # model.fit's val_loss is each validation batch's loss, averaged by rows. A loss
+    # divided by what is not a count of rows (unmasked tokens, weights) or by nothing
+    # (reduction="sum") has a mean over batches that is not its value over the whole
+    # set; before, val_loss was that value: masked tokens 0.07 to 0.13 relative off,
+    # a summed loss twice model.fit's.
+    reduction = {"sum": "sum", "weighted mean": "mean_with_sample_weight"}.get(
+        loss, "sum_over_batch_size")
+
+    def make():
+        model = keras.Sequential([keras.Input((8,), dtype="int32"),
+                                  keras.layers.Embedding(20, 8), keras.layers.Dense(5)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05 / (B * 8 if loss == "sum" else 1)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True, reduction=reduction,
+                          ignore_class=0 if loss == "masked tokens" else None))
+        return model
+
+    x, y = tokens(200, 0)
+    vx, vy = tokens(val_rows, 1)
+    weights = np.linspace(0.1, 2.0, val_rows * 8).reshape(val_rows, 8).astype("float32")
+    val = (vx, vy, weights * (vx > 0)) if loss == "weighted mean" else (vx, vy)
+    reference, candidate = make(), make()
+    for model in (reference, candidate):
+        model.build((None, 8))
+    candidate.set_weights(reference.get_weights())
+    expected = reference.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0,
+                             validation_data=val).history
+    got = autosplit.fit_large_batch(candidate, x, y, batch_size=B, micro_batch_size=M + 3,
+                                    epochs=2, shuffle=False, verbose=0,
+                                    validation_data=val).history
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["val_loss"], expected["val_loss"], rtol=1e-5)
