@@ -51,7 +51,7 @@ from autosplit import _keras
 from autosplit.batchnorm import calls_of, counted_all, pooled_layers, recording
 from autosplit.compiled import trace as trace_once
 from autosplit.errors import AutosplitError, UnsupportedModelError, add_note_once
-from autosplit.traced import counts_rows, row_reduction
+from autosplit.traced import counts_rows, repeats_rows, row_reduction
 
 __all__ = ["CustomFacts", "Intercepted", "Targets", "batch_data", "custom_facts",
            "flat_logs", "from_batch", "has_custom_step", "intercept", "metrics_or_last",
@@ -91,7 +91,8 @@ class CustomFacts:
     # Per flat log: a float scalar computed from the batch itself (a loss tensor returned
     # as it is), not read from a tracker: averaged over the large batch's rows.
     averaged: tuple[bool, ...]
-    sparse_gradients: bool  # a gradient it applies is tf.IndexedSlices (an Embedding's)
+    # a gradient it applies is tf.IndexedSlices (an Embedding's) that may name a row twice
+    sparse_gradients: bool
     batch_norm_calls: tuple[tuple[Any, int], ...] = ()  # as LossPlan.batch_norm_calls
     # Per model.trainable_variables: its gradient is of a target with a row per example
     # (summed by tape.gradient): the micro-batches' gradients add up unweighed.
@@ -458,7 +459,7 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
     return CustomFacts(has_grad=tuple(g is not None for g in seen.gradients), logs=logs,
                        averaged=facts["averaged"],
                        sparse_gradients=any(isinstance(g, tf.IndexedSlices)
-                                            for g in seen.gradients),
+                                            and repeats_rows(g) for g in seen.gradients),
                        batch_norm_calls=facts["batch_norm_calls"],
                        summed=tuple(facts["targets"].summed.get(id(v), False)
                                     for v in model.trainable_variables),

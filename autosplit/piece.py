@@ -40,6 +40,7 @@ from autosplit.custom_step import (
 from autosplit.errors import DatasetError, ModelNotReadyError
 from autosplit.model_state import model_state
 from autosplit.reduction import COUNT, SUM, combined_loss, output_terms
+from autosplit.traced import repeats_rows
 
 __all__ = [
     "COUNT_GROUP",
@@ -81,7 +82,8 @@ class LossPlan:
     # ... and it is not a plain mean over the rows (reduction.mean_over_rows): a ratio
     # that weighing by rows need not reproduce (a mean over unmasked tokens)
     per_batch_ratios: bool = False
-    sparse_gradients: bool = False  # a variable's gradient is tf.IndexedSlices (Embedding)
+    # a variable's gradient is tf.IndexedSlices (Embedding) that may name a row twice
+    sparse_gradients: bool = False
     # (layer, its calls in training mode per forward pass) for every BatchNormalization
     # layer autosplit can pool (batchnorm.pooled_layers): two calls for an encoder over
     # two views, each a moving-statistics update in Keras; none in inference mode.
@@ -175,7 +177,8 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
         facts.update(terms=terms, forward=bool(in_call),
                      batch_norm_calls=calls_of(layers, records),
                      has_grad=tuple(g is not None for g in grads),
-                     sparse=any(isinstance(g, tf.IndexedSlices) for g in grads))
+                     sparse=any(isinstance(g, tf.IndexedSlices) and repeats_rows(g)
+                                    for g in grads))
         return total
 
     trace_once(trace, *specs)

@@ -11,9 +11,13 @@ the value is, which the graph a trace builds tells, before anything runs:
   unmasked tokens), or a mean of values that mix rows (``x @ transpose(x)``, a
   supervised-contrastive loss), is neither.
 - :func:`counts_rows`: a value computed from shapes alone is a count of the rows.
+- :func:`repeats_rows`: whether a sparse gradient (an ``Embedding``'s
+  ``tf.IndexedSlices``) can name a row twice; a position embedding looked up on a fixed
+  ``arange`` never does.
 
-The walks read ops and static values only; they run nothing. AutoGraph must not
-convert them (they are called while a step is traced).
+The walks read ops and static values only; they run nothing, except
+:func:`repeats_rows`, which computes indices that read no input and draw nothing.
+AutoGraph must not convert them (they are called while a step is traced).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["counts_rows", "row_reduction"]
+__all__ = ["counts_rows", "repeats_rows", "row_reduction"]
 
 _PASS_THROUGH = frozenset({"Identity", "Cast", "CheckNumerics"})
 _REDUCTIONS = {"Mean": "mean", "Sum": "sum"}
@@ -220,3 +224,30 @@ def counts_rows(tensor: Any) -> bool:
             return False
         shapes |= op.type in _SHAPE_OPS  # its input's values do not reach the output
     return shapes
+
+
+def repeats_rows(gradient: tf.IndexedSlices) -> bool:
+    """Whether the traced sparse ``gradient`` may name a row more than once.
+
+    Keras applies such a gradient per occurrence of a row, which differs from the dense
+    sum where the optimizer is not linear in it (Adam squares each occurrence). Indices
+    computed from the batch (token ids), a variable or a random draw may repeat; indices
+    computed from constants and static shapes alone (a position embedding over
+    ``ops.arange(num_patches)``) are the same every step and are computed here, once.
+    """
+    indices = gradient.indices
+    feeds = {}
+    for op in _ancestors(indices.op):
+        if op.type in _SHAPE_OPS:
+            value = tf.get_static_value(op.outputs[0])
+            if value is None:
+                return True
+            feeds[op.outputs[0]] = value
+        elif op.type == "Placeholder" or op._is_stateful:  # the batch, a variable, a draw
+            return True
+    try:
+        with tf.compat.v1.Session(graph=indices.graph) as session:
+            values = np.asarray(session.run(indices, feed_dict=feeds))
+    except (tf.errors.OpError, ValueError, TypeError):
+        return True
+    return np.unique(values).size < values.size

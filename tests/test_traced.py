@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from keras import ops
 
-from autosplit.traced import counts_rows, row_reduction
+from autosplit.traced import counts_rows, repeats_rows, row_reduction
 
 PENALTY = tf.Variable([1.0, -2.0])  # a weight penalty reads variables, not the batch
 
@@ -95,3 +95,31 @@ def test_with_static_shapes_a_division_by_the_count_is_a_mean_and_by_another_con
     traced(np.zeros((6, 3), "float32"))
     assert kinds == {"by_rows": "mean", "by_elements": "mean", "keras_reduction": None,
                      "by_global_batch": "sum", "mean": "mean"}
+
+
+TABLE = tf.Variable(tf.ones((6, 2)))
+LOOKUPS = {  # the indices looked up: do they name a row twice, in every batch?
+    "arange": (lambda x: ops.arange(0, 6), False),
+    "arange_from_shape": (lambda x: ops.arange(0, ops.shape(x)[1]), False),
+    "two_aranges": (lambda x: ops.concatenate([ops.arange(0, 3), ops.arange(0, 2)]), True),
+    "token_ids": (lambda x: ops.cast(ops.abs(x[:, 0]) * 3, "int32") % 6, True),
+    "random": (lambda x: tf.random.uniform((4,), 0, 6, tf.int32), True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOOKUPS))
+def test_repeats_rows_computes_indices_that_read_no_batch(name):
+    lookup, expected = LOOKUPS[name]
+    found = []
+
+    @tf.function(autograph=False)
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = ops.sum(tf.gather(TABLE, lookup(x)))
+        found.append(tape.gradient(loss, TABLE))
+        return loss
+
+    step.get_concrete_function(tf.TensorSpec((5, 6)))
+    [gradient] = found
+    assert isinstance(gradient, tf.IndexedSlices)
+    assert repeats_rows(gradient) is expected

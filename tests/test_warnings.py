@@ -137,6 +137,45 @@ def test_sparse_gradients_with_a_nonlinear_optimizer_are_named_and_differ_from_m
         assert results[name][1] > 1e-3, (name, results[name][1])
 
 
+class PatchesAndPositions(keras.layers.Layer):
+    """keras-io's ViT PatchEncoder: a position Embedding looked up on a fixed arange,
+    from a static size or from the input's shape."""
+
+    def __init__(self, from_shape, **kwargs):
+        super().__init__(**kwargs)
+        self.from_shape = from_shape
+        self.position = keras.layers.Embedding(6, 4)
+
+    def call(self, patches):
+        count = keras.ops.shape(patches)[1] if self.from_shape else 6
+        return patches + self.position(keras.ops.expand_dims(keras.ops.arange(0, count), 0))
+
+
+@pytest.mark.parametrize("from_shape", [False, True])
+def test_a_position_embedding_names_each_row_once_and_is_not_warned_about(from_shape):
+    # Its gradient is tf.IndexedSlices of indices 0..5, once each: applied per occurrence
+    # or densely, the same update (before: the sparse-gradient warning on every ViT).
+    def make():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6, 4))
+        hidden = PatchesAndPositions(from_shape)(keras.layers.Dense(4)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden)))
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    r = np.random.default_rng(0)
+    x, y = r.normal(size=(64, 6, 4)).astype("float32"), r.integers(0, 3, 64)
+    reference, candidate = make(), make()
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        autosplit.fit_large_batch(candidate, x, y, batch_size=32, micro_batch_size=12,
+                                  epochs=2, shuffle=False, verbose=0)
+    assert not [w for w in seen if "sparse gradients" in str(w.message)]
+    assert relative_error(reference.get_weights(), candidate.get_weights()) < 1e-4
+
+
 def test_a_loss_of_one_value_per_batch_is_named_when_split():
     # keras-io NER's CustomNonPaddingTokenLoss form: a mean over the batch's unmasked
     # tokens, one value per batch, which a split weighed by rows does not reproduce.
