@@ -82,7 +82,7 @@ def added(totals: Totals, piece: Piece | Totals) -> Totals:
 def zero_totals(terms: int, gradients: list[Any] | None = None) -> Totals:
     """Float32 zeros for ``terms`` compiled losses; ``gradients`` the zero gradient sums."""
     zeros = [tf.constant(0.0)] * terms
-    return Totals([] if gradients is None else gradients, zeros, zeros, tf.constant(0.0),
+    return Totals([] if gradients is None else gradients, zeros, zeros, tf.zeros([2]),
                   tf.constant(0.0))
 
 

@@ -375,7 +375,7 @@ def _split_loss(loss: keras.losses.Loss, y_true: Any, y_pred: Any, sample_weight
             _keras.set_keras_mask(p_i, tf.gather(ms, i))
         terms = output_terms(loss, y_i, p_i, w_i, tf.gather(row_valid, i))
         kind["kind"] = terms.kind
-        part = Totals([], [terms.numerator], [terms.denominator], 0.0, 0.0)
+        part = Totals([], [terms.numerator], [terms.denominator], tf.zeros([2]), 0.0)
         return added(totals, part), tf.constant(False)
 
     totals, _ = sum_loop(step, split.accumulation_steps, zero_totals(1))

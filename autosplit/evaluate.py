@@ -43,6 +43,7 @@ from autosplit.piece import (
     Totals,
     empty_to_none,
     forward,
+    forward_parts,
     loss_plan,
     update_loss_trackers,
     update_metrics,
@@ -89,9 +90,10 @@ class Evaluator:
                 y, y_pred, terms, in_call = forward(model, x, y, w, valid, training=False)
                 update_metrics(model, y, y_pred, w, valid)
                 rows = tf.reduce_sum(valid)
-                in_call_sum = tf.add_n(in_call) if in_call else tf.constant(0.0)
+                means, sums = forward_parts(in_call, plan.forward_summed)
                 piece = Totals([], [t.numerator for t in terms],
-                               [t.denominator for t in terms], in_call_sum * rows, rows)
+                               [t.denominator for t in terms], tf.stack([means * rows, sums]),
+                               rows)
                 return added(totals, piece), tf.constant(False)
 
             return tf.cond(has, one, lambda: (totals, tf.constant(True)))
@@ -273,8 +275,8 @@ def _pools(plan: LossPlan) -> bool:
     number of elements (reduction.COUNT, no mask), the losses added in call() are kept
     times rows. A summed loss, or one divided by unmasked tokens or sample weights, is
     not: its value over a batch depends on which rows the batch holds."""
-    return all(kind == COUNT and folded for kind, folded in zip(plan.kinds, plan.folded,
-                                                                   strict=True))
+    return not any(plan.forward_summed) and all(
+        kind == COUNT and folded for kind, folded in zip(plan.kinds, plan.folded, strict=True))
 
 
 class _RowMeans:

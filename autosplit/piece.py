@@ -40,7 +40,7 @@ from autosplit.custom_step import (
 from autosplit.errors import DatasetError, ModelNotReadyError
 from autosplit.model_state import model_state
 from autosplit.reduction import COUNT, SUM, combined_loss, output_terms
-from autosplit.traced import repeats_rows
+from autosplit.traced import repeats_rows, row_reduction
 
 __all__ = [
     "COUNT_GROUP",
@@ -88,6 +88,10 @@ class LossPlan:
     # layer autosplit can pool (batchnorm.pooled_layers): two calls for an encoder over
     # two views, each a moving-statistics update in Keras; none in inference mode.
     batch_norm_calls: tuple[tuple[Any, int], ...] = ()
+    # Per loss added in call(): a sum over the rows (Keras sums a per-example vector
+    # given to add_loss, keras-io's CTC endpoint layer; or ops.sum of per-row values),
+    # each micro-batch's sum counted whole; the others are weighed as means by rows.
+    forward_summed: tuple[bool, ...] = ()
 
     @property
     def real_rows_only(self) -> bool:
@@ -157,6 +161,29 @@ def forward(model, x, y, sample_weight, valid, *, training=True):
     return y, y_pred, terms, [tf.cast(loss, tf.float32) for loss in in_call]
 
 
+def forward_parts(in_call: list, summed: tuple[bool, ...]) -> tuple[tf.Tensor, tf.Tensor]:
+    """(the losses added in call() that are means, those that are sums over the rows),
+    each loss summed to a scalar first, as Keras's ``compute_loss`` sums it."""
+    means: list = []
+    sums: list = []
+    for index, loss in enumerate(in_call):
+        value = tf.reduce_sum(loss) if loss.shape.rank else loss
+        (sums if index < len(summed) and summed[index] else means).append(value)
+    return (tf.add_n(means) if means else tf.constant(0.0),
+            tf.add_n(sums) if sums else tf.constant(0.0))
+
+
+def _forward_kind(loss: tf.Tensor, rows: int | None) -> str | None:
+    """How a loss added in call() adds up over the rows: "sum" for a vector of one value
+    per row (Keras sums it) or a sum over every axis of per-row values, "mean" for a
+    mean (Keras's activity regularizers divide by the rows), None when the trace cannot
+    tell."""
+    if loss.shape.rank:
+        return "sum" if rows is not None and loss.shape[0] == rows else None
+    kind = row_reduction(loss, None, rows)
+    return kind if kind in ("sum", "mean") else None
+
+
 @tf.autograph.experimental.do_not_convert
 def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
     """Trace one micro-batch of ``specs`` = (x, y, sample_weight) specs; nothing runs."""
@@ -171,10 +198,12 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
         layers = pooled_layers(model)
         with recording(layers) as records, tf.GradientTape() as tape:
             _, _, terms, in_call = forward(model, x, y, sample_weight, valid)
-            parts = [t.numerator for t in terms] + in_call
+            parts = [t.numerator for t in terms] + [tf.reduce_sum(t) for t in in_call]
             total = tf.add_n(parts) if parts else tf.constant(0.0)
         grads = tape.gradient(total, model.trainable_variables)
+        rows = tf.nest.flatten(x)[0].shape[0]
         facts.update(terms=terms, forward=bool(in_call),
+                     forward_kinds=tuple(_forward_kind(t, rows) for t in in_call),
                      batch_norm_calls=calls_of(layers, records),
                      has_grad=tuple(g is not None for g in grads),
                      sparse=any(isinstance(g, tf.IndexedSlices) and repeats_rows(g)
@@ -196,7 +225,8 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
     groups: list = []
     if facts["forward"] or any(f and k == COUNT for f, k in zip(folded, kinds, strict=True)):
         groups.append(COUNT_GROUP)
-    if any(k == SUM for k in kinds):
+    forward_summed = tuple(kind == "sum" for kind in facts["forward_kinds"])
+    if any(k == SUM for k in kinds) or any(forward_summed):
         groups.append(SUM_GROUP)
     groups += [("deferred", j) for j, f in enumerate(folded) if not f]
     plan = LossPlan(
@@ -208,6 +238,7 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
         per_batch_ratios=not all(t.per_example or t.row_mean for t in terms),
         sparse_gradients=facts["sparse"],
         batch_norm_calls=facts["batch_norm_calls"],
+        forward_summed=forward_summed,
     )
     cache[key] = plan
     return plan
@@ -236,7 +267,8 @@ class Piece(NamedTuple):
     gradients: list  # per group: one float32 tensor per trainable variable (None: no grad)
     numerators: list  # per compiled loss, float32 scalars
     denominators: list
-    forward: tf.Tensor  # sum of the call() losses times the piece's real rows
+    # the call() losses: [the means' sum times the piece's real rows, the sums' sum]
+    forward: tf.Tensor
     rows: tf.Tensor  # real rows in the piece
     y: Any  # targets aligned to y_pred, for the metrics
     y_pred: Any
@@ -264,7 +296,7 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
     with recording(pool) as records, tf.GradientTape(persistent=len(plan.groups) > 1) as tape:
         y, y_pred, terms, in_call = forward(model, x, y, sample_weight, valid)
         rows = tf.reduce_sum(valid)
-        in_call_sum = tf.add_n(in_call) if in_call else tf.constant(0.0)
+        in_call_mean, in_call_sum = forward_parts(in_call, plan.forward_summed)
         objectives = []
         for group in plan.groups:
             if group == COUNT_GROUP:
@@ -272,10 +304,12 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
                 parts = [terms[j].numerator * (plan.weights[j] / (batch_size * plan.per_row[j]))  # type: ignore[operator]
                          for j in range(len(terms)) if plan.folded[j] and plan.kinds[j] == COUNT]
                 if in_call:
-                    parts.append(in_call_sum * rows / batch_size)
+                    parts.append(in_call_mean * rows / batch_size)
             elif group == SUM_GROUP:
                 parts = [terms[j].numerator * plan.weights[j]
                          for j in range(len(terms)) if plan.kinds[j] == SUM]
+                if any(plan.forward_summed):
+                    parts.append(in_call_sum)
             else:
                 j = group[1]
                 parts = [terms[j].numerator * plan.weights[j]]
@@ -285,8 +319,8 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
     del tape
     masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
     return Piece(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
-                 in_call_sum * rows, rows, y, y_pred, masks, None, _moments(pool, records),
-                 sample_weight, valid)
+                 tf.stack([in_call_mean * rows, in_call_sum]), rows, y, y_pred, masks, None,
+                 _moments(pool, records), sample_weight, valid)
 
 
 def _moments(pool, records) -> list | None:
@@ -310,7 +344,7 @@ def _custom_piece(model, facts: CustomFacts, x, y, sample_weight, valid, *,
     weights = [1.0 if summed else share for summed in facts.summed]
     gradients = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32) * weight
                  for g, weight in zip(seen.gradients, weights, strict=True)]
-    return Piece([gradients], [], [], tf.constant(0.0), rows, None, None, None, logs,
+    return Piece([gradients], [], [], tf.zeros([2]), rows, None, None, None, logs,
                  _moments(pool, records))
 
 

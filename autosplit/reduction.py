@@ -162,14 +162,15 @@ def combined_loss(numerators: Sequence, denominators: Sequence, forward, rows, *
 
     Per compiled loss ``j``: ``numerators[j] / denominators[j]`` (``numerators[j]`` for a
     ``SUM`` kind), Keras's reduction over the whole batch. The loss is
-    ``regularization + forward / rows + sum_j weights[j] * per_output[j]``, as
+    ``regularization + forward[0] / rows + forward[1] + sum_j weights[j] * per_output[j]``, as
     ``model.compute_loss`` adds it up. A zero denominator (no real rows, no weight)
     gives 0. The arithmetic is TensorFlow's, in the dtype of the sums: float32 in the
     train step, float64 where ``autosplit.evaluate`` has added up a whole validation set.
 
     Args:
         numerators, denominators: per compiled loss, ``LossTerms`` summed over the batch.
-        forward: the losses added in ``call()`` times each micro-batch's real rows, summed.
+        forward: the losses added in ``call()``: ``[means times each micro-batch's real
+            rows, sums over the rows]``, each summed over the micro-batches.
         rows: real rows of the batch.
         kinds: per compiled loss, ``SUM``, ``COUNT`` or ``WEIGHT``.
         weights: the compiled ``loss_weights``, per compiled loss.
@@ -178,14 +179,14 @@ def combined_loss(numerators: Sequence, denominators: Sequence, forward, rows, *
     Returns:
         ``(loss, per_output)``, per_output one scalar per compiled loss.
 
-    >>> loss, per_output = combined_loss([6.0, 3.0], [4.0, 1.0], 10.0, 5.0,
+    >>> loss, per_output = combined_loss([6.0, 3.0], [4.0, 1.0], [10.0, 0.0], 5.0,
     ...                                  kinds=(COUNT, SUM), weights=(1.0, 0.5))
     >>> float(loss), [float(v) for v in per_output]
     (5.0, [1.5, 3.0])
     """
     per_output = [num if kind == SUM else tf.math.divide_no_nan(num, den)
                   for num, den, kind in zip(numerators, denominators, kinds, strict=True)]
-    loss = regularization + tf.math.divide_no_nan(forward, rows)
+    loss = regularization + tf.math.divide_no_nan(forward[0], rows) + forward[1]
     for weight, value in zip(weights, per_output, strict=True):
         loss += weight * value
     return loss, per_output

@@ -63,7 +63,7 @@ class Sums:
                               for _ in plan.groups]
             self.numerators = [var([], "numerator") for _ in plan.kinds]
             self.denominators = [var([], "denominator") for _ in plan.kinds]
-            self.in_call = var([], "in_call")
+            self.in_call = var([2], "in_call")  # piece.Piece.forward
             self.rows = var([], "rows")
             flag = dict(kwargs, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             self.fresh = tf.Variable(True, trainable=False, name="autosplit_fresh",
@@ -110,7 +110,7 @@ class Sums:
         """Per replica: start the next large batch."""
         self.fresh.assign(True)
         for v in [*self.numerators, *self.denominators, self.in_call, self.rows]:
-            v.assign(0.0)
+            v.assign(tf.zeros_like(v))
         if self.pool is not None:
             self.pool.zero()
 

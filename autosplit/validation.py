@@ -205,10 +205,12 @@ def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
     if accumulation_steps > 1 and adds_losses:
         warn_user(
             "This model adds losses in call() (add_loss or activity regularizers). "
-            "autosplit weights each micro-batch's value by its share of the batch's real "
-            "rows, which equals the full batch for losses averaged over the batch (as "
-            "Keras's activity regularizers are) but not for a loss summed over the batch "
-            "(it comes out k times smaller) nor for one that mixes examples (a product "
-            "of batch means, as a mixture of experts' load-balancing loss). Run "
+            "autosplit counts a loss that is a sum over the rows (a vector of one value "
+            "per example, which Keras sums, or ops.sum of per-row values) whole per "
+            "micro-batch, and weighs any other by the micro-batch's share of the batch's "
+            "real rows, which equals the full batch for a mean over the rows (as Keras's "
+            "activity regularizers are) but not for a sum it cannot see as one (it comes "
+            "out k times smaller) nor for a loss that mixes examples (a product of batch "
+            "means, as a mixture of experts' load-balancing loss). Run "
             "autosplit.check(model, x, y, micro_batch_size=...) to compare with the full "
             "batch.")

@@ -72,6 +72,49 @@ def test_endpoint_layer_model_equals_model_fit(kind):
                                    err_msg=name)
 
 
+class SummedEndpoint(keras.layers.Layer):
+    """keras-io's CTC endpoint (captcha_ocr, handwriting_recognition): add_loss of one
+    value per example, shape (batch, 1), which Keras sums; or ops.sum of them."""
+
+    def __init__(self, vector, **kwargs):
+        super().__init__(**kwargs)
+        self.vector = vector
+
+    def call(self, targets, logits):
+        loss = keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)
+        self.add_loss(keras.ops.expand_dims(loss, -1) if self.vector else keras.ops.sum(loss))
+        return keras.ops.softmax(logits)
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["per_example_vector", "ops_sum"])
+def test_an_added_loss_summed_over_the_rows_equals_model_fit(vector):
+    # A sum over the rows: each micro-batch's sum counts whole. Before, the vector
+    # crashed in the graph ("Shapes must be equal rank"), also at m = B, and ops.sum was
+    # weighed as a mean: k times too small.
+    def make():
+        keras.utils.set_random_seed(0)
+        features = keras.Input((6,), name="features")
+        targets = keras.Input((), dtype="int32", name="targets")
+        logits = keras.layers.Dense(3)(keras.layers.Dense(12, activation="tanh")(features))
+        model = keras.Model({"features": features, "targets": targets},
+                            SummedEndpoint(vector)(targets, logits))
+        model.compile(optimizer=keras.optimizers.SGD(0.002))
+        return model
+
+    inputs, val = data(230), data(60, seed=1)  # large batches of 100, 100 and 30 rows
+    reference, candidate = twins(make)
+    expected = reference.fit(inputs, batch_size=B, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(val,), validation_batch_size=40)
+    got = autosplit.fit_large_batch(candidate, inputs, batch_size=B, micro_batch_size=M,
+                                    epochs=2, shuffle=False, verbose=0,
+                                    validation_data=(val,), validation_batch_size=40)
+    assert relative_error(reference.get_weights(), candidate.get_weights()) <= 1e-5
+    assert int(candidate.optimizer.iterations) == int(reference.optimizer.iterations) == 6
+    for name in ("loss", "val_loss"):
+        np.testing.assert_allclose(got.history[name], expected.history[name], rtol=1e-5,
+                                   err_msg=name)
+
+
 def test_added_loss_next_to_a_compiled_loss_under_xla():
     """A per-example-mean added loss plus a compiled one, jit-compiled: the short
     micro-batch without its padding is a second compiled shape."""

@@ -232,11 +232,17 @@ class _AddedLoss(keras.layers.Layer):
         return h
 
 
-@pytest.mark.parametrize(("reduce", "exact"), [(keras.ops.mean, True), (keras.ops.sum, False)],
-                         ids=["mean", "sum"])
+def _square_of_mean(h):
+    return keras.ops.sum(keras.ops.square(keras.ops.mean(h, axis=0)))
+
+
+@pytest.mark.parametrize(("reduce", "exact"), [(keras.ops.mean, True), (keras.ops.sum, True),
+                                               (_square_of_mean, False)],
+                         ids=["mean", "sum", "square_of_batch_mean"])
 def test_added_losses_alone_are_checked(reduce, exact):
-    """A model compiled with loss=None whose loss comes from add_loss: a mean over the
-    examples splits exactly, a sum over the batch does not, and is named."""
+    """A model compiled with loss=None whose loss comes from add_loss: a mean or a sum
+    over the examples splits exactly (a sum counts whole per micro-batch); a loss that
+    mixes the examples does not, and is named."""
     model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(4), _AddedLoss(reduce)])
     model.compile(optimizer="sgd")
     x, _, _ = data(48)

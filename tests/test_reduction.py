@@ -44,8 +44,9 @@ def test_two_outputs_loss_weights_added_loss_and_padding_by_hand(dtype):
     assert a == (5.0, 3.0, COUNT)
     assert b[0] == 5.0 and b[2] == SUM
     # An added loss (a mean over each micro-batch's real rows): 0.3 over 2 rows, then
-    # 0.9 over 1 row, weighed by the rows -> 1.5 over 3 rows = 0.5 per row.
-    forward, rows = 0.3 * 2 + 0.9 * 1, 3.0
+    # 0.9 over 1 row, weighed by the rows -> 1.5 over 3 rows = 0.5 per row; and one
+    # summed over the rows (a vector of one value per example): 0.1 + 0.2, whole.
+    forward, rows = [0.3 * 2 + 0.9 * 1, 0.1 + 0.2], 3.0
 
     def tensor(value):
         return tf.constant(value, dtype)
@@ -55,14 +56,14 @@ def test_two_outputs_loss_weights_added_loss_and_padding_by_hand(dtype):
         tensor(rows), kinds=(a[2], b[2]), weights=(2.0, 0.5), regularization=tensor(0.25))
     assert loss.dtype == dtype
     np.testing.assert_allclose([float(v) for v in per_output], [5 / 3, 5.0], rtol=1e-7)
-    # 0.25 + 0.5 + 2 * 5/3 + 0.5 * 5
-    np.testing.assert_allclose(float(loss), 0.75 + 10 / 3 + 2.5, rtol=1e-7)
+    # 0.25 + 0.5 + 0.3 + 2 * 5/3 + 0.5 * 5
+    np.testing.assert_allclose(float(loss), 1.05 + 10 / 3 + 2.5, rtol=1e-7)
 
 
 def test_weight_kind_divides_by_the_weight_and_an_empty_sum_gives_zero_not_nan():
     loss, per_output = combined_loss(
         [tf.constant(6.0), tf.constant(0.0)], [tf.constant(1.5), tf.constant(0.0)],
-        tf.constant(0.0), tf.constant(0.0), kinds=(WEIGHT, COUNT), weights=(1.0, 1.0))
+        tf.zeros([2]), tf.constant(0.0), kinds=(WEIGHT, COUNT), weights=(1.0, 1.0))
     assert [float(v) for v in per_output] == [4.0, 0.0]
     assert float(loss) == 4.0
 
