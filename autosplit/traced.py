@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["counts_rows", "repeats_rows", "row_reduction"]
+__all__ = ["counts_rows", "reads_batch", "repeats_rows", "row_reduction"]
 
 _PASS_THROUGH = frozenset({"Identity", "Cast", "CheckNumerics"})
 _REDUCTIONS = {"Mean": "mean", "Sum": "sum"}
@@ -76,8 +76,9 @@ def _reduction(op, walk: _Walk) -> str | None:
     while True:
         if _divides_by_its_count(op, walk):  # before a constant divisor is peeled off
             return "mean"
-        if op.type in _PASS_THROUGH:
-            op = op.inputs[0].op
+        if op.type in _PASS_THROUGH or (op.type in _REDUCTIONS
+                                         and op.inputs[0].shape.rank == 0):
+            op = op.inputs[0].op  # (ops.sum of a scalar: Keras sums each added loss)
         elif (operand := _scaled_operand(op)) is not None:
             op = operand.op
         else:
@@ -102,10 +103,15 @@ def _divides_by_its_count(op, walk: _Walk) -> bool:
     rows, or by the elements summed. Another constant only scales the sum."""
     if op.type not in ("RealDiv", "DivNoNan"):
         return False
-    divisor = tf.get_static_value(op.inputs[1])
+    divisor = _evaluate(op.inputs[1])
     dividend = op.inputs[0].op
-    while dividend.type in _PASS_THROUGH:
-        dividend = dividend.inputs[0].op
+    while True:  # a constant factor on the sum (an L2 penalty's 0.01) keeps it a sum
+        if dividend.type in _PASS_THROUGH:
+            dividend = dividend.inputs[0].op
+        elif (operand := _scaled_operand(dividend)) is not None:
+            dividend = operand.op
+        else:
+            break
     if divisor is None or np.ndim(divisor) or dividend.type != "Sum":
         return False
     shape = dividend.inputs[0].shape
@@ -159,6 +165,11 @@ def _reads_batch(top) -> bool:
                for op in _ancestors(top))
 
 
+def reads_batch(tensor: Any) -> bool:
+    """Whether a value of the batch reaches ``tensor`` (in a graph being traced)."""
+    return hasattr(tensor, "op") and _reads_batch(tensor.op)
+
+
 def _ancestors(top, stop: frozenset | set = frozenset()) -> Iterator[Any]:
     """``top`` and every op it is computed from, once each, depth first; not through
     a shape op's input (its values do not reach the output), nor ``stop``'s ops."""
@@ -190,23 +201,83 @@ def _scaled_operand(op) -> Any:
 
 def _mixes_rows(top, stop: set) -> bool:
     """Whether an op between ``stop`` (the sources' ops) and ``top`` combines rows: a
-    matrix product, a reduction over axis 0 (or over axes not known), a transpose that
-    moves axis 0. Shapes do not count (``eye(batch_size)`` alone mixes nothing)."""
-    return any(_combines_rows(op) for op in _ancestors(top, stop))
+    product that contracts the rows or pairs them (``x @ transpose(x)``, a similarity
+    matrix; ``transpose(z) @ z``, a cross-correlation), a reduction over axis 0 (or over
+    axes not known), a transpose that moves axis 0. A product with weights (a ``Dense``
+    layer's ``x @ W``) or batched over axis 0 (attention) keeps rows apart, and so do
+    shapes (``eye(batch_size)`` alone mixes nothing). BatchNormalization's moments
+    (under a ``moments`` name scope) are left to its own warning and pooling."""
+    batch = _BatchValues(stop)
+    return any(_combines_rows(op, batch) for op in _ancestors(top, stop))
 
 
-def _combines_rows(op) -> bool:
+class _BatchValues:
+    """Which ops compute from the batch's values: ``stop``'s (the sources), a function
+    input that is not a variable's handle, and what reads them (not through a shape)."""
+
+    def __init__(self, stop: set) -> None:
+        self.stop = stop
+        self.known: dict = {}
+
+    def __call__(self, tensor) -> bool:
+        top = tensor.op
+        stack = [(top, False)]
+        while stack:
+            op, ready = stack.pop()
+            if op in self.known:
+                continue
+            if op in self.stop or (op.type == "Placeholder" and op.outputs[0].dtype != tf.resource):
+                self.known[op] = True
+                continue
+            inputs = [] if op.type in _SHAPE_OPS else [t.op for t in op.inputs]
+            if ready:
+                self.known[op] = any(self.known.get(i, False) for i in inputs)
+                continue
+            stack.append((op, True))
+            stack.extend((i, False) for i in inputs if i not in self.known)
+        return self.known[top]
+
+
+def _combines_rows(op, batch: _BatchValues) -> bool:
     if op.type in _MATMULS:
-        return True
+        return _product_mixes(op, batch)
     if op.type in _AXIS_REDUCTIONS and len(op.inputs) > 1:
+        if "/moments/" in f"/{op.name}/" or not batch(op.inputs[0]):
+            return False
         axes = tf.get_static_value(op.inputs[1])
         rank = op.inputs[0].shape.rank
         return axes is None or rank is None or 0 in {int(a) % max(rank, 1)
                                                      for a in tf.nest.flatten(axes.tolist())}
     if op.type == "Transpose":
         perm = tf.get_static_value(op.inputs[1])
-        return perm is None or int(perm[0]) != 0
+        return batch(op.inputs[0]) and (perm is None or int(perm[0]) != 0)
     return False
+
+
+def _product_mixes(op, batch: _BatchValues) -> bool:
+    """A matrix product mixes rows where it contracts a batch operand's axis 0, or pairs
+    the rows of two batch operands; batched products keep axis 0 apart."""
+    read = [batch(t) for t in op.inputs[:2]]
+    if op.type == "Einsum":
+        try:
+            operands, output = op.get_attr("equation").decode().replace(" ", "").split("->")
+        except (ValueError, AttributeError):
+            return any(read)
+        firsts = {spec.replace("...", ".")[:1]
+                  for spec, reads in zip(operands.split(","), read, strict=False) if reads}
+        output = output.replace("...", ".")
+        return len(firsts) > 1 or any(first not in output for first in firsts)
+    ranks = [t.shape.rank for t in op.inputs[:2]]
+    if op.type != "MatMul" and None not in ranks and min(ranks) > 2:
+        return False  # batched over axis 0
+    flip = ("transpose_a", "transpose_b") if op.type == "MatMul" else ("adj_x", "adj_y")
+    try:
+        first_contracted = op.get_attr(flip[0])  # a's axis 0 is summed over
+        second_contracted = not op.get_attr(flip[1])  # b's axis 0 is summed over
+    except ValueError:
+        return any(read)
+    return (read[0] and read[1]) or (read[0] and first_contracted) or (
+        read[1] and second_contracted)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -235,19 +306,28 @@ def repeats_rows(gradient: tf.IndexedSlices) -> bool:
     computed from constants and static shapes alone (a position embedding over
     ``ops.arange(num_patches)``) are the same every step and are computed here, once.
     """
-    indices = gradient.indices
+    values = _evaluate(gradient.indices)
+    return values is None or np.unique(values).size < values.size
+
+
+def _evaluate(tensor) -> np.ndarray | None:
+    """``tensor``'s value where constants and static shapes alone compute it (None where
+    the batch, a variable or a random draw reaches it): ``tf.get_static_value``, else
+    the traced graph run up to it once, with its shape ops fed their static values."""
+    value = tf.get_static_value(tensor)
+    if value is not None:
+        return np.asarray(value)
     feeds = {}
-    for op in _ancestors(indices.op):
+    for op in _ancestors(tensor.op):
         if op.type in _SHAPE_OPS:
-            value = tf.get_static_value(op.outputs[0])
-            if value is None:
-                return True
-            feeds[op.outputs[0]] = value
+            shape = tf.get_static_value(op.outputs[0])
+            if shape is None:
+                return None
+            feeds[op.outputs[0]] = shape
         elif op.type == "Placeholder" or op._is_stateful:  # the batch, a variable, a draw
-            return True
+            return None
     try:
-        with tf.compat.v1.Session(graph=indices.graph) as session:
-            values = np.asarray(session.run(indices, feed_dict=feeds))
+        with tf.compat.v1.Session(graph=tensor.graph) as session:
+            return np.asarray(session.run(tensor, feed_dict=feeds))
     except (tf.errors.OpError, ValueError, TypeError):
-        return True
-    return np.unique(values).size < values.size
+        return None

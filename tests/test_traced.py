@@ -82,8 +82,8 @@ def test_with_static_shapes_a_division_by_the_count_is_a_mean_and_by_another_con
     def traced(t):
         forms = {"by_rows": 0.5 * (ops.sum(t) / ops.shape(t)[0]),
                  "by_elements": ops.sum(t) / float(np.prod(t.shape)),
-                 # Keras's reduction: its count is a product the trace does not fold;
-                 # None, which a custom step weighs as a mean (as it is).
+                 # Keras's reduction: its count is a product tf.get_static_value does
+                 # not fold; computed from the graph, it is the number of elements.
                  "keras_reduction": ops.divide_no_nan(
                      ops.sum(t), ops.cast(ops.prod(ops.shape(t)), "float32")),
                  "by_global_batch": ops.sum(ops.square(t)) / 32.0,
@@ -93,7 +93,7 @@ def test_with_static_shapes_a_division_by_the_count_is_a_mean_and_by_another_con
         return t
 
     traced(np.zeros((6, 3), "float32"))
-    assert kinds == {"by_rows": "mean", "by_elements": "mean", "keras_reduction": None,
+    assert kinds == {"by_rows": "mean", "by_elements": "mean", "keras_reduction": "mean",
                      "by_global_batch": "sum", "mean": "mean"}
 
 

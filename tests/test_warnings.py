@@ -197,6 +197,72 @@ def test_a_loss_of_one_value_per_batch_is_named_when_split():
     assert not [w for w in seen if "one value per batch" in str(w.message)]
 
 
+def _similarity(z):  # SimCLR: cross-entropy over the batch's similarity matrix
+    z = keras.ops.normalize(z, axis=1)
+    logits = keras.ops.matmul(z, keras.ops.transpose(z)) / 0.1
+    return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
+        keras.ops.arange(keras.ops.shape(z)[0]), logits, from_logits=True))
+
+
+def _cross_correlation(z):  # Barlow Twins: standardised over the batch, z.T @ z
+    z = (z - keras.ops.mean(z, axis=0)) / (keras.ops.std(z, axis=0) + 1e-3)
+    c = keras.ops.matmul(keras.ops.transpose(z), z) / keras.ops.cast(keras.ops.shape(z)[0],
+                                                                     "float32")
+    return keras.ops.sum(keras.ops.square(c - keras.ops.eye(4)))
+
+
+def _per_row(z):  # rows kept apart: each row's own attention over its 2 halves
+    halves = keras.ops.reshape(z, (-1, 2, 2))
+    attended = keras.ops.einsum("bij,bkj->bik", halves, halves)
+    return keras.ops.mean(keras.ops.square(attended))
+
+
+class OwnLoss(keras.Model):
+    """A custom train_step that differentiates ``self.objective`` of its output."""
+
+    objective = staticmethod(_per_row)
+
+    def train_step(self, data):
+        x, _ = data
+        with tf.GradientTape() as tape:
+            loss = self.objective(self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize(("objective", "mixes"), [(_similarity, True),
+                                                  (_cross_correlation, True),
+                                                  (_per_row, False)],
+                         ids=["similarity", "cross_correlation", "per_row"])
+def test_a_custom_step_whose_loss_mixes_rows_is_warned_about(objective, mixes):
+    # Before, a custom step's loss was read through the model without looking for rows
+    # mixed on the way: SimCLR's similarity loss trained 0.04 relative off model.fit,
+    # silently. A Dense layer's x @ W, a batched einsum and BatchNormalization's
+    # moments (warned apart) keep rows apart.
+    def make():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        hidden = keras.layers.BatchNormalization()(keras.layers.Dense(6)(inputs))
+        model = type("Step", (OwnLoss,), {"objective": staticmethod(objective)})(
+            inputs, keras.layers.Dense(4)(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        return model
+
+    r = np.random.default_rng(0)
+    x, y = r.normal(size=(64, 8)).astype("float32"), np.zeros((64, 4), "float32")
+    reference, candidate = make(), make()
+    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        autosplit.fit_large_batch(candidate, x, y, batch_size=32, micro_batch_size=12,
+                                  epochs=1, shuffle=False, verbose=0)
+    named = [w for w in seen if "mixes the batch's rows" in str(w.message)]
+    assert bool(named) is mixes, [str(w.message)[:80] for w in seen]
+    if mixes:  # and it is not exact: the warning is not noise
+        assert relative_error(reference.get_weights(), candidate.get_weights()) > 1e-3
+
+
 def _contrastive_mean(y_true, y_pred):  # keras-io siamese_contrastive's loss, as written
     y_true = keras.ops.cast(y_true, "float32")
     losses = (1 - y_true) * keras.ops.square(y_pred) + y_true * keras.ops.square(
