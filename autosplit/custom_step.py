@@ -51,7 +51,7 @@ from autosplit import _keras
 from autosplit.batchnorm import calls_of, counted_all, pooled_layers, recording
 from autosplit.compiled import trace as trace_once
 from autosplit.errors import AutosplitError, UnsupportedModelError, add_note_once
-from autosplit.traced import counts_rows, reads_batch, repeats_rows, row_reduction
+from autosplit.traced import counts_rows, repeats_rows, row_reduction
 
 __all__ = ["CustomFacts", "Intercepted", "Targets", "batch_data", "custom_facts",
            "flat_logs", "from_batch", "has_custom_step", "intercept", "metrics_or_last",
@@ -237,8 +237,7 @@ def _class_patches(patches: list[tuple[type, str, Any]]) -> Iterator[None]:
 
 class Targets:
     """What :func:`watch_targets` saw: per model trainable variable (by id), whether its
-    gradient is of a sum over the rows; whether a target is neither a mean nor a sum of
-    rows kept apart (a ratio over the batch, or a loss that mixes its rows)."""
+    gradient is of a sum over the rows; whether a target is a ratio over the batch."""
 
     def __init__(self) -> None:
         self.summed: dict[int, bool] = {}
@@ -246,8 +245,7 @@ class Targets:
 
 
 @contextlib.contextmanager
-def watch_targets(model: keras.Model, rows: int | None, sources: Any = None
-                  ) -> Iterator[Targets]:
+def watch_targets(model: keras.Model, rows: int | None) -> Iterator[Targets]:
     """While a ``train_step`` is traced on a batch of ``rows`` rows (None: unknown): per
     model trainable variable (by id) that a ``tf.GradientTape.gradient`` call differentiates,
     whether that call's target is a sum over the rows. ``tape.gradient`` sums a
@@ -256,10 +254,7 @@ def watch_targets(model: keras.Model, rows: int | None, sources: Any = None
     (``compute_loss`` returning ``ops.sum(loss)``, :func:`autosplit.traced.row_reduction`):
     their micro-batches' gradients add up unweighed. Another scalar is taken for a mean;
     one that divides by a value of the batch (a mean over unmasked tokens) is noted as a
-    ratio, which no weighing of the micro-batches reproduces. With ``sources`` (the
-    step's inputs), a scalar that mixes rows on its way from them (a similarity matrix
-    of the batch, SimCLR; a cross-correlation over it, Barlow Twins) or that the trace
-    cannot read as a mean or a sum of the rows is noted so too.
+    ratio, which no weighing of the micro-batches reproduces.
 
     Raises:
         UnsupportedModelError: a variable differentiated both ways (no one weight fits).
@@ -272,9 +267,8 @@ def watch_targets(model: keras.Model, rows: int | None, sources: Any = None
         target = tf.convert_to_tensor(target)
         shape = target.shape
         if shape.rank == 0:
-            kind = row_reduction(target, sources, rows)
-            targets.ratio |= kind == "ratio" or (
-                kind is None and sources is not None and reads_batch(target))
+            kind = row_reduction(target, rows=rows)
+            targets.ratio |= kind == "ratio"
             return kind == "sum"
         return shape.rank is not None and shape[0] in (None, rows)
 
@@ -427,9 +421,7 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
         layers = pooled_layers(model)
         with intercept(model, None, 1) as seen, watch_writes() as written, \
                 recording(layers) as records, \
-                watch_targets(model, tf.nest.flatten(x)[0].shape[0],
-                              [t for t in tf.nest.flatten((x, y, sample_weight))
-                               if t is not None]) as targets:
+                watch_targets(model, tf.nest.flatten(x)[0].shape[0]) as targets:
             logs = model.train_step(batch_data(x, y, sample_weight))
         inputs = {t.op for t in tf.nest.flatten((x, y, sample_weight)) if t is not None}
         averaged = tuple(from_batch(tf.convert_to_tensor(t), inputs)

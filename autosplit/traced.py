@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["counts_rows", "reads_batch", "repeats_rows", "row_reduction"]
+__all__ = ["counts_rows", "repeats_rows", "row_reduction"]
 
 _PASS_THROUGH = frozenset({"Identity", "Cast", "CheckNumerics"})
 _REDUCTIONS = {"Mean": "mean", "Sum": "sum"}
@@ -164,10 +164,6 @@ def _reads_batch(top) -> bool:
     return any(op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
                for op in _ancestors(top))
 
-
-def reads_batch(tensor: Any) -> bool:
-    """Whether a value of the batch reaches ``tensor`` (in a graph being traced)."""
-    return hasattr(tensor, "op") and _reads_batch(tensor.op)
 
 
 def _ancestors(top, stop: frozenset | set = frozenset()) -> Iterator[Any]:

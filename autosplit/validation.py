@@ -189,7 +189,7 @@ def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
             "batch's real rows: equal to the full batch for a mean over the batch's rows, "
             "not for another ratio (sum(loss * mask) / sum(mask), a mean over tokens) "
             "nor for a loss that mixes the batch's rows (a similarity matrix of the "
-            "batch, SimCLR; a cross-correlation over it, Barlow Twins). "
+            "batch, as a supervised-contrastive loss builds). "
             "Return per-example values (shape (batch,) or (batch, ...)) and mask with "
             "sample_weight or ignore_class, or run autosplit.check(model, x, y, "
             "micro_batch_size=...) to compare with the full batch.")

@@ -32,6 +32,16 @@ FORMS = {
         [ops.sum(x), ops.sum(PENALTY)])), None),
     "mean_of_column_maxima": (lambda x: ops.mean(ops.max(x, axis=0)), None),
     "similarity": (lambda x: ops.mean(ops.matmul(x, ops.transpose(x))), None),
+    "cross_correlation": (lambda x: ops.sum(ops.square(ops.matmul(ops.transpose(x), x))),
+                          None),
+    "rows_times_a_matrix": (lambda x: ops.mean(ops.matmul(x, ops.ones((3, 2)))), "mean"),
+    "rows_through_a_variable": (lambda x: ops.sum(ops.matmul(x, ops.reshape(
+        ops.concatenate([PENALTY, PENALTY, PENALTY]), (3, 2)))), "sum"),
+    "a_matrix_times_the_rows": (lambda x: ops.mean(ops.square(ops.matmul(
+        ops.ones((2, ops.shape(x)[0])), x))), None),
+    "batched_einsum": (lambda x: ops.mean(ops.einsum(
+        "bi,bj->bij", x, x)), "mean"),
+    "paired_einsum": (lambda x: ops.mean(ops.einsum("ik,jk->ij", x, x)), None),
     "centred": (lambda x: ops.mean(ops.square(x - ops.mean(x, axis=0))), None),
 }
 
