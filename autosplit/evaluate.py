@@ -71,7 +71,7 @@ class Evaluator:
 
     def _plan(self, spec) -> LossPlan:
         x, y, w, _ = spec
-        return loss_plan(self.model, (x, empty_to_none(y), empty_to_none(w)))
+        return loss_plan(self.model, (x, empty_to_none(y), empty_to_none(w)), training=False)
 
     def _loop(self, iterator, count) -> tuple[Totals, tf.Tensor]:
         """Up to ``count`` micro-batches: their sums, and whether the data ran out."""

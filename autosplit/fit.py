@@ -206,8 +206,9 @@ def fit_large_batch(
         initial_epoch: as in ``model.fit``.
         steps_per_epoch: as in ``model.fit``, counted in large batches.
         validation_steps: as in ``model.fit``.
-        validation_batch_size: as in ``model.fit``; validation runs at the micro-batch
-            size unless it is given.
+        validation_batch_size: as in ``model.fit``: the rows of a validation batch
+            (default ``batch_size``), each run in micro-batches of at most the
+            training micro-batch size.
         validation_freq: as in ``model.fit``.
         jit_compile: XLA for the per-micro-batch computation; default ``model.compile``'s.
         on_oom: ``"recover"`` (default) finishes a batch that ran out of memory with

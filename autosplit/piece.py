@@ -185,9 +185,13 @@ def _forward_kind(loss: tf.Tensor, rows: int | None) -> str | None:
 
 
 @tf.autograph.experimental.do_not_convert
-def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
-    """Trace one micro-batch of ``specs`` = (x, y, sample_weight) specs; nothing runs."""
-    key = repr(specs)
+def loss_plan(model: keras.Model, specs: tuple, *, training: bool = True) -> LossPlan:
+    """Trace one micro-batch of ``specs`` = (x, y, sample_weight) specs; nothing runs.
+
+    ``training=False``: the plan of validation, whose forward pass may add other losses
+    (a layer that adds one only in training), matched to them by position.
+    """
+    key = repr(specs) if training else ("inference", repr(specs))
     cache = model_state(model).plans
     if key in cache:
         return cache[key]
@@ -197,7 +201,8 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
         valid = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.float32)
         layers = pooled_layers(model)
         with recording(layers) as records, tf.GradientTape() as tape:
-            _, _, terms, in_call = forward(model, x, y, sample_weight, valid)
+            _, _, terms, in_call = forward(model, x, y, sample_weight, valid,
+                                           training=training)
             parts = [t.numerator for t in terms] + [tf.reduce_sum(t) for t in in_call]
             total = tf.add_n(parts) if parts else tf.constant(0.0)
         grads = tape.gradient(total, model.trainable_variables)
@@ -226,6 +231,8 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
     if facts["forward"] or any(f and k == COUNT for f, k in zip(folded, kinds, strict=True)):
         groups.append(COUNT_GROUP)
     forward_summed = tuple(kind == "sum" for kind in facts["forward_kinds"])
+    if any(forward_summed):
+        forward_summed = _summed_at_other_rows(model, specs, forward_summed, training)
     if any(k == SUM for k in kinds) or any(forward_summed):
         groups.append(SUM_GROUP)
     groups += [("deferred", j) for j, f in enumerate(folded) if not f]
@@ -242,6 +249,36 @@ def loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
     )
     cache[key] = plan
     return plan
+
+
+def _summed_at_other_rows(model: keras.Model, specs: tuple, summed: tuple[bool, ...],
+                          training: bool) -> tuple[bool, ...]:
+    """``summed`` where an added loss is a sum over the rows at one row more too.
+
+    A vector of one value per unit (``ops.mean(h**2, axis=0)``) has as many entries as a
+    micro-batch has rows when the units happen to number m; traced again at m + 1 rows,
+    only a vector of one value per row (or a sum of such) grows with them.
+    """
+    rows = tf.nest.flatten(specs[0])[0].shape[0]
+    if rows is None:
+        return summed
+
+    def grown(spec):
+        if not isinstance(spec, tf.TensorSpec) or not spec.shape.rank or spec.shape[0] != rows:
+            return spec
+        return tf.TensorSpec([rows + 1, *spec.shape[1:]], spec.dtype)
+
+    seen: dict[str, Any] = {}
+
+    def trace(x, y, sample_weight):
+        valid = tf.ones([rows + 1], tf.float32)
+        *_, in_call = forward(model, x, y, sample_weight, valid, training=training)
+        seen["kinds"] = tuple(_forward_kind(t, rows + 1) for t in in_call)
+        return tf.constant(0.0)
+
+    trace_once(trace, *tf.nest.map_structure(grown, specs))
+    kinds = seen["kinds"]
+    return tuple(s and i < len(kinds) and kinds[i] == "sum" for i, s in enumerate(summed))
 
 
 def step_plan(model: keras.Model, specs: tuple) -> LossPlan:

@@ -115,6 +115,58 @@ def test_an_added_loss_summed_over_the_rows_equals_model_fit(vector):
                                    err_msg=name)
 
 
+class TrainingOnlyPenalty(keras.layers.Layer):
+    def call(self, h, training=None):
+        if training:
+            self.add_loss(0.01 * keras.ops.mean(keras.ops.square(h)))
+        return h
+
+
+class PerRowPenalty(keras.layers.Layer):
+    def call(self, h):
+        self.add_loss(0.1 * keras.ops.sum(keras.ops.square(h), axis=1))  # Keras sums it
+        return h
+
+
+class PerUnitPenalty(keras.layers.Layer):
+    def call(self, h):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(h), axis=0))  # one per unit
+        return h
+
+
+@pytest.mark.parametrize("layers", ["training_only_then_per_row", "per_unit_as_many_as_m"])
+def test_added_losses_are_told_apart_by_what_they_are_not_where_they_stand(layers):
+    # Review of the summed added losses (helper 26): validation matched the losses of a
+    # training-mode trace by position, so behind a penalty added only in training a
+    # per-row loss was read as a mean (val_loss 3.31 against model.fit's 9.85); and a
+    # vector of one value per unit, 16 units at m = 16, was read as one per row and
+    # counted whole per micro-batch (k times too large).
+    def make():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(16)(inputs)
+        if layers == "training_only_then_per_row":
+            hidden = PerRowPenalty()(TrainingOnlyPenalty()(hidden))
+        else:
+            hidden = PerUnitPenalty()(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return model
+
+    r = np.random.default_rng(0)
+    x, y = r.normal(size=(128, 4)).astype("float32"), r.normal(size=(128, 1)).astype("float32")
+    val = (r.normal(size=(64, 4)).astype("float32"), r.normal(size=(64, 1)).astype("float32"))
+    reference, candidate = twins(make)
+    expected = reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
+                             validation_data=val)
+    got = autosplit.fit_large_batch(candidate, x, y, batch_size=64, micro_batch_size=16,
+                                    epochs=2, shuffle=False, verbose=0, validation_data=val)
+    assert relative_error(reference.get_weights(), candidate.get_weights()) <= 1e-5
+    for name in ("loss", "val_loss"):
+        np.testing.assert_allclose(got.history[name], expected.history[name], rtol=1e-5,
+                                   err_msg=name)
+
+
 def test_added_loss_next_to_a_compiled_loss_under_xla():
     """A per-example-mean added loss plus a compiled one, jit-compiled: the short
     micro-batch without its padding is a second compiled shape."""
