@@ -320,10 +320,10 @@ def _evaluate(tensor) -> np.ndarray | None:
             if shape is None:
                 return None
             feeds[op.outputs[0]] = shape
-        elif op.type == "Placeholder" or op._is_stateful:  # the batch, a variable, a draw
-            return None
+        elif op.type == "Placeholder" or op._is_stateful or op.control_inputs:
+            return None  # the batch, a variable, a draw; or what else would run with it
     try:
         with tf.compat.v1.Session(graph=tensor.graph) as session:
             return np.asarray(session.run(tensor, feed_dict=feeds))
-    except (tf.errors.OpError, ValueError, TypeError):
+    except (tf.errors.OpError, ValueError, TypeError, RuntimeError):
         return None
