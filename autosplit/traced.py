@@ -15,9 +15,11 @@ the value is, which the graph a trace builds tells, before anything runs:
   ``tf.IndexedSlices``) can name a row twice; a position embedding looked up on a fixed
   ``arange`` never does.
 
-The walks read ops and static values only; they run nothing, except
-:func:`repeats_rows`, which computes indices that read no input and draw nothing.
-AutoGraph must not convert them (they are called while a step is traced).
+The walks read ops and static values; they run nothing of the batch. A value that
+constants and static shapes alone compute, which ``tf.get_static_value`` does not fold
+(Keras's count of a loss's elements, a position embedding's indices), is computed once
+from the traced graph (``_evaluate``). AutoGraph must not convert them (they are called
+while a step is traced).
 """
 
 from __future__ import annotations
@@ -163,7 +165,6 @@ def _reads_batch(top) -> bool:
     (a ``Placeholder`` that is not a variable's handle), not through a shape alone."""
     return any(op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
                for op in _ancestors(top))
-
 
 
 def _ancestors(top, stop: frozenset | set = frozenset()) -> Iterator[Any]:
