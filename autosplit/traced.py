@@ -78,13 +78,10 @@ def _reduction(op, walk: _Walk) -> str | None:
     while True:
         if _divides_by_its_count(op, walk):  # before a constant divisor is peeled off
             return "mean"
-        if op.type in _PASS_THROUGH or (op.type in _REDUCTIONS
-                                         and op.inputs[0].shape.rank == 0):
-            op = op.inputs[0].op  # (ops.sum of a scalar: Keras sums each added loss)
-        elif (operand := _scaled_operand(op)) is not None:
-            op = operand.op
-        else:
+        inner = _peeled(op)
+        if inner is None:
             break
+        op = inner
     if op.type in ("AddV2", "Add", "Sub"):
         return _combined([_reduction(t.op, walk) for t in op.inputs])
     if op.type in ("RealDiv", "DivNoNan") and _reduction(op.inputs[0].op, walk) == "sum":
@@ -107,13 +104,8 @@ def _divides_by_its_count(op, walk: _Walk) -> bool:
         return False
     divisor = _evaluate(op.inputs[1])
     dividend = op.inputs[0].op
-    while True:  # a constant factor on the sum (an L2 penalty's 0.01) keeps it a sum
-        if dividend.type in _PASS_THROUGH:
-            dividend = dividend.inputs[0].op
-        elif (operand := _scaled_operand(dividend)) is not None:
-            dividend = operand.op
-        else:
-            break
+    while (inner := _peeled(dividend)) is not None:  # an L2 penalty's 0.01 keeps a sum
+        dividend = inner
     if divisor is None or np.ndim(divisor) or dividend.type != "Sum":
         return False
     shape = dividend.inputs[0].shape
@@ -179,6 +171,15 @@ def _ancestors(top, stop: frozenset | set = frozenset()) -> Iterator[Any]:
         yield op
         if op.type not in _SHAPE_OPS:
             stack.extend(t.op for t in op.inputs)
+
+
+def _peeled(op) -> Any:
+    """The op under ``op`` where ``op`` changes no kind: a pass-through, a sum of a
+    scalar (Keras sums each added loss), a constant factor; None for any other op."""
+    if op.type in _PASS_THROUGH or (op.type in _REDUCTIONS and op.inputs[0].shape.rank == 0):
+        return op.inputs[0].op
+    operand = _scaled_operand(op)
+    return None if operand is None else operand.op
 
 
 def _scaled_operand(op) -> Any:
