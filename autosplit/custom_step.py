@@ -50,7 +50,7 @@ from tensorflow.python.ops import resource_variable_ops  # tf.Variable's classes
 from autosplit import _keras
 from autosplit.batchnorm import calls_of, counted_all, pooled_layers, recording
 from autosplit.compiled import trace as trace_once
-from autosplit.errors import AutosplitError, UnsupportedModelError, add_note_once
+from autosplit.errors import UnsupportedModelError, noted
 from autosplit.traced import counts_rows, repeats_rows, row_reduction
 
 __all__ = ["CustomFacts", "Intercepted", "Targets", "batch_data", "custom_facts",
@@ -430,21 +430,16 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
                      batch_norm_calls=calls_of(layers, records), targets=targets)
         return tf.constant(0.0)
 
-    try:
+    # Our own refusal (a GAN's second optimizer) passes without the note on rows.
+    with noted(f"autosplit traced `{type(model).__name__}.train_step` on a micro-batch of "
+               f"{static_rows or 'some'} rows: it cuts every input along its first axis, "
+               "one row per example, as a batch of fewer rows. A step that reads positions "
+               "along that axis (data[0] and data[1] as anchors and positives, keras-io's "
+               "metric learning) or needs the whole batch cannot be split so: give such "
+               "parts an axis of their own after the rows, or train with model.fit."):
         trace_once(trace, *specs)
         if not counted_all(model, facts["batch_norm_calls"]):
             trace_once(trace, *specs)  # the first trace built layers: count their calls
-    except AutosplitError:
-        raise  # our own refusal (a GAN's second optimizer) says why: no note on rows
-    except (ValueError, TypeError, IndexError, tf.errors.OpError) as error:
-        add_note_once(error, (
-            f"autosplit traced `{type(model).__name__}.train_step` on a micro-batch of "
-            f"{static_rows or 'some'} rows: it cuts every input along its first axis, one row "
-            "per example, as a batch of fewer rows. A step that reads positions along that "
-            "axis (data[0] and data[1] as anchors and positives, keras-io's metric "
-            "learning) or needs the whole batch cannot be split so: give such parts an "
-            "axis of their own after the rows, or train with model.fit."))
-        raise
     _check_writes(model, facts["written"])
     _check_compiled_reduction(model, weighted=specs[2] is not None)
     seen = facts["seen"]

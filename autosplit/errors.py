@@ -8,7 +8,9 @@ errors are raised before any model, optimizer or metric state changes.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 __all__ = [
     "ArgumentError",
@@ -80,15 +82,23 @@ def describe(value: object) -> str:
     return f"{text} (type {type(value).__name__})"
 
 
-def add_note_once(error: BaseException, note: str) -> None:
-    """Add ``note`` to ``error`` unless an autosplit note is there already.
+@contextlib.contextmanager
+def noted(note: str) -> Iterator[None]:
+    """A model's own error raised inside gets ``note``, unless an autosplit note is there.
 
-    A model's own error (a reshape that fixes the batch size) gets one explanation of
-    what autosplit did to its inputs, however many of our frames it passes. Python 3.10
-    has no notes: the error goes on as it is.
+    A model's error (a reshape that fixes the batch size, a step that reads positions
+    along the rows) gets one explanation of what autosplit did to its inputs, however
+    many of our frames it passes. Our own errors say why already, and an out-of-memory
+    error is the search's to catch: both pass as they are. Python 3.10 has no notes.
     """
-    if sys.version_info < (3, 11):
-        return
-    if any(n.startswith("autosplit ") for n in getattr(error, "__notes__", ())):
-        return
-    error.add_note(note)
+    import tensorflow as tf  # the errors above stay importable without it
+
+    try:
+        yield
+    except (AutosplitError, tf.errors.ResourceExhaustedError):
+        raise
+    except (ValueError, TypeError, IndexError, tf.errors.OpError) as error:
+        if sys.version_info >= (3, 11) and not any(
+                n.startswith("autosplit ") for n in getattr(error, "__notes__", ())):
+            error.add_note(note)
+        raise

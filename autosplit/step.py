@@ -29,7 +29,7 @@ import tensorflow as tf
 from autosplit import _keras
 from autosplit.compiled import Compilation, FunctionCache
 from autosplit.custom_step import has_custom_step
-from autosplit.errors import AutosplitError, DatasetError, add_note_once
+from autosplit.errors import DatasetError, noted
 from autosplit.model_state import model_state, step_key
 from autosplit.piece import empty_to_none
 from autosplit.pipeline import MicroBatches
@@ -221,8 +221,12 @@ def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | 
     state = model_state(model)
     key = step_key(pipeline.batch_size, compilation, batch_norm)
     step = state.steps.get(key)
-    reused = step is not None
-    try:
+    # keras-io's Switch Transformer reshapes to a fixed batch_size * tokens.
+    with noted(f"autosplit built and traced `{type(model).__name__}` on micro-batches of "
+               f"{pipeline.rows} rows (batch_size={pipeline.batch_size}), as model.fit "
+               "would on batches of that size. A model that fixes the batch size in "
+               "call() (a reshape to batch_size * tokens) cannot be split: take such "
+               "sizes from the input (keras.ops.shape(x)[0]), or train with model.fit."):
         build_for(model, spec, pipeline.local_replicas)
         if step is None:
             if state.steps:
@@ -233,20 +237,9 @@ def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | 
             step = TrainStep(model, pipeline.batch_size, spec, compilation=compilation,
                              batch_norm=batch_norm)
             state.steps[key] = step
-    except (AutosplitError, tf.errors.ResourceExhaustedError):
-        raise  # our refusals say why; an OOM is the search's to catch
-    except (ValueError, TypeError, IndexError, tf.errors.OpError) as error:
-        # keras-io's Switch Transformer reshapes to a fixed batch_size * tokens.
-        add_note_once(error, (
-            f"autosplit built and traced `{type(model).__name__}` on micro-batches of "
-            f"{pipeline.rows} rows (batch_size={pipeline.batch_size}), as model.fit "
-            "would on batches of that size. A model that fixes the batch size in call() "
-            "(a reshape to batch_size * tokens) cannot be split: take such sizes from "
-            "the input (keras.ops.shape(x)[0]), or train with model.fit."))
-        raise
-    if reused:
-        step.rebind(spec)
-        step.discard()
+        else:
+            step.rebind(spec)
+            step.discard()
     step.end_marker = False  # a fit_large_batch call whose input is marked sets it
     return step
 
