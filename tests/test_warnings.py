@@ -40,6 +40,20 @@ def assert_here(found, line):
         assert (w.filename, w.lineno) == (__file__, line), (w.filename, w.lineno, str(w.message))
 
 
+def quiet_and_exact(make, x, y, *, batch_size, micro_batch_size, quiet_about, rtol):
+    """``model.fit`` and ``fit_large_batch`` on twins from ``make`` (2 epochs, in
+    order): no warning mentions ``quiet_about`` and the weights agree to ``rtol``."""
+    reference, candidate = make(), make()
+    reference.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        autosplit.fit_large_batch(candidate, x, y, batch_size=batch_size,
+                                  micro_batch_size=micro_batch_size, epochs=2,
+                                  shuffle=False, verbose=0)
+    assert not [w for w in seen if quiet_about in str(w.message)]
+    assert relative_error(reference.get_weights(), candidate.get_weights()) < rtol
+
+
 def test_fit_warnings_name_the_callers_line():
     x, y = labelled(64, 8, 3)
     model = classifier(8, 16, 3)
@@ -166,14 +180,8 @@ def test_a_position_embedding_names_each_row_once_and_is_not_warned_about(from_s
 
     r = np.random.default_rng(0)
     x, y = r.normal(size=(64, 6, 4)).astype("float32"), r.integers(0, 3, 64)
-    reference, candidate = make(), make()
-    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        autosplit.fit_large_batch(candidate, x, y, batch_size=32, micro_batch_size=12,
-                                  epochs=2, shuffle=False, verbose=0)
-    assert not [w for w in seen if "sparse gradients" in str(w.message)]
-    assert relative_error(reference.get_weights(), candidate.get_weights()) < 1e-4
+    quiet_and_exact(make, x, y, batch_size=32, micro_batch_size=12,
+                    quiet_about="sparse gradients", rtol=1e-4)
 
 
 def test_a_loss_of_one_value_per_batch_is_named_when_split():
@@ -224,14 +232,8 @@ def test_a_mean_over_the_rows_returned_as_one_value_is_exact_and_quiet(loss):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
         return model
 
-    reference, candidate = make(), make()
-    reference.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        autosplit.fit_large_batch(candidate, x, y, batch_size=30, micro_batch_size=8,
-                                  epochs=2, shuffle=False, verbose=0)
-    assert not [w for w in seen if "one value per batch" in str(w.message)]
-    assert relative_error(reference.get_weights(), candidate.get_weights()) < 1e-5
+    quiet_and_exact(make, x, y, batch_size=30, micro_batch_size=8,
+                    quiet_about="one value per batch", rtol=1e-5)
 
 
 def test_a_mean_of_values_that_mix_rows_is_named_when_split():
