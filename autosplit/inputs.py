@@ -42,6 +42,7 @@ __all__ = [
     "InputAdapter",
     "KerasInput",
     "batched_ancestor",
+    "counted_rows",
     "get_input",
 ]
 
@@ -337,6 +338,42 @@ def batched_ancestor(dataset: tf.data.Dataset, model: keras.Model | None = None)
     return None
 
 
+# Transformations that hand on every batch whole: what a batched pipeline puts after
+# its batch() (keras.utils.image_dataset_from_directory: batch, then prefetch). Not
+# map: its function may change a batch's row count (doubling it with augmented copies),
+# and nothing short of running it tells.
+_KEEP_ROWS = ("_PrefetchDataset", "CacheDataset", "_CacheDataset", "_OptionsDataset",
+              "_ShuffleDataset", "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset")
+_BATCHES = ("_BatchDataset", "_PaddedBatchDataset", "_ParallelBatchDataset")
+
+
+def counted_rows(dataset: tf.data.Dataset) -> int | None:
+    """The rows of one pass over a batched ``dataset``, known without reading it; None
+    unless certain.
+
+    Known where the pipeline ends in ``batch`` (or ``padded_batch``) of examples of known
+    cardinality, followed only by transformations that hand each batch on whole
+    (``prefetch``, ``cache``, ``shuffle``, options); or where it is ``from_tensors`` of
+    one batch of a static row count. Else (a ``map`` after the batch, a generator) the
+    first epoch's end tells, as in ``model.fit``.
+    """
+    node = dataset
+    while type(node).__name__ in _KEEP_ROWS:
+        node = node._input_dataset  # tf.data internal, as _dataset_inputs
+    name = type(node).__name__
+    if name == "_TensorDataset":
+        rows = {leaf.shape[0] for leaf in tf.nest.flatten(node.element_spec)
+                if isinstance(leaf, tf.TensorSpec) and leaf.shape.rank}
+        return rows.pop() if len(rows) == 1 and None not in rows else None
+    if name not in _BATCHES:
+        return None
+    count = int(node._input_dataset.cardinality())  # the elements it stacks: its rows
+    if count < 0:
+        return None
+    size = int(node._batch_size)
+    return count - count % size if bool(node._drop_remainder) else count
+
+
 def _draws_randomness(dataset: tf.data.Dataset) -> bool:
     """Whether ``dataset`` or a dataset upstream shuffles, samples or runs a function
     with a random op (a ``map`` that augments): each new iterator then moves a seed on."""
@@ -412,7 +449,8 @@ class DatasetInput(InputAdapter):
         self.batched = batched_ancestor(dataset, model) is not None
         self.kind = "batched tf.data.Dataset" if self.batched else "tf.data.Dataset of examples"
         self.infinite = cardinality == tf.data.INFINITE_CARDINALITY
-        self.rows = cardinality if (cardinality > 0 and not self.batched) else None
+        self.rows = (counted_rows(dataset) if self.batched
+                     else cardinality if cardinality > 0 else None)
         _check_class_weight_alone(class_weight, self._arity == 3,
                                   spec[1] if self._arity >= 2 else None)
         self._class_weight = class_weight_fn(class_weight) if class_weight else None

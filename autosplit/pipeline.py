@@ -328,6 +328,13 @@ class MicroBatches:
             if replicas > 1:
                 ds = ds.batch(replicas).map(functools.partial(_pad_replicas_of,
                                                               replicas=replicas))
+            steps = self.steps()
+            if steps is not None:
+                # Every step and epoch boundary rests on this count (a batched input's
+                # is inputs.counted_rows'): a pass that ends short stops with tf.data's
+                # "expected to contain" error rather than take rows of the next epoch.
+                ds = ds.apply(tf.data.experimental.assert_cardinality(
+                    sum(self.elements(step) for step in range(steps))))
             return ds
 
     def can_mark(self) -> bool:

@@ -98,14 +98,16 @@ def mirrored(out):
         report[f"{optimizer}_iterations"] = int(model.optimizer.iterations.numpy())
         report[f"{optimizer}_info"] = {k: getattr(history.autosplit, k) for k in
                                        ("micro_batch_size", "accumulation_steps")}
-    # A batched dataset: one iterator for both epochs, each epoch ending at a marker that
-    # the local replicas' loop (run_local, then the apply) stops at; B = 40 ends an
-    # epoch on a short batch, B = 50 on a whole one (the marker is read after it).
+    # A batched dataset of unknown length (a filter hides it): one iterator for both
+    # epochs, each epoch ending at a marker that the local replicas' loop (run_local,
+    # then the apply) stops at; B = 40 ends an epoch on a short batch, B = 50 on a whole
+    # one (the marker is read after it).
+    batched = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(7).filter(lambda *e: True)
     for batch in (40, 50):
         with strategy.scope():
             model = make(OPTIMIZERS["sgd"])
-        autosplit.fit_large_batch(model, tf.data.Dataset.from_tensor_slices((x, y, w)).batch(7),
-                                  batch_size=batch, micro_batch_size=6, epochs=2, verbose=0)
+        autosplit.fit_large_batch(model, batched, batch_size=batch, micro_batch_size=6,
+                                  epochs=2, verbose=0)
         report[f"batched_{batch}"] = relative_error(reference_weights("sgd", batch, 2),
                                                     model.get_weights())
         report[f"batched_{batch}_iterations"] = int(model.optimizer.iterations.numpy())

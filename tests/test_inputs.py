@@ -125,9 +125,10 @@ def test_a_generator_read_once_to_its_end():
 
 @pytest.mark.parametrize("rows", [N, 4 * B])  # a short last batch, or an exact end
 def test_an_input_of_unknown_length_runs_each_large_batch_in_one_call(monkeypatch, rows):
-    # A batched dataset tells its end only when it comes: each large batch is one call
-    # (the loop, then the apply only if a row came), and a call that finds the input
-    # spent applies nothing: the optimizer steps once per large batch, as model.fit does.
+    # A batched dataset whose length hides behind a filter tells its end only when it
+    # comes: each large batch is one call (the loop, then the apply only if a row
+    # came), and a call that finds the input spent applies nothing: the optimizer steps
+    # once per large batch, as model.fit does.
     from autosplit.step import TrainStep
 
     calls = {"run_if_any": 0, "run_local": 0, "finish": 0}
@@ -146,8 +147,8 @@ def test_an_input_of_unknown_length_runs_each_large_batch_in_one_call(monkeypatc
     model = candidate(initial)
     x, y, w = (a[:rows] for a in data(max(rows, N)))
     history = autosplit.fit_large_batch(
-        model, tf.data.Dataset.from_tensor_slices((x, y, w)).batch(10), batch_size=B,
-        micro_batch_size=M, epochs=2, verbose=0)
+        model, tf.data.Dataset.from_tensor_slices((x, y, w)).batch(10).filter(lambda *e: True),
+        batch_size=B, micro_batch_size=M, epochs=2, verbose=0)
     steps = math.ceil(rows / B)
     assert int(model.optimizer.iterations) == 2 * steps
     # The short last batch runs into the epoch's end marker; a first epoch that ends
@@ -190,7 +191,8 @@ def test_an_input_of_unknown_length_is_read_by_one_iterator_with_marked_epochs(r
 
     def dataset():
         return (tf.data.Dataset.from_tensor_slices((x, y, w))
-                .shuffle(rows, seed=5, reshuffle_each_iteration=True).batch(10))
+                .shuffle(rows, seed=5, reshuffle_each_iteration=True).batch(10)
+                .filter(lambda *e: True))  # of unknown length
 
     weights, losses, iterators = _fit_batched(dataset, marked=True)
     assert [k["marked"] for k in iterators] == [True]
@@ -225,6 +227,78 @@ def test_a_marked_epoch_longer_than_the_first_ends_where_model_fit_ends_it():
     expected, expected_losses, _ = _fit_batched(dataset, marked=False)
     assert_weights_close(expected, weights, 1e-6)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+
+
+class _Events(keras.callbacks.Callback):
+    """What a callback sees: the step count at on_train_begin, then each batch and epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_begin(self, logs=None):
+        self.seen.append(("steps", self.params.get("steps")))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen.append(("begin", batch))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(("end", batch))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(("epoch", epoch))
+
+
+@pytest.mark.parametrize(("pipeline", "rows"), [
+    (lambda ds: ds.batch(30), 260),
+    (lambda ds: ds.batch(30, drop_remainder=True), 240),  # 4 large batches, not 5
+    (lambda ds: ds.batch(30, num_parallel_calls=2).shuffle(9, seed=1).cache().prefetch(2),
+     260),
+    (lambda ds: ds.padded_batch(30), 260),
+    (lambda ds: tf.data.Dataset.from_tensors(next(iter(ds.batch(260)))), 260),
+], ids=["batch", "drop_remainder", "shuffled-cached-prefetched", "padded_batch",
+        "from_tensors"])
+def test_a_batched_dataset_of_known_length_is_counted_from_the_first_epoch(pipeline, rows):
+    # model.fit knows a .batch(30) dataset's length before it starts; autosplit learnt
+    # it at the end of the first epoch: params["steps"] was None at on_train_begin and
+    # the first epoch's progress bar had no total. Counted from the batch() and the
+    # examples under it, the events are those of the same rows as examples.
+    x, y, w = data(260)
+    examples = tf.data.Dataset.from_tensor_slices((x, y, w))
+    seen = {}
+    for name, dataset in (("batched", pipeline(examples)), ("examples", examples.take(rows))):
+        events = _Events()
+        model = make()
+        autosplit.fit_large_batch(model, dataset, batch_size=B, micro_batch_size=M, epochs=2,
+                                  callbacks=[events], verbose=0)
+        seen[name] = events.seen
+        assert int(model.optimizer.iterations) == 2 * math.ceil(rows / B)
+    assert seen["batched"] == seen["examples"]
+    assert seen["batched"][0] == ("steps", math.ceil(rows / B))
+
+
+def test_a_map_after_the_batch_leaves_the_length_to_the_first_epoch():
+    # A map may change a batch's rows (augmented copies appended): the count is learnt
+    # where the first epoch ends, as for a generator. 260 rows, doubled: 9 large batches.
+    x, y, w = data(260)
+    doubled = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(30).map(
+        lambda *e: tuple(tf.concat([part, part], 0) for part in e))
+    events = _Events()
+    autosplit.fit_large_batch(make(), doubled, batch_size=B, micro_batch_size=M, epochs=2,
+                              callbacks=[events], verbose=0)
+    assert events.seen[0] == ("steps", None)
+    assert events.seen.count(("end", 8)) == 2 and ("end", 9) not in events.seen
+
+
+def test_a_miscounted_batched_dataset_stops_rather_than_borrow_the_next_epoch(monkeypatch):
+    # Every epoch boundary of the repeated pipeline rests on the count: one too large
+    # must stop training, not read the next epoch's rows into this one.
+    monkeypatch.setattr(autosplit.inputs, "counted_rows", lambda dataset: 260 + B)
+    x, y, w = data(260)
+    model = make()
+    with pytest.raises(tf.errors.FailedPreconditionError, match="expected to contain"):
+        autosplit.fit_large_batch(model, tf.data.Dataset.from_tensor_slices((x, y, w)).batch(30),
+                                  batch_size=B, micro_batch_size=M, epochs=2, verbose=0)
 
 
 def test_skip_to_end_marker_drops_the_rest_of_an_epoch_and_its_marker():
