@@ -119,10 +119,8 @@ class Evaluator:
         known, steps, hooks = _limits(pipeline, steps, callbacks)
         limit = None if steps is None else sum(pipeline.elements(s) for s in range(steps))
         # Each call of the loop sums up to _CHUNK micro-batches in float32, added up in
-        # float64, so a long validation set loses no precision to the sum. Where a
-        # batch's loss is not its rows' mean (a loss summed, or divided by unmasked
-        # tokens or weights), or a callback hears each batch, a call sums one
-        # validation batch and its loss is taken alone, as model.fit takes it.
+        # float64, so a long validation set loses no precision to the sum; else a call
+        # sums one validation batch (see takes_each_batch).
         per_batch = hooks is not None or not _pools(plan)
         chunk_size = pipeline.per_batch if per_batch else _CHUNK
         totals = _float64(zero_totals(len(plan.kinds)))
@@ -163,6 +161,16 @@ class Evaluator:
         if callbacks is not None:
             callbacks.on_test_end(logs)
         return logs
+
+    def takes_each_batch(self, pipeline: MicroBatches,
+                         callbacks: keras.callbacks.CallbackList | None = None) -> bool:
+        """Whether the validation batches' boundaries change the logs: where a batch's
+        loss is not its rows' mean (a loss summed, or divided by unmasked tokens or
+        weights, :func:`_pools`) its loss is taken alone, as ``model.fit`` takes it; a
+        model's own ``test_step`` runs per batch; a callback may hear each batch."""
+        if runs_own_test_step(self.model) or _limits(pipeline, None, callbacks)[2]:
+            return True
+        return not _pools(self._plan(pipeline.element_spec()))
 
     def _own_steps(self, pipeline: MicroBatches, steps: int | None,
                    callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:

@@ -207,8 +207,9 @@ def fit_large_batch(
         steps_per_epoch: as in ``model.fit``, counted in large batches.
         validation_steps: as in ``model.fit``.
         validation_batch_size: as in ``model.fit``: the rows of a validation batch
-            (default ``batch_size``), each run in micro-batches of at most the
-            training micro-batch size.
+            (default ``batch_size``; a batched dataset's own batches where they change
+            the logs, as ``model.fit`` scores them), each run in micro-batches of at
+            most the training micro-batch size.
         validation_freq: as in ``model.fit``.
         jit_compile: XLA for the per-micro-batch computation; default ``model.compile``'s.
         on_oom: ``"recover"`` (default) finishes a batch that ran out of memory with
@@ -329,6 +330,7 @@ class _Validation:
         self.adapter, self.steps = validation_input(data, args.validation_steps, model)
         self.args = args
         self._pipeline: MicroBatches | None = None
+        self._own: bool | None = None  # validation batches are the input's own
 
     @classmethod
     def make(cls, data: Any, args: _Args, model: keras.Model) -> _Validation | None:
@@ -344,12 +346,28 @@ class _Validation:
         evaluator = state.evaluator
         # One pipeline for the call (its tf.data functions traced once), rebuilt only
         # when an out-of-memory recovery changed the rows.
-        batch_size = self.args.validation_batch_size or self.args.batch_size
+        batch_size = self._batch_size(evaluator, rows, callbacks)
         rows = min(rows, batch_size)
         if self._pipeline is None or self._pipeline.rows != rows:
             self._pipeline = MicroBatches(self.adapter, batch_size, rows)
         logs = evaluator(self._pipeline, steps=self.steps, callbacks=callbacks)
         return {f"val_{name}": value for name, value in logs.items()}
+
+    def _batch_size(self, evaluator: Evaluator, rows: int,
+                    callbacks: keras.callbacks.CallbackList | None) -> int:
+        """The rows of a validation batch: ``validation_batch_size``, else B; but
+        ``model.fit`` scores each batch of a batched dataset as it comes, so where the
+        batches' boundaries change the logs (Evaluator.takes_each_batch) and the
+        dataset's batch size can be read (inputs.batch_rows), its own. Not where they do
+        not: batches smaller than the micro-batch would slow validation for nothing."""
+        given = self.args.validation_batch_size or self.args.batch_size
+        own = self.adapter.batch_rows
+        if self.args.validation_batch_size is not None or own is None or own == given:
+            return given
+        if self._own is None:  # decided once per call: the model and callbacks are fixed
+            probe = MicroBatches(self.adapter, given, min(rows, given))
+            self._own = evaluator.takes_each_batch(probe, callbacks)
+        return own if self._own else given
 
 
 # ---------------------------------------------------------------- plan

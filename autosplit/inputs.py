@@ -41,6 +41,7 @@ __all__ = [
     "DatasetInput",
     "InputAdapter",
     "KerasInput",
+    "batch_rows",
     "batched_ancestor",
     "counted_rows",
     "get_input",
@@ -84,6 +85,9 @@ class InputAdapter:
     Attributes:
         kind: what the user passed, for messages and ``history.autosplit``.
         rows: examples in one epoch, or None when only the end of the data tells.
+        batch_rows: the rows of each of the input's own batches but the last, where it
+            comes in batches of one size that can be read without reading the data
+            (a batched ``tf.data`` pipeline, :func:`batch_rows`); else None.
         reiterable: a second pass reads the data again (generators: no).
         row_numbers: the stream's rows are row numbers, which ``materialize`` turns
             into data (arrays): padding them copies no data.
@@ -91,6 +95,7 @@ class InputAdapter:
 
     kind = "input"
     rows: int | None = None
+    batch_rows: int | None = None
     reiterable = True
     row_numbers = False
     _class_weight: Any = None  # (y, sample_weight) -> sample_weight, from ``class_weight``
@@ -338,13 +343,27 @@ def batched_ancestor(dataset: tf.data.Dataset, model: keras.Model | None = None)
     return None
 
 
-# Transformations that hand on every batch whole: what a batched pipeline puts after
-# its batch() (keras.utils.image_dataset_from_directory: batch, then prefetch). Not
-# map: its function may change a batch's row count (doubling it with augmented copies),
-# and nothing short of running it tells.
-_KEEP_ROWS = ("_PrefetchDataset", "CacheDataset", "_CacheDataset", "_OptionsDataset",
-              "_ShuffleDataset", "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset")
+# Transformations that hand on every batch whole and in order: what a batched
+# pipeline puts after its batch() (keras.utils.image_dataset_from_directory: batch,
+# then prefetch).
+_WHOLE = ("_PrefetchDataset", "CacheDataset", "_CacheDataset", "_OptionsDataset",
+          "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset")
 _BATCHES = ("_BatchDataset", "_PaddedBatchDataset", "_ParallelBatchDataset")
+
+
+def _batching(dataset: tf.data.Dataset, passes: tuple[str, ...]) -> tf.data.Dataset:
+    """The dataset under ``dataset``'s transformations named in ``passes``."""
+    node = dataset
+    while type(node).__name__ in passes:
+        node = node._input_dataset  # tf.data internal, as _dataset_inputs
+    return node
+
+
+def _static_rows(node: tf.data.Dataset) -> int | None:
+    """The one static leading dimension of ``node``'s elements, or None."""
+    rows = {leaf.shape[0] for leaf in tf.nest.flatten(node.element_spec)
+            if isinstance(leaf, tf.TensorSpec) and leaf.shape.rank}
+    return rows.pop() if len(rows) == 1 and None not in rows else None
 
 
 def counted_rows(dataset: tf.data.Dataset) -> int | None:
@@ -354,17 +373,14 @@ def counted_rows(dataset: tf.data.Dataset) -> int | None:
     Known where the pipeline ends in ``batch`` (or ``padded_batch``) of examples of known
     cardinality, followed only by transformations that hand each batch on whole
     (``prefetch``, ``cache``, ``shuffle``, options); or where it is ``from_tensors`` of
-    one batch of a static row count. Else (a ``map`` after the batch, a generator) the
-    first epoch's end tells, as in ``model.fit``.
+    one batch of a static row count. Else the first epoch's end tells, as in
+    ``model.fit``: after a ``map`` too, whose function may change a batch's row count
+    (appending augmented copies), which nothing short of running it tells.
     """
-    node = dataset
-    while type(node).__name__ in _KEEP_ROWS:
-        node = node._input_dataset  # tf.data internal, as _dataset_inputs
+    node = _batching(dataset, (*_WHOLE, "_ShuffleDataset"))
     name = type(node).__name__
     if name == "_TensorDataset":
-        rows = {leaf.shape[0] for leaf in tf.nest.flatten(node.element_spec)
-                if isinstance(leaf, tf.TensorSpec) and leaf.shape.rank}
-        return rows.pop() if len(rows) == 1 and None not in rows else None
+        return _static_rows(node)
     if name not in _BATCHES:
         return None
     count = int(node._input_dataset.cardinality())  # the elements it stacks: its rows
@@ -372,6 +388,22 @@ def counted_rows(dataset: tf.data.Dataset) -> int | None:
         return None
     size = int(node._batch_size)
     return count - count % size if bool(node._drop_remainder) else count
+
+
+def batch_rows(dataset: tf.data.Dataset) -> int | None:
+    """The rows of every batch of a batched ``dataset`` but the last (which may be
+    short), or None.
+
+    Read where the pipeline ends in one ``batch`` (or ``padded_batch``) followed only by
+    ``prefetch``, ``cache``, ``take``, options or ``map``s, each taken to keep a batch's
+    rows (a map that changes them gives batches of another size); or ``from_tensors``'
+    one batch. Not past a ``shuffle`` of batches, which moves the short one.
+    """
+    node = _batching(dataset, (*_WHOLE, "_TakeDataset", "_MapDataset", "_ParallelMapDataset"))
+    name = type(node).__name__
+    if name == "_TensorDataset":
+        return _static_rows(node)
+    return int(node._batch_size) if name in _BATCHES else None
 
 
 def _draws_randomness(dataset: tf.data.Dataset) -> bool:
@@ -451,6 +483,7 @@ class DatasetInput(InputAdapter):
         self.infinite = cardinality == tf.data.INFINITE_CARDINALITY
         self.rows = (counted_rows(dataset) if self.batched
                      else cardinality if cardinality > 0 else None)
+        self.batch_rows = batch_rows(dataset) if self.batched else None
         _check_class_weight_alone(class_weight, self._arity == 3,
                                   spec[1] if self._arity >= 2 else None)
         self._class_weight = class_weight_fn(class_weight) if class_weight else None

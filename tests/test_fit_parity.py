@@ -431,3 +431,57 @@ def test_val_loss_is_model_fit_s_mean_of_batch_losses(loss, val_rows):
     assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
     np.testing.assert_allclose(got["val_loss"], expected["val_loss"], rtol=1e-5)
+
+
+class _TestBatches(keras.callbacks.Callback):
+    """The validation batches a callback hears, and their logged loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.heard = []
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.heard.append((batch, round(float(logs["loss"]), 4)))
+
+
+@pytest.mark.parametrize(("loss", "listens"), [
+    ("sum", False), ("masked tokens", False), ("mean", True)])
+def test_a_batched_validation_dataset_is_scored_in_its_own_batches(loss, listens):
+    # model.fit scores each batch of a batched validation dataset as it comes. Cut into
+    # validation batches of B rows across them, a summed loss read 77.3 where model.fit
+    # reads 49.0 (.batch(32), B = 64), and a callback heard 2 batches where model.fit
+    # calls it 4 times. 100 rows in batches of 30: three whole ones and a short one.
+    reduction = "sum" if loss == "sum" else "sum_over_batch_size"
+
+    def make():
+        model = keras.Sequential([keras.Input((8,), dtype="int32"),
+                                  keras.layers.Embedding(20, 8), keras.layers.Dense(5)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05 / (B * 8 if loss == "sum" else 1)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True, reduction=reduction,
+                          ignore_class=0 if loss == "masked tokens" else None))
+        return model
+
+    x, y = tokens(200, 0)
+    vx, vy = tokens(100, 1)
+
+    def validation():  # a preprocessing map after the batch, as image pipelines have
+        return tf.data.Dataset.from_tensor_slices((vx, vy)).batch(30).map(
+            lambda a, b: (a, b)).prefetch(2)
+
+    reference, candidate = make(), make()
+    for model in (reference, candidate):
+        model.build((None, 8))
+    candidate.set_weights(reference.get_weights())
+    heard = {name: _TestBatches() for name in ("reference", "candidate")}
+    expected = reference.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0,
+                             validation_data=validation(),
+                             callbacks=[heard["reference"]] if listens else []).history
+    got = autosplit.fit_large_batch(candidate, x, y, batch_size=B, micro_batch_size=M + 3,
+                                    epochs=2, shuffle=False, verbose=0,
+                                    validation_data=validation(),
+                                    callbacks=[heard["candidate"]] if listens else []).history
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+    np.testing.assert_allclose(got["val_loss"], expected["val_loss"], rtol=1e-5)
+    assert [b for b, _ in heard["candidate"].heard] == [b for b, _ in heard["reference"].heard]
+    assert heard["candidate"].heard == heard["reference"].heard
