@@ -28,6 +28,7 @@ from autosplit.piece import (
     combine,
     compute_piece,
     empty_to_none,
+    forward_totals,
     loss_plan,
     map_present,
     none_to_empty,
@@ -82,7 +83,7 @@ def added(totals: Totals, piece: Piece | Totals) -> Totals:
 def zero_totals(terms: int, gradients: list[Any] | None = None) -> Totals:
     """Float32 zeros for ``terms`` compiled losses; ``gradients`` the zero gradient sums."""
     zeros = [tf.constant(0.0)] * terms
-    return Totals([] if gradients is None else gradients, zeros, zeros, tf.zeros([2]),
+    return Totals([] if gradients is None else gradients, zeros, zeros, forward_totals(),
                   tf.constant(0.0))
 
 

@@ -37,7 +37,7 @@ from autosplit.accumulate import (
 )
 from autosplit.compiled import run_once
 from autosplit.custom_step import overridden_steps
-from autosplit.piece import Totals, align_targets, loss_plan
+from autosplit.piece import Totals, align_targets, forward_totals, loss_plan
 from autosplit.reduction import combined_loss, output_terms
 from autosplit.split import Split, split_batch
 from autosplit.state import Snapshot
@@ -375,7 +375,7 @@ def _split_loss(loss: keras.losses.Loss, y_true: Any, y_pred: Any, sample_weight
             _keras.set_keras_mask(p_i, tf.gather(ms, i))
         terms = output_terms(loss, y_i, p_i, w_i, tf.gather(row_valid, i))
         kind["kind"] = terms.kind
-        part = Totals([], [terms.numerator], [terms.denominator], tf.zeros([2]), 0.0)
+        part = Totals([], [terms.numerator], [terms.denominator], forward_totals(), 0.0)
         return added(totals, part), tf.constant(False)
 
     totals, _ = sum_loop(step, split.accumulation_steps, zero_totals(1))

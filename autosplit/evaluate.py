@@ -44,6 +44,7 @@ from autosplit.piece import (
     empty_to_none,
     forward,
     forward_parts,
+    forward_totals,
     loss_plan,
     update_loss_trackers,
     update_metrics,
@@ -92,7 +93,7 @@ class Evaluator:
                 rows = tf.reduce_sum(valid)
                 means, sums = forward_parts(in_call, plan.forward_summed)
                 piece = Totals([], [t.numerator for t in terms],
-                               [t.denominator for t in terms], tf.stack([means * rows, sums]),
+                               [t.denominator for t in terms], forward_totals(means, sums, rows),
                                rows)
                 return added(totals, piece), tf.constant(False)
 

@@ -53,6 +53,8 @@ __all__ = [
     "compute_piece",
     "empty_to_none",
     "forward",
+    "forward_parts",
+    "forward_totals",
     "loss_plan",
     "map_present",
     "none_to_empty",
@@ -171,6 +173,15 @@ def forward_parts(in_call: list, summed: tuple[bool, ...]) -> tuple[tf.Tensor, t
         (sums if index < len(summed) and summed[index] else means).append(value)
     return (tf.add_n(means) if means else tf.constant(0.0),
             tf.add_n(sums) if sums else tf.constant(0.0))
+
+
+def forward_totals(means: Any = 0.0, sums: Any = 0.0, rows: Any = 0.0) -> tf.Tensor:
+    """``Totals.forward``, the losses added in ``call()`` as the micro-batches add them
+    up: ``[the means times each micro-batch's real rows, the sums over its rows]``
+    (:func:`forward_parts`; zeros where none). ``reduction.combined_loss`` divides the
+    first by the large batch's rows."""
+    return tf.stack([tf.cast(means, tf.float32) * tf.cast(rows, tf.float32),
+                     tf.cast(sums, tf.float32)])
 
 
 def _forward_kind(loss: tf.Tensor, rows: int | None) -> str | None:
@@ -356,7 +367,7 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
     del tape
     masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
     return Piece(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
-                 tf.stack([in_call_mean * rows, in_call_sum]), rows, y, y_pred, masks, None,
+                 forward_totals(in_call_mean, in_call_sum, rows), rows, y, y_pred, masks, None,
                  _moments(pool, records), sample_weight, valid)
 
 
@@ -381,7 +392,7 @@ def _custom_piece(model, facts: CustomFacts, x, y, sample_weight, valid, *,
     weights = [1.0 if summed else share for summed in facts.summed]
     gradients = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32) * weight
                  for g, weight in zip(seen.gradients, weights, strict=True)]
-    return Piece([gradients], [], [], tf.zeros([2]), rows, None, None, None, logs,
+    return Piece([gradients], [], [], forward_totals(), rows, None, None, None, logs,
                  _moments(pool, records))
 
 
