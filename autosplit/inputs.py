@@ -349,7 +349,8 @@ def batched_ancestor(dataset: tf.data.Dataset, model: keras.Model | None = None)
 # pipeline puts after its batch() (keras.utils.image_dataset_from_directory: batch,
 # then prefetch).
 _WHOLE = ("_PrefetchDataset", "CacheDataset", "_CacheDataset", "_OptionsDataset",
-          "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset")
+          "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset",
+          "_AssertCardinalityDataset")
 _BATCHES = ("_BatchDataset", "_PaddedBatchDataset", "_ParallelBatchDataset")
 
 

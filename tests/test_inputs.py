@@ -312,6 +312,8 @@ PIPELINES = {  # name: (pipeline, counted rows, batch rows); None: not told
     "shuffled examples": (lambda: _examples().shuffle(100, seed=1).batch(16), 100, 16),
     "shuffled batches": (lambda: _examples().batch(16).shuffle(10, seed=1), 100, None),
     "batch of batches": (lambda: _examples().batch(4).batch(8), 25, 8),
+    "cardinality asserted": (lambda: _examples().batch(16).apply(
+        tf.data.experimental.assert_cardinality(7)), 100, 16),
     "batch then repeat": (lambda: _examples().batch(16).repeat(2), None, None),
     "batch then take": (lambda: _examples().batch(16).take(3), None, 16),
     "unbatched, batched again": (lambda: _examples().batch(10).unbatch().batch(16), None, 16),
