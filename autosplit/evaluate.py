@@ -269,12 +269,17 @@ def _limits(pipeline: MicroBatches, steps: int | None,
 
 def _hears_test_batches(callbacks: keras.callbacks.CallbackList) -> bool:
     """Whether a callback other than the progress bar (silent during fit's validation)
-    overrides ``on_test_batch_begin`` or ``on_test_batch_end``."""
+    overrides ``on_test_batch_begin`` or ``on_test_batch_end``: in its class, or on the
+    instance (``LambdaCallback(on_test_batch_end=...)`` sets the attribute)."""
     base = keras.callbacks.Callback
+
+    def overrides(callback: keras.callbacks.Callback, hook: str) -> bool:
+        method = getattr(callback, hook)
+        return getattr(method, "__func__", method) is not getattr(base, hook)
+
     return any(
         not isinstance(c, keras.callbacks.ProgbarLogger) and any(
-            getattr(type(c), hook) is not getattr(base, hook)
-            for hook in ("on_test_batch_begin", "on_test_batch_end"))
+            overrides(c, hook) for hook in ("on_test_batch_begin", "on_test_batch_end"))
         for c in callbacks.callbacks)
 
 

@@ -330,7 +330,7 @@ class _Validation:
         self.adapter, self.steps = validation_input(data, args.validation_steps, model)
         self.args = args
         self._pipeline: MicroBatches | None = None
-        self._own: bool | None = None  # validation batches are the input's own
+        self._own: int | None = None  # the input's own batch size, 0: not used
 
     @classmethod
     def make(cls, data: Any, args: _Args, model: keras.Model) -> _Validation | None:
@@ -358,16 +358,17 @@ class _Validation:
         """The rows of a validation batch: ``validation_batch_size``, else B; but
         ``model.fit`` scores each batch of a batched dataset as it comes, so where the
         batches' boundaries change the logs (Evaluator.takes_each_batch) and the
-        dataset's batch size can be read (inputs.batch_rows), its own. Not where they do
-        not: batches smaller than the micro-batch would slow validation for nothing."""
+        dataset's batch size can be read (InputAdapter.own_batch_rows), its own. Not
+        where they do not: batches smaller than the micro-batch would slow validation
+        for nothing."""
         given = self.args.validation_batch_size or self.args.batch_size
-        own = self.adapter.batch_rows
-        if self.args.validation_batch_size is not None or own is None or own == given:
+        if self.args.validation_batch_size is not None:
             return given
         if self._own is None:  # decided once per call: the model and callbacks are fixed
-            probe = MicroBatches(self.adapter, given, min(rows, given))
-            self._own = evaluator.takes_each_batch(probe, callbacks)
-        return own if self._own else given
+            own = self.adapter.own_batch_rows()
+            self._own = own if own not in (None, given) and evaluator.takes_each_batch(
+                MicroBatches(self.adapter, given, min(rows, given)), callbacks) else 0
+        return self._own or given
 
 
 # ---------------------------------------------------------------- plan

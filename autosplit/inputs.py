@@ -85,9 +85,6 @@ class InputAdapter:
     Attributes:
         kind: what the user passed, for messages and ``history.autosplit``.
         rows: examples in one epoch, or None when only the end of the data tells.
-        batch_rows: the rows of each of the input's own batches but the last, where it
-            comes in batches of one size that can be read without reading the data
-            (a batched ``tf.data`` pipeline, :func:`batch_rows`); else None.
         reiterable: a second pass reads the data again (generators: no).
         row_numbers: the stream's rows are row numbers, which ``materialize`` turns
             into data (arrays): padding them copies no data.
@@ -95,7 +92,6 @@ class InputAdapter:
 
     kind = "input"
     rows: int | None = None
-    batch_rows: int | None = None
     reiterable = True
     row_numbers = False
     _class_weight: Any = None  # (y, sample_weight) -> sample_weight, from ``class_weight``
@@ -117,6 +113,12 @@ class InputAdapter:
                 ``shuffle="batch"`` shuffle within.
         """
         raise NotImplementedError
+
+    def own_batch_rows(self) -> int | None:
+        """The rows of each of the input's own batches but the last, where it comes in
+        batches of one size that can be read (a batched ``tf.data`` pipeline); else
+        None. ``model.fit`` validates such an input batch by batch."""
+        return None
 
     @property
     def shuffles(self) -> bool:
@@ -347,14 +349,19 @@ def batched_ancestor(dataset: tf.data.Dataset, model: keras.Model | None = None)
 # pipeline puts after its batch() (keras.utils.image_dataset_from_directory: batch,
 # then prefetch).
 _WHOLE = ("_PrefetchDataset", "CacheDataset", "_CacheDataset", "_OptionsDataset",
-          "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset")
+          "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset",
+          "_AssertCardinalityDataset")
 _BATCHES = ("_BatchDataset", "_PaddedBatchDataset", "_ParallelBatchDataset")
 
 
 def _batching(dataset: tf.data.Dataset, passes: tuple[str, ...]) -> tf.data.Dataset:
-    """The dataset under ``dataset``'s transformations named in ``passes``."""
+    """The dataset under ``dataset``'s transformations named in ``passes``; not past a
+    ``cache`` in a file, which replays what the file holds (written from other data, a
+    stale file has other rows: model.fit then reads as many batches as the pipeline
+    says)."""
     node = dataset
-    while type(node).__name__ in passes:
+    while type(node).__name__ in passes and tf.get_static_value(
+            getattr(node, "_filename", b"")) in (b"", ""):
         node = node._input_dataset  # tf.data internal, as _dataset_inputs
     return node
 
@@ -400,15 +407,24 @@ def batch_rows(dataset: tf.data.Dataset) -> int | None:
     short), or None.
 
     Read where the pipeline ends in one ``batch`` (or ``padded_batch``) followed only by
-    ``prefetch``, ``cache``, ``take``, options or ``map``s, each taken to keep a batch's
-    rows (a map that changes them gives batches of another size); or ``from_tensors``'
-    one batch. Not past a ``shuffle`` of batches, which moves the short one.
+    ``prefetch``, ``cache``, ``take`` or options; or ``from_tensors``' one batch. Past a
+    ``map``, which may change a batch's rows (``x[:20]``), where the first batch has the
+    batch's size, read if that moves no seed (:func:`_draws_randomness`). Not past a
+    ``shuffle`` of batches, which moves the short one.
     """
-    node = _batching(dataset, (*_WHOLE, "_TakeDataset", "_MapDataset", "_ParallelMapDataset"))
-    name = type(node).__name__
-    if name == "_TensorDataset":
+    node = _batching(dataset, (*_WHOLE, "_TakeDataset"))
+    if type(node).__name__ == "_TensorDataset":
         return _static_rows(node)
-    return int(node._batch_size) if _stacks(node) else None
+    if _stacks(node):
+        return int(node._batch_size)
+    node = _batching(dataset, (*_WHOLE, "_TakeDataset", "_MapDataset", "_ParallelMapDataset"))
+    if not _stacks(node) or _draws_randomness(dataset):
+        return None
+    size = int(node._batch_size)
+    for first in dataset.take(1):
+        rows = {leaf.shape[0] for leaf in tf.nest.flatten(first) if getattr(leaf, "shape", ())}
+        return size if rows == {size} else None
+    return None
 
 
 def _draws_randomness(dataset: tf.data.Dataset) -> bool:
@@ -480,6 +496,13 @@ class DatasetInput(InputAdapter):
                 f"Received: element_spec={spec}. Map your dataset to such tuples, e.g. "
                 "dataset.map(lambda e: (e['features'], e['label'])).")
         self._arity = found
+        composite = [leaf for leaf in tf.nest.flatten(spec) if not isinstance(leaf, tf.TensorSpec)]
+        if composite:
+            raise DatasetError(
+                f"Expected `{name}` elements of dense tensors: autosplit cuts micro-batches "
+                f"by rows and pads them. Received: {', '.join(map(str, composite))}. Make "
+                "them dense first: `.padded_batch(...)` in place of `.ragged_batch(...)`, "
+                "or a map with `x.to_tensor()` (ragged) or `tf.sparse.to_dense(x)`.")
         cardinality = int(dataset.cardinality())
         if cardinality == 0:
             raise DatasetError(f"Expected a non-empty `{name}`. Received: an empty dataset.")
@@ -488,7 +511,6 @@ class DatasetInput(InputAdapter):
         self.infinite = cardinality == tf.data.INFINITE_CARDINALITY
         self.rows = (counted_rows(dataset) if self.batched
                      else cardinality if cardinality > 0 else None)
-        self.batch_rows = batch_rows(dataset) if self.batched else None
         _check_class_weight_alone(class_weight, self._arity == 3,
                                   spec[1] if self._arity >= 2 else None)
         self._class_weight = class_weight_fn(class_weight) if class_weight else None
@@ -520,6 +542,9 @@ class DatasetInput(InputAdapter):
                 "batched datasets) so every micro-batch has one shape. If the elements are "
                 "batches already (a generator or a map yielding whole batches, to a model "
                 "that declares no Input), append `.unbatch().padded_batch(32)`.")
+
+    def own_batch_rows(self) -> int | None:
+        return batch_rows(self.dataset) if self.batched else None
 
     def rows_dataset(self, *, shuffle_seed: int | None = None,
                      epoch: int | tf.Variable = 0,
