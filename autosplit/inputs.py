@@ -373,6 +373,13 @@ def _static_rows(node: tf.data.Dataset) -> int | None:
     return rows.pop() if len(rows) == 1 and None not in rows else None
 
 
+def _one(counts: Iterator[int | None]) -> int | None:
+    """The count every part of a ``zip`` has, or None (one unknown, or two that differ:
+    the parts of an element would not share their rows)."""
+    found = set(counts)
+    return found.pop() if len(found) == 1 and None not in found else None
+
+
 def _stacks(node: tf.data.Dataset) -> bool:
     """Whether ``node`` is a ``batch`` (or ``padded_batch``): each element stacks
     elements of its input, so every part of it has the same rows."""
@@ -393,6 +400,12 @@ def counted_rows(dataset: tf.data.Dataset) -> int | None:
     node = _batching(dataset, (*_WHOLE, "_ShuffleDataset"))
     if type(node).__name__ == "_TensorDataset":
         return _static_rows(node)
+    if type(node).__name__ == "_ZipDataset":  # SimSiam's two views, each batched
+        parts = _dataset_inputs(node)
+        sizes = (_batching(part, (*_WHOLE, "_ShuffleDataset")) for part in parts)
+        if _one(int(s._batch_size) if _stacks(s) else None for s in sizes) is None:
+            return None  # batches of other sizes paired: their rows differ
+        return _one(counted_rows(part) for part in parts)
     if not _stacks(node):
         return None
     count = int(node._input_dataset.cardinality())  # the elements it stacks: its rows
@@ -415,6 +428,8 @@ def batch_rows(dataset: tf.data.Dataset) -> int | None:
     node = _batching(dataset, (*_WHOLE, "_TakeDataset"))
     if type(node).__name__ == "_TensorDataset":
         return _static_rows(node)
+    if type(node).__name__ == "_ZipDataset":
+        return _one(batch_rows(part) for part in _dataset_inputs(node))
     if _stacks(node):
         return int(node._batch_size)
     node = _batching(dataset, (*_WHOLE, "_TakeDataset", "_MapDataset", "_ParallelMapDataset"))

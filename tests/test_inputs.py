@@ -328,6 +328,10 @@ PIPELINES = {  # name: (pipeline, counted rows, batch rows); None: not told
     "from_tensors, a map cutting rows": (lambda: tf.data.Dataset.from_tensors(
         np.zeros((100, 2), "float32")).map(lambda e: e[:10]), None, None),
     "padded_batch": (lambda: _examples().padded_batch(16), 100, 16),
+    "zip of batched views": (lambda: tf.data.Dataset.zip(
+        (_examples().batch(16), _examples().map(lambda e: -e).batch(16))).prefetch(2), 100, 16),
+    "zip of batches that differ": (lambda: tf.data.Dataset.zip(
+        (_examples().batch(16), _examples().batch(20))), None, None),
 }
 
 
@@ -338,7 +342,7 @@ def test_counted_rows_and_batch_rows_are_a_real_pass_s_or_none(name):
     from autosplit.inputs import batch_rows, counted_rows
 
     pipeline, rows, size = PIPELINES[name]
-    batches = [int(b.shape[0]) for b in pipeline()]
+    batches = [int(tf.nest.flatten(b)[0].shape[0]) for b in pipeline()]
     assert counted_rows(pipeline()) == rows
     assert batch_rows(pipeline()) == size
     if rows is not None:
