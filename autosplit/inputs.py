@@ -392,10 +392,11 @@ def counted_rows(dataset: tf.data.Dataset) -> int | None:
 
     Known where the pipeline ends in ``batch`` (or ``padded_batch``) of examples of known
     cardinality, followed only by transformations that hand each batch on whole
-    (``prefetch``, ``cache``, ``shuffle``, options); or where it is ``from_tensors`` of
-    one batch of a static row count. Else the first epoch's end tells, as in
-    ``model.fit``: after a ``map`` too, whose function may change a batch's row count
-    (appending augmented copies), which nothing short of running it tells.
+    (``prefetch``, ``cache`` in memory, ``shuffle``, ``assert_cardinality``, options);
+    where it is ``from_tensors`` of one batch of a static row count; or a ``zip`` of
+    such pipelines of one batch size and one count. Else the first epoch's end tells:
+    after a ``map`` too, whose function may change a batch's row count (appending
+    augmented copies), which nothing short of running it tells.
     """
     node = _batching(dataset, (*_WHOLE, "_ShuffleDataset"))
     if type(node).__name__ == "_TensorDataset":
