@@ -32,6 +32,7 @@ from autosplit.piece import (
     loss_plan,
     map_present,
     none_to_empty,
+    step_plan,
     update_metrics,
     without_padding,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "accumulate_gradients",
     "accumulate_iterator",
     "added",
+    "own_steps_accumulated",
     "piece_rows",
     "sum_loop",
     "zero_totals",
@@ -153,10 +155,13 @@ def _as_scale(loss_scale: tf.Tensor | float | None) -> tf.Tensor:
     return tf.constant(1.0) if loss_scale is None else tf.cast(loss_scale, tf.float32)
 
 
-def _prepare(model: keras.Model, specs: tuple[Any, ...]) -> LossPlan:
+def _prepare(model: keras.Model, specs: tuple[Any, ...], *, own_step: bool = False
+             ) -> LossPlan:
+    """The plan of the compiled loss; with ``own_step``, of the model's own
+    ``train_step`` where it has one, as ``fit_large_batch`` runs it (``check``)."""
     if not _keras.compile_loss_built(model):
         _keras.symbolic_build(model, specs)
-    return loss_plan(model, specs)
+    return step_plan(model, specs) if own_step else loss_plan(model, specs)
 
 
 @_keras.outside_strategy_scope()
@@ -199,6 +204,25 @@ def accumulate_gradients(
         ...     optimizer.apply_gradients(zip(grads, model.trainable_variables))
         ...     return loss
     """
+    return _accumulate(model, x, y, sample_weight, micro_batch_size=micro_batch_size,
+                       n_valid=n_valid, update_metrics=update_metrics, loss_scale=loss_scale)
+
+
+@_keras.outside_strategy_scope()
+def own_steps_accumulated(model: keras.Model, x: Any, y: Any, sample_weight: Any, *,
+                          micro_batch_size: int) -> Accumulated:
+    """:func:`accumulate_gradients` of the model's own ``train_step`` (or
+    ``compute_loss``) where it has one, run once per micro-batch as ``fit_large_batch``
+    runs it (its ``apply_gradients`` caught); the loss is not combined (0). For
+    ``check``."""
+    return _accumulate(model, x, y, sample_weight, micro_batch_size=micro_batch_size,
+                       own_step=True)
+
+
+def _accumulate(model: keras.Model, x: Any, y: Any, sample_weight: Any, *,
+                micro_batch_size: int, n_valid: tf.Tensor | int | None = None,
+                update_metrics: bool = False, loss_scale: tf.Tensor | float | None = None,
+                own_step: bool = False) -> Accumulated:
     first = tf.nest.flatten(x)[0]
     batch = first.shape[0]
     if batch is None:
@@ -220,7 +244,7 @@ def accumulate_gradients(
 
     specs = map_present(lambda t: tf.TensorSpec([split.micro_batch_size, *t.shape[1:]], t.dtype),
                  (x, y, sample_weight))
-    plan = _prepare(model, specs)
+    plan = _prepare(model, specs, own_step=own_step)
     scale = _as_scale(loss_scale)
     # Under a strategy B is this replica's batch; the loss divides by the global one.
     global_batch = batch * _replicas()[1]

@@ -31,12 +31,14 @@ from autosplit import _keras
 from autosplit.accumulate import (
     accumulate_gradients,
     added,
+    own_steps_accumulated,
     piece_rows,
     sum_loop,
     zero_totals,
 )
 from autosplit.compiled import run_once
-from autosplit.custom_step import overridden_steps
+from autosplit.custom_step import batch_data, intercept, overridden_steps
+from autosplit.errors import UnsupportedModelError
 from autosplit.piece import Totals, align_targets, forward_totals, loss_plan
 from autosplit.reduction import combined_loss, output_terms
 from autosplit.split import Split, split_batch
@@ -60,6 +62,7 @@ ADDED = "losses added in call() (add_loss): the split is exact for a mean over t
 PER_BATCH = "returns one value per batch, not one per example: autosplit feeds it the " \
     "real rows of each micro-batch and weighs each value by them, which is exact for a " \
     "mean over the batch's examples, not for a loss that mixes them"
+OWN_STEP = "overrides"
 HINT = "The split differs from the full batch but no known layer explains it: a layer " \
     "mixes examples across the batch, e.g. attention over the batch axis or a custom " \
     "layer calling reduce_* over axis 0 (batch statistics, a batch-wise softmax)."
@@ -93,7 +96,11 @@ class CheckReport:
     """What ``check`` found; immutable and JSON-serialisable (``to_dict``/``to_json``).
 
     ``max_relative_difference`` and ``loss_split`` are None when the split step could
-    not run at all (a compiled loss with ``reduction=None``).
+    not run at all (a compiled loss with ``reduction=None``). For a model with its own
+    ``train_step`` (or ``compute_loss``) the reference is that step on the whole batch,
+    its ``apply_gradients`` caught: ``loss_full`` is the ``"loss"`` it logs (None if it
+    logs none), ``loss_split`` None (each micro-batch's step logs its own), and
+    ``decomposes`` is what the gradients say.
     """
 
     batch_size: int
@@ -166,8 +173,10 @@ def check(
     """Compare the split step with the full-batch step on one batch; change nothing.
 
     Args:
-        model: a Keras model compiled with a loss (an unbuilt one is built, as ``fit``
-            would; no optimizer step runs).
+        model: a Keras model compiled with a loss, or with its own ``train_step`` (or
+            ``compute_loss``), checked as ``fit_large_batch`` runs it: once per
+            micro-batch against once on the whole batch (an unbuilt model is built,
+            as ``fit`` would; no optimizer step runs).
         x: one batch of inputs, as for ``model.fit``; leading dimension B.
         y: its targets; None for a model whose loss comes from ``add_loss``.
         sample_weight: its per-example weights, or None.
@@ -206,32 +215,40 @@ def check(
             decomposes=False, loss_decomposition_difference=None, per_variable=(),
             culprits=tuple(culprits + unreduced), hint=None)
 
+    own = bool(overridden_steps(model))
     snapshot = Snapshot(model)
     try:
-        full = _full_batch(model, x, y, sample_weight, split)
+        full = (_own_step(model, x, y, sample_weight) if own
+                else _full_batch(model, x, y, sample_weight, split))
         snapshot.restore()  # the split starts from the same seed and moving statistics
         split_loss, split_grads = run_once(
-            lambda x, y, w: accumulate_gradients(
+            lambda x, y, w: (own_steps_accumulated if own else accumulate_gradients)(
                 model, x, y, w, micro_batch_size=split.micro_batch_size), x, y, sample_weight)
     finally:
         snapshot.restore()
 
     per_variable, worst = _differences(model.trainable_variables, full.gradients, split_grads)
-    decomposition, loss_culprits = _loss_culprits(model, full, tolerance)
-    culprits += loss_culprits
-    decomposes = all(full.per_example) and decomposition <= tolerance
     exact = worst <= tolerance
+    if own:  # its loss is the step's own: only its gradients tell whether it splits
+        decomposition, decomposes = None, exact
+        culprits = [c for c in culprits if not (exact and c.reason.startswith(OWN_STEP))]
+    else:
+        decomposition, loss_culprits = _loss_culprits(model, full, tolerance)
+        culprits += loss_culprits
+        decomposes = all(full.per_example) and decomposition <= tolerance
     if exact:  # a per-batch mean over examples splits exactly: nothing to blame
         culprits = [c for c in culprits if c.reason != PER_BATCH]
-    if not exact and not explains and _adds_losses(model, x, y, sample_weight, split):
+    if not exact and not explains and not own and _adds_losses(
+            model, x, y, sample_weight, split):
         culprits.append(Culprit(model.name, type(model).__name__, ADDED))
         explains = True
     explains = explains or not decomposes
     return CheckReport(
         batch_size=split.batch_size, micro_batch_size=split.micro_batch_size,
         accumulation_steps=split.accumulation_steps, tolerance=float(tolerance),
-        exact=exact, max_relative_difference=worst, loss_full=float(full.loss),
-        loss_split=float(split_loss), decomposes=decomposes,
+        exact=exact, max_relative_difference=worst,
+        loss_full=None if full.loss is None else float(full.loss),
+        loss_split=None if own else float(split_loss), decomposes=decomposes,
         loss_decomposition_difference=decomposition, per_variable=tuple(per_variable),
         culprits=tuple(culprits), hint=None if exact or explains else HINT)
 
@@ -246,9 +263,10 @@ def _static_culprits(model: keras.Model) -> list[Culprit]:
     for method in overridden_steps(model):
         culprits.append(Culprit(
             model.name, type(model).__name__,
-            f"overrides `{method}`: this check compares the compiled loss; "
-            "fit_large_batch runs the model's own step per micro-batch, exact when its "
-            "loss is a mean over the micro-batch's examples"))
+            f"{OWN_STEP} `{method}`: fit_large_batch runs the model's own step once per "
+            "micro-batch, exact only where its loss is a mean or sum over the examples "
+            "kept apart (not a similarity matrix of the batch, SimCLR's, or a "
+            "cross-correlation over it, Barlow Twins')"))
     return culprits
 
 
@@ -315,11 +333,33 @@ def _loss_culprits(model: keras.Model, full: _Full, tolerance: float
 
 
 class _Full(NamedTuple):
-    loss: tf.Tensor
+    loss: tf.Tensor | None
     gradients: list[tf.Tensor | None]
     per_example: tuple[bool, ...]  # per compiled loss: one value per example
     loss_values: list[tf.Tensor]  # per compiled loss, Keras's value on the whole batch
     split_values: list[tf.Tensor]  # per compiled loss, recombined from micro-batches
+
+
+def _own_step(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> _Full:
+    """The reference of a model with its own ``train_step`` (or ``compute_loss``): that
+    step on the whole batch, its one ``apply_gradients`` caught, not applied; its loss
+    the ``"loss"`` it logs (a tracker's result may average earlier batches: None then
+    only where it logs none)."""
+    def run(x: Any, y: Any, sample_weight: Any) -> tuple[Any, ...]:
+        with intercept(model, None, 1) as seen:
+            logs = model.train_step(batch_data(x, y, sample_weight))
+        if not seen.calls:
+            raise UnsupportedModelError(
+                f"Expected `{type(model).__name__}.train_step` to call "
+                "`self.optimizer.apply_gradients` once. Received: a step that never does.")
+        grads = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
+                 for g in seen.gradients]
+        loss = logs.get("loss") if isinstance(logs, dict) else None
+        return (tf.constant(np.nan) if loss is None
+                else tf.cast(tf.convert_to_tensor(loss), tf.float32)), grads
+
+    loss, grads = run_once(run, x, y, sample_weight)
+    return _Full(None if np.isnan(float(loss)) else loss, grads, (), [], [])
 
 
 def _full_batch(model: keras.Model, x: Any, y: Any, sample_weight: Any, split: Split) -> _Full:

@@ -7,6 +7,7 @@ import json
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import autosplit
 from autosplit.cli import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, main
@@ -332,3 +333,54 @@ def test_cli_check_usage_errors_exit_2(argv, capsys):
 def test_check_report_is_reexported():
     assert "check" in autosplit.__all__ and "CheckReport" in autosplit.__all__
     assert CheckReport is autosplit.CheckReport
+
+
+class OwnStepModel(keras.Model):
+    """A model whose train_step computes its own loss: per example (a mean of squared
+    errors), or mixing the batch's examples (SimCLR's similarity matrix of the batch)."""
+
+    def __init__(self, mixes):
+        super().__init__()
+        self.mixes, self.dense = mixes, keras.layers.Dense(8)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            z = self(x, training=True)
+            if self.mixes:
+                z = tf.math.l2_normalize(z, axis=1)
+                similarity = z @ tf.transpose(z) * 5.0
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                    tf.range(tf.shape(z)[0]), similarity, from_logits=True))
+            else:
+                loss = tf.reduce_mean(tf.square(z - y[:, None]))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("mixes", [False, True])
+def test_a_model_with_its_own_train_step_is_checked_as_fit_runs_it(mixes):
+    # Its step once per micro-batch against once on the whole batch. Before, a step with
+    # no compiled loss failed with Keras's "No loss to compute", though docs/fit.md sends
+    # a step that mixes examples here.
+    keras.utils.set_random_seed(0)
+    model = OwnStepModel(mixes)
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    model(np.zeros((1, 4), "float32"))
+    before = [w.copy() for w in model.get_weights()]
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16,)).astype("float32")
+    report = check(model, x, y, micro_batch_size=4)
+    assert report.exact is not mixes and report.decomposes is not mixes
+    assert report.loss_full > 0 and report.loss_split is None
+    if mixes:
+        assert report.max_relative_difference > 0.1
+        assert [c.reason.split("`")[1] for c in report.culprits] == ["train_step"]
+    else:
+        assert report.max_relative_difference < 1e-5 and report.culprits == ()
+    assert int(model.optimizer.iterations) == 0
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
