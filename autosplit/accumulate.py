@@ -158,8 +158,9 @@ def _as_scale(loss_scale: tf.Tensor | float | None) -> tf.Tensor:
 def _prepare(model: keras.Model, specs: tuple[Any, ...], *, own_step: bool = False
              ) -> LossPlan:
     """The plan of the compiled loss; with ``own_step``, of the model's own
-    ``train_step`` where it has one, as ``fit_large_batch`` runs it (``check``)."""
-    if not _keras.compile_loss_built(model):
+    ``train_step`` where it has one, as ``fit_large_batch`` runs it (``check``), which
+    builds the model by tracing the step (a Keras VAE has no call() to build it by)."""
+    if not own_step and not _keras.compile_loss_built(model):
         _keras.symbolic_build(model, specs)
     return step_plan(model, specs) if own_step else loss_plan(model, specs)
 

@@ -86,6 +86,7 @@ def trace(fn: Callable, *specs: Any) -> Any:
     return tf.function(fn, autograph=False).get_concrete_function(*specs)
 
 
-def run_once(fn: Callable, *args: Any) -> Any:
-    """``fn(*args)`` as a graph function, built for this one call."""
-    return tf.function(fn)(*args)
+def run_once(fn: Callable, *args: Any, autograph: bool = True) -> Any:
+    """``fn(*args)`` as a graph function, built for this one call (``autograph=False``:
+    a model's own step traced as ``fit_large_batch`` traces it, its errors unwrapped)."""
+    return tf.function(fn, autograph=autograph)(*args)

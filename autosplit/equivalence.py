@@ -38,8 +38,14 @@ from autosplit.accumulate import (
 )
 from autosplit.compiled import run_once
 from autosplit.custom_step import batch_data, intercept, overridden_steps
-from autosplit.errors import UnsupportedModelError
-from autosplit.piece import Totals, align_targets, forward_totals, loss_plan
+from autosplit.piece import (
+    Totals,
+    align_targets,
+    forward_totals,
+    loss_plan,
+    map_present,
+    step_plan,
+)
 from autosplit.reduction import combined_loss, output_terms
 from autosplit.split import Split, split_batch
 from autosplit.state import Snapshot
@@ -199,7 +205,15 @@ def check(
         lambda t: None if t is None else tf.convert_to_tensor(t), (x, y, sample_weight))
     batch = int(tree.flatten(x)[0].shape[0])
     split = split_batch(batch, micro_batch_size)
-    if not model.built or not _keras.compile_loss_built(model):
+    own = bool(overridden_steps(model))
+    if own:
+        # As fit_large_batch: the step's throwaway trace builds the model (a Keras VAE
+        # has no call()) and refuses what cannot be split (a GAN's two optimizers, a
+        # step that never applies, no optimizer), before anything runs.
+        step_plan(model, map_present(
+            lambda t: tf.TensorSpec([split.micro_batch_size, *t.shape[1:]], t.dtype),
+            (x, y, sample_weight)))
+    elif not model.built or not _keras.compile_loss_built(model):
         sample = tree.map_structure(lambda t: None if t is None else t[:1],
                                     (x, y, sample_weight))
         _keras.symbolic_build(model, sample)
@@ -215,7 +229,6 @@ def check(
             decomposes=False, loss_decomposition_difference=None, per_variable=(),
             culprits=tuple(culprits + unreduced), hint=None)
 
-    own = bool(overridden_steps(model))
     snapshot = Snapshot(model)
     try:
         full = (_own_step(model, x, y, sample_weight) if own
@@ -223,7 +236,8 @@ def check(
         snapshot.restore()  # the split starts from the same seed and moving statistics
         split_loss, split_grads = run_once(
             lambda x, y, w: (own_steps_accumulated if own else accumulate_gradients)(
-                model, x, y, w, micro_batch_size=split.micro_batch_size), x, y, sample_weight)
+                model, x, y, w, micro_batch_size=split.micro_batch_size), x, y, sample_weight,
+            autograph=not own)
     finally:
         snapshot.restore()
 
@@ -344,22 +358,22 @@ def _own_step(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> _Full:
     """The reference of a model with its own ``train_step`` (or ``compute_loss``): that
     step on the whole batch, its one ``apply_gradients`` caught, not applied; its loss
     the ``"loss"`` it logs (a tracker's result may average earlier batches: None then
-    only where it logs none)."""
+    only where it logs none). ``check`` has planned the step (``step_plan``), which
+    refuses a step that never applies or applies another optimizer."""
+    logged: dict[str, bool] = {}
+
     def run(x: Any, y: Any, sample_weight: Any) -> tuple[Any, ...]:
         with intercept(model, None, 1) as seen:
             logs = model.train_step(batch_data(x, y, sample_weight))
-        if not seen.calls:
-            raise UnsupportedModelError(
-                f"Expected `{type(model).__name__}.train_step` to call "
-                "`self.optimizer.apply_gradients` once. Received: a step that never does.")
         grads = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
                  for g in seen.gradients]
         loss = logs.get("loss") if isinstance(logs, dict) else None
-        return (tf.constant(np.nan) if loss is None
+        logged["loss"] = loss is not None
+        return (tf.constant(0.0) if loss is None
                 else tf.cast(tf.convert_to_tensor(loss), tf.float32)), grads
 
-    loss, grads = run_once(run, x, y, sample_weight)
-    return _Full(None if np.isnan(float(loss)) else loss, grads, (), [], [])
+    loss, grads = run_once(run, x, y, sample_weight, autograph=False)
+    return _Full(loss if logged["loss"] else None, grads, (), [], [])
 
 
 def _full_batch(model: keras.Model, x: Any, y: Any, sample_weight: Any, split: Split) -> _Full:

@@ -384,3 +384,70 @@ def test_a_model_with_its_own_train_step_is_checked_as_fit_runs_it(mixes):
         assert report.max_relative_difference < 1e-5 and report.culprits == ()
     assert int(model.optimizer.iterations) == 0
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
+class NoCallModel(keras.Model):
+    """The Keras 3 VAE's shape: a train_step of its own and no call(); only tracing the
+    step builds it (Keras's symbolic build cannot)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.dense(x)[:, 0] - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return {"loss": loss}
+
+
+class NeverApplies(NoCallModel):
+    def train_step(self, data):
+        return {"loss": tf.reduce_mean(self.dense(data[0]))}
+
+
+class TwoOptimizers(NoCallModel):
+    """A GAN's shape: a second optimizer of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.other = keras.optimizers.SGD(0.1)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.dense(x)[:, 0] - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.other.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return {"loss": loss}
+
+
+def test_an_unbuilt_model_with_no_call_is_built_by_its_step_as_fit_builds_it():
+    # check built every unbuilt model symbolically; one with no call() (the Keras VAE)
+    # raised Keras's "Unable to automatically build the model" (helper 29).
+    model = NoCallModel()
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16,)).astype("float32")
+    report = check(model, x, y, micro_batch_size=4)
+    assert report.exact and report.loss_full > 0
+    assert int(model.optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize(("make", "optimizer", "message"), [
+    (NeverApplies, "sgd", "never does"),
+    (TwoOptimizers, "sgd", "applies another optimizer"),
+    (NoCallModel, None, "compiled with an optimizer"),
+], ids=["never-applies", "two-optimizers", "no-optimizer"])
+def test_a_step_fit_refuses_is_refused_by_check_with_the_same_typed_error(
+        make, optimizer, message):
+    # They were TensorFlow's StagingError around the message, or an AttributeError.
+    from autosplit.errors import UnsupportedModelError
+
+    model = make()
+    model.compile(optimizer=optimizer)
+    x = np.zeros((8, 4), "float32")
+    with pytest.raises(UnsupportedModelError, match=message):
+        check(model, x, np.zeros((8,), "float32"), micro_batch_size=4)
