@@ -395,6 +395,22 @@ def tokens(n, seed):
     return x, np.where(x > 0, x % 4 + 1, 0).astype("int32")
 
 
+def tagger(loss):
+    """A token tagger compiled with ``loss``: "mean" (Keras's default reduction),
+    "sum" (``reduction="sum"``, with a learning rate scaled down to match),
+    "masked tokens" (``ignore_class=0``) or "weighted mean"
+    (``mean_with_sample_weight``)."""
+    reduction = {"sum": "sum", "weighted mean": "mean_with_sample_weight"}.get(
+        loss, "sum_over_batch_size")
+    model = keras.Sequential([keras.Input((8,), dtype="int32"),
+                              keras.layers.Embedding(20, 8), keras.layers.Dense(5)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05 / (B * 8 if loss == "sum" else 1)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True, reduction=reduction,
+                      ignore_class=0 if loss == "masked tokens" else None))
+    return model
+
+
 @pytest.mark.parametrize("loss", ["masked tokens", "sum", "weighted mean"])
 @pytest.mark.parametrize("val_rows", [100, 90])  # two equal batches; a short last one
 def test_val_loss_is_model_fit_s_mean_of_batch_losses(loss, val_rows):
@@ -403,23 +419,11 @@ def test_val_loss_is_model_fit_s_mean_of_batch_losses(loss, val_rows):
     # (reduction="sum") has a mean over batches that is not its value over the whole
     # set; before, val_loss was that value: masked tokens 0.07 to 0.13 relative off,
     # a summed loss twice model.fit's.
-    reduction = {"sum": "sum", "weighted mean": "mean_with_sample_weight"}.get(
-        loss, "sum_over_batch_size")
-
-    def make():
-        model = keras.Sequential([keras.Input((8,), dtype="int32"),
-                                  keras.layers.Embedding(20, 8), keras.layers.Dense(5)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05 / (B * 8 if loss == "sum" else 1)),
-                      loss=keras.losses.SparseCategoricalCrossentropy(
-                          from_logits=True, reduction=reduction,
-                          ignore_class=0 if loss == "masked tokens" else None))
-        return model
-
     x, y = tokens(200, 0)
     vx, vy = tokens(val_rows, 1)
     weights = np.linspace(0.1, 2.0, val_rows * 8).reshape(val_rows, 8).astype("float32")
     val = (vx, vy, weights * (vx > 0)) if loss == "weighted mean" else (vx, vy)
-    reference, candidate = make(), make()
+    reference, candidate = tagger(loss), tagger(loss)
     for model in (reference, candidate):
         model.build((None, 8))
     candidate.set_weights(reference.get_weights())
@@ -452,17 +456,6 @@ def test_a_batched_validation_dataset_is_scored_in_its_own_batches(loss, listens
     # reads 49.0 (.batch(32), B = 64), and a callback heard 2 batches where model.fit
     # calls it 4 times. 100 rows in batches of 30: three whole ones and a short one. A
     # LambdaCallback's hook is an attribute of the instance: it was not heard at all.
-    reduction = "sum" if loss == "sum" else "sum_over_batch_size"
-
-    def make():
-        model = keras.Sequential([keras.Input((8,), dtype="int32"),
-                                  keras.layers.Embedding(20, 8), keras.layers.Dense(5)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05 / (B * 8 if loss == "sum" else 1)),
-                      loss=keras.losses.SparseCategoricalCrossentropy(
-                          from_logits=True, reduction=reduction,
-                          ignore_class=0 if loss == "masked tokens" else None))
-        return model
-
     x, y = tokens(200, 0)
     vx, vy = tokens(100, 1)
 
@@ -470,7 +463,7 @@ def test_a_batched_validation_dataset_is_scored_in_its_own_batches(loss, listens
         return tf.data.Dataset.from_tensor_slices((vx, vy)).batch(30).map(
             lambda a, b: (a, b)).prefetch(2)
 
-    reference, candidate = make(), make()
+    reference, candidate = tagger(loss), tagger(loss)
     for model in (reference, candidate):
         model.build((None, 8))
     candidate.set_weights(reference.get_weights())
