@@ -365,9 +365,14 @@ class _Validation:
         if self.args.validation_batch_size is not None:
             return given
         if self._own is None:  # decided once per call: the model and callbacks are fixed
+            self._own = 0
             own = self.adapter.own_batch_rows()
-            self._own = own if own not in (None, given) and evaluator.takes_each_batch(
-                MicroBatches(self.adapter, given, min(rows, given)), callbacks) else 0
+            if own not in (None, given):
+                pipeline = MicroBatches(self.adapter, given, min(rows, given))
+                if evaluator.takes_each_batch(pipeline, callbacks):
+                    self._own = own
+                else:
+                    self._pipeline = pipeline  # the one __call__ would build: kept
         return self._own or given
 
 

@@ -351,6 +351,8 @@ def batched_ancestor(dataset: tf.data.Dataset, model: keras.Model | None = None)
 _WHOLE = ("_PrefetchDataset", "CacheDataset", "_CacheDataset", "_OptionsDataset",
           "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset",
           "_AssertCardinalityDataset")
+# ...and a shuffle of batches, which keeps every row of a pass (not each batch's place).
+_KEEP_ROWS = (*_WHOLE, "_ShuffleDataset")
 _BATCHES = ("_BatchDataset", "_PaddedBatchDataset", "_ParallelBatchDataset")
 
 
@@ -398,12 +400,12 @@ def counted_rows(dataset: tf.data.Dataset) -> int | None:
     after a ``map`` too, whose function may change a batch's row count (appending
     augmented copies), which nothing short of running it tells.
     """
-    node = _batching(dataset, (*_WHOLE, "_ShuffleDataset"))
+    node = _batching(dataset, _KEEP_ROWS)
     if type(node).__name__ == "_TensorDataset":
         return _static_rows(node)
     if type(node).__name__ == "_ZipDataset":  # SimSiam's two views, each batched
         parts = _dataset_inputs(node)
-        sizes = (_batching(part, (*_WHOLE, "_ShuffleDataset")) for part in parts)
+        sizes = (_batching(part, _KEEP_ROWS) for part in parts)
         if _one(int(s._batch_size) if _stacks(s) else None for s in sizes) is None:
             return None  # batches of other sizes paired: their rows differ
         return _one(counted_rows(part) for part in parts)
@@ -535,7 +537,7 @@ class DatasetInput(InputAdapter):
             parts = spec if self._arity else (spec,)
             check_shared_rows(parts, f"`{name}`")
             rows = _leading_rows(parts)
-            stacked = _stacks(_batching(dataset, (*_WHOLE, "_ShuffleDataset")))
+            stacked = _stacks(_batching(dataset, _KEEP_ROWS))
             if (len(rows) > 1 and None in rows.values() and not stacked
                     and not _draws_randomness(dataset)):
                 # Row counts only known at run time: look at one batch now (one batch
