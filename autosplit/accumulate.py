@@ -37,6 +37,7 @@ from autosplit.piece import (
     without_padding,
 )
 from autosplit.split import Split, balanced_sizes, split_batch
+from autosplit.sums import after
 
 __all__ = [
     "Accumulated",
@@ -122,7 +123,7 @@ def _sum_pieces(model: keras.Model, plan: LossPlan, take: Callable[[tf.Tensor], 
         piece = compute_piece(model, plan, x, y, w, valid, batch_size=batch_size, scale=scale)
         totals = added(totals, piece)
         if update_metrics_too:
-            with tf.control_dependencies(tf.nest.flatten(totals.gradients)):
+            with tf.control_dependencies([after(tf.nest.flatten(totals.gradients))]):
                 update_metrics(model, piece.y, piece.y_pred, w, valid)
         return totals, tf.constant(False)
 

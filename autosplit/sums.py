@@ -24,7 +24,17 @@ __all__ = ["Stash", "Sums", "after"]
 
 
 def after(ops: list) -> tf.Tensor:
-    """A token that exists once ``ops`` have run."""
+    """A token that exists once ``ops`` have run.
+
+    Order many ops after many others through one token: ``tf.control_dependencies(ops)``
+    gives every op made under it one control edge per entry of ``ops``, so ordering the
+    optimizer's apply (some 15 ops a variable) after every variable's gradient grows
+    with the square of the variable count. Traced that way, the step of a Dense stack
+    of 202 variables held 622,527 control edges (8,418 through tokens), and a
+    ``fit_large_batch`` call of one large batch took 14.7 s against 7.3 s; on the
+    Transformer of ``benchmarks.memory_scaling`` (36 variables) TensorFlow's graph
+    optimiser met 22,342 edges against 5,755 and took ~100 ms longer.
+    """
     with tf.control_dependencies(ops):
         return tf.constant(True)
 

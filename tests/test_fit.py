@@ -176,6 +176,63 @@ def test_one_trace_serves_an_epoch_and_graph_size_does_not_grow_with_k():
     assert sizes[32] == sizes[4], sizes  # k = 2 and k = 16 give the same graph
 
 
+def _edges(definition):
+    """(nodes, control edges) of a graph and its functions (while bodies, branches)."""
+    nodes = list(definition.node) + [n for f in definition.library.function for n in f.node_def]
+    return len(nodes), sum(i.startswith("^") for n in nodes for i in n.input)
+
+
+@pytest.mark.parametrize("known_length", [True, False])
+def test_control_edges_grow_with_the_graph_not_the_square_of_the_variables(known_length):
+    # Ordering each of the optimizer's ops (some 15 a variable) after every gradient
+    # through tf.control_dependencies(list) gave each op one control edge per variable:
+    # 622,527 control edges for a Dense stack of 202 variables (8,418 through one token),
+    # and a call twice as long. Here a 4x deeper stack must stay within 1.5x of 4x.
+    def graph(layers):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,))] + [
+            keras.layers.Dense(8, activation="relu") for _ in range(layers)] + [
+            keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.Adam(),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        x, y = data(64)
+        _, step = train_on_large_batch(model, x, y, micro_batch_size=16)
+        pipeline = MicroBatches(ArrayInput(x, y), 64, 16)
+        return _edges(traced_graph(step, iter(pipeline.dataset()),
+                                   known_length=known_length).as_graph_def())
+
+    (small_nodes, small), (large_nodes, large) = graph(6), graph(24)
+    assert large_nodes < 4.5 * small_nodes
+    assert large < 1.5 * 4 * small, (small, large)
+    assert large < 1.2 * large_nodes, (large_nodes, large)
+
+
+def test_accumulate_gradients_orders_metrics_after_the_gradients_through_one_token():
+    def model_of(layers):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,))] + [
+            keras.layers.Dense(8) for _ in range(layers)] + [keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y = data(64)
+
+    def edges(layers):
+        model = model_of(layers)
+
+        @tf.function
+        def loss_and_grads(x, y):
+            return autosplit.accumulate_gradients(model, x, y, micro_batch_size=16,
+                                                  update_metrics=True)
+
+        return _edges(loss_and_grads.get_concrete_function(x, y).graph.as_graph_def())
+
+    (small_nodes, small), (large_nodes, large) = edges(6), edges(24)
+    assert large < 1.5 * (large_nodes / small_nodes) * small, (small, large)
+
+
 def test_initial_epoch_at_or_past_epochs_trains_nothing_as_model_fit():
     # A resumed script run again after its last epoch: model.fit returns quietly.
     x, y = data(128)
