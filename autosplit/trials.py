@@ -2,7 +2,8 @@
 
 A trial at micro-batch size m builds the input pipeline training will use at m
 (``autosplit.pipeline``) and runs the training step (``autosplit.step``) on it: one
-warm-up step, then two measured ones, each of two micro-batches and the apply. The
+warm-up step of one micro-batch and the apply, then two measured ones, each of two
+micro-batches and the apply. The
 loop runs its micro-batches one after another, so two reach the step's peak and a
 trial's time does not grow with B/m. Nothing of B rows is ever held, so the memory
 model's fixed part is the weights, the optimizer slots, the float32 sums and the
@@ -56,7 +57,10 @@ from autosplit.validation import check_choice, check_model, check_size
 __all__ = ["ProbeResult", "Trial", "invalidate_cache", "probe", "search_micro_batch"]
 
 _TRIAL_STEPS = 2  # measured steps per trial, after one warm-up step
-_TRIAL_MICRO_BATCHES = 2  # per step: enough to reach the loop's steady peak
+_TRIAL_MICRO_BATCHES = 2  # per measured step: enough to reach the loop's steady peak
+# The warm-up step traces the step and makes its one-time allocations: one micro-batch
+# and the apply run every op the measured steps run (~0.1-0.2 s a trial on the CLI's CNN).
+_WARM_UP_MICRO_BATCHES = 1
 # Trial pipelines shuffle (the same memory as training's) by a seed of their own: an
 # unseeded shuffle would take one of the op seeds `keras.utils.set_random_seed` fixes,
 # and the training shuffle's order would depend on how many trials the search ran.
@@ -387,8 +391,9 @@ class _Trials:
     @overload
     def trial(self, m: None) -> None: ...
     def trial(self, m: int | None) -> Trial | None:
-        """One warm-up step, then the peak of two more; None when ``m`` is None (a worker
-        whose search is over still takes part in every collective of the round).
+        """One warm-up step (one micro-batch), then the peak of two more; None when ``m``
+        is None (a worker whose search is over still takes part in every collective of
+        the round).
 
         In one process a trial whose first measured step already peaked over the budget
         stops there: the peak is a maximum, so the second step could not bring it back
@@ -411,7 +416,8 @@ class _Trials:
             # scratch buffers) that stay; the steady-state peak is what training sees.
             steps = 0  # measured
             for index in range(1 + _TRIAL_STEPS):
-                failed = not self._step(iterator, count, active=not failed) or failed
+                pulled = min(_WARM_UP_MICRO_BATCHES, count) if index == 0 else count
+                failed = not self._step(iterator, pulled, active=not failed) or failed
                 if index == 0:
                     self.meter.reset()
                     measured = time.perf_counter()
