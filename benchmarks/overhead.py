@@ -17,7 +17,10 @@ and per call, from arrays, from a dataset of examples and from a batched dataset
   784-wide one also against ``model.fit(batch_size=m)``, Keras's
   ``Adam(gradient_accumulation_steps=16)`` and the classic hand loop (a ``tf.function``
   returns one micro-batch's gradients, ``np.mean`` on the host, one apply);
-- the CNN of ``autosplit.models`` on 32x32x3 images, B = 1024, m = 128 (k = 8).
+- the CNN of ``autosplit.models`` on 32x32x3 images, B = 1024, m = 128 (k = 8);
+- a Dense stack of 50 layers of 64 (102 variables: many variables, little compute, where
+  the set-up of a call shows), B = 2048, m = 128 (k = 16), from arrays and from a
+  dataset of examples, also against ``model.fit(batch_size=m)``.
 
 **Against Keras at the micro-batch.** A small encoder on token ids (Embedding,
 attention, LayerNorm) at B = 8192, m = 512 (k = 16) from a dataset of examples, and the
@@ -117,6 +120,17 @@ def _against_keras(name: str, model: ModelSpec, rows: int, batch_size: int, m: i
                 baseline="keras_at_m", targets=((method, "keras_at_m", target),))
 
 
+def _deep(name: str, layers: int, width: int, rows: int, batch_size: int, m: int) -> Case:
+    """A Dense stack of many narrow layers: what a call costs where a model has hundreds
+    of variables (a ResNet, a BERT) and little compute, against the bare loop and
+    ``model.fit(batch_size=m)``; from arrays and from a dataset of examples."""
+    spec = ModelSpec("mlp", f"Dense stack 32-({width} x {layers})-10, {2 * layers + 2} "
+                     "variables", (32,), (width,) * layers)
+    kinds = ("autosplit_arrays", "autosplit_examples")
+    return Case(name, spec, rows, batch_size, m, (*kinds, "bare_loop", "keras_at_m"),
+                targets=tuple((k, "bare_loop", TARGET) for k in kinds))
+
+
 @dataclass(frozen=True)
 class Settings:
     cases: tuple[Case, ...]
@@ -131,6 +145,7 @@ FULL = Settings(cases=(
     _against_bare("mlp784", workloads.mlp_spec(784, (1024, 1024)), 16384, 4096, 256,
                   extra=("keras_at_m", "keras_accumulation", "hand_loop")),
     _against_bare("cnn", workloads.CNN, 4096, 1024, 128),
+    _deep("deep", 50, 64, 8192, 2048, 128),
     _against_keras("encoder", workloads.ENCODER, 32768, 8192, 512, "autosplit_examples", 1.0),
     _against_keras("large_k", TRANSFORMER, 32768, 16384, 128, "autosplit_arrays", TARGET),
 ))
@@ -138,6 +153,7 @@ QUICK = replace(FULL, epochs=1, repeats=1, cases=(
     _against_bare("mlp128", workloads.mlp_spec(64, (128, 128)), 2048, 1024, 64,
                   extra=("keras_at_m", "keras_accumulation", "hand_loop")),
     _against_bare("cnn", replace(workloads.CNN, input_shape=(8, 8, 3)), 512, 256, 32),
+    _deep("deep", 8, 16, 1024, 512, 64),
     _against_keras("encoder", workloads.ENCODER, 1024, 512, 64, "autosplit_examples", 1.0),
     _against_keras("large_k", replace(TRANSFORMER, input_shape=(8, 8), label="Transformer "
                    "encoder (8, 8), 2 layers, 4 heads"), 2048, 1024, 32, "autosplit_arrays",
