@@ -102,7 +102,7 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
         """Stash the element, then commit it."""
         with tf.device(HOST):
             marks = stash.put(element)
-        with tf.control_dependencies(marks):
+        with tf.control_dependencies([after(marks)]):
             element = tf.nest.map_structure(tf.identity, element)
         return run_element(update, element, pieces)
 

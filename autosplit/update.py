@@ -272,7 +272,7 @@ class LargeBatchUpdate:
         """Apply the summed large batch once (after ``ready``) and zero the sums; returns
         the logs: the compiled metrics' results, or a custom step's last logs."""
         loss = self.replicas.each(self._apply_replica, ready)
-        with tf.control_dependencies(tf.nest.flatten(self.replicas.results(loss))):
+        with tf.control_dependencies([after(tf.nest.flatten(self.replicas.results(loss)))]):
             return self.logs_now()
 
     def logs_now(self):
