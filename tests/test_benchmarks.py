@@ -474,7 +474,7 @@ def test_overhead_quick_run(tmp_path):
     assert overhead.main(["--quick", "--out", str(tmp_path)]) == 0
     report = read(tmp_path, "overhead")
     cases = report["cases"]
-    assert list(cases) == ["mlp128", "cnn", "encoder", "large_k"]
+    assert list(cases) == ["mlp128", "cnn", "deep", "encoder", "large_k"]
     mlp = cases["mlp128"]
     # 2048 rows: 2 applies per epoch at B = 1024, 32 at model.fit's m = 64.
     assert {m: r["applies_per_epoch"] for m, r in mlp["methods"].items()} == {
@@ -485,8 +485,11 @@ def test_overhead_quick_run(tmp_path):
     assert all(r["call_samples_per_s_best"] > 0 and math.isfinite(r["setup_seconds"])
                for c in cases.values() for r in c["methods"].values())
     assert cases["large_k"]["accumulation_steps"] == 32
+    # The Dense stack of 8 layers (18 variables): 1024 rows, B = 512, m = 64.
+    assert {m: r["applies_per_epoch"] for m, r in cases["deep"]["methods"].items()} == {
+        "autosplit_arrays": 2, "autosplit_examples": 2, "bare_loop": 2, "keras_at_m": 16}
     # Every target twice: per epoch and per call.
-    assert len(report["checks"]) == 2 * sum(len(c["targets"]) for c in cases.values()) == 16
+    assert len(report["checks"]) == 2 * sum(len(c["targets"]) for c in cases.values()) == 20
 
 
 @pytest.mark.slow
