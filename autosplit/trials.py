@@ -3,11 +3,10 @@
 A trial at micro-batch size m builds the input pipeline training will use at m
 (``autosplit.pipeline``) and runs the training step (``autosplit.step``) on it: one
 warm-up step of one micro-batch and the apply, then two measured ones, each of two
-micro-batches and the apply. The
-loop runs its micro-batches one after another, so two reach the step's peak and a
-trial's time does not grow with B/m. Nothing of B rows is ever held, so the memory
-model's fixed part is the weights, the optimizer slots, the float32 sums and the
-pipeline's few buffered micro-batches, whatever the input kind.
+micro-batches and the apply. The loop runs its micro-batches one after another, so two
+reach the step's peak and a trial's time does not grow with B/m. Nothing of B rows is
+ever held, so the memory model's fixed part is the weights, the optimizer slots, the
+float32 sums and the pipeline's few buffered micro-batches, whatever the input kind.
 
 Phases: validate and read the device and the budget (``autosplit.device``,
 ``autosplit.peak_meter``), look up the cache (``autosplit.cache``), search
