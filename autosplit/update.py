@@ -258,13 +258,14 @@ class LargeBatchUpdate:
         # One loss scale for the whole large batch: a LossScaleOptimizer unscales,
         # checks the summed gradients once and skips the whole step on an overflow.
         # Under a strategy Keras's optimizer all-reduces these gradients: once.
-        with tf.control_dependencies([after([loss] + [g for g, _ in pairs])]):
+        summed = after([loss] + [g for g, _ in pairs])
+        with tf.control_dependencies([summed]):
             model.optimizer.apply_gradients(pairs)
             # BatchNormalization's moving statistics: one update, pooled (batchnorm.py).
             pooled = [] if self.sums.pool is None else self.sums.pool.apply()
         updates = [] if self.plan.custom is not None else update_loss_trackers(
             model, loss, per_output, local_rows)
-        with tf.control_dependencies([after([g for g, _ in pairs] + [loss] + updates + pooled)]):
+        with tf.control_dependencies([after([summed, *updates, *pooled])]):
             self.sums.zero()
         return loss
 
