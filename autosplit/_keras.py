@@ -71,11 +71,55 @@ def symbolic_build(model: keras.Model, data_batch: tuple) -> None:
 
     ``data_batch`` is ``(x, y, sample_weight)`` of tensors, arrays or ``TensorSpec``s.
     ``model.fit`` does the same before it traces its train function
-    (``Trainer._symbolic_build``); nothing is computed and no state changes.
+    (``Trainer._symbolic_build``); nothing is computed and no state changes. A built
+    Functional or Sequential model skips the traced forward pass of Keras's build
+    (:func:`_build_compiled_from_output_spec`).
     """
-    model._symbolic_build(data_batch=data_batch)
+    if not _build_compiled_from_output_spec(model, data_batch):
+        model._symbolic_build(data_batch=data_batch)
     if model.optimizer is not None and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
+
+
+def _build_compiled_from_output_spec(model: keras.Model, data_batch: tuple) -> bool:
+    """``Trainer._symbolic_build`` for a built Functional or Sequential model whose
+    compiled loss or metrics are not built yet: its output spec from the layers' shape
+    inference (``model.compute_output_spec``, as the functional API made its outputs),
+    not from tracing its forward pass (an MLP 128-1024-1024-10: 1 ms against 14 to 20;
+    the CNN: 1.4 against 25 to 34). Then the same calls as Keras's. False, with nothing
+    changed, where Keras's own build is needed."""
+    from keras.src import backend
+    from keras.src.models.functional import Functional
+    from keras.src.trainers.data_adapters.data_adapter_utils import (
+        unpack_x_y_sample_weight,
+    )
+
+    compile_metrics = getattr(model, "_compile_metrics", None)
+    compile_loss = getattr(model, "_compile_loss", None)
+    metrics_unbuilt = compile_metrics is not None and not compile_metrics.built
+    loss_unbuilt = compile_loss is not None and not compile_loss.built
+    own = next((cls for cls in (keras.Sequential, Functional) if isinstance(model, cls)), None)
+    if (own is None or not (metrics_unbuilt or loss_unbuilt)
+            or type(model).call is not own.call
+            or type(model).compute_output_spec is not own.compute_output_spec
+            or not all(layer.built for layer in model._flatten_layers())):
+        return False
+    x, y, sample_weight = unpack_x_y_sample_weight(keras.tree.map_structure(
+        lambda v: None if v is None else backend.KerasTensor(
+            v.shape, backend.standardize_dtype(v.dtype)), data_batch))
+    try:
+        y_pred = model.compute_output_spec(x, training=False)
+    except Exception:  # inputs the layers' shape inference does not take: Keras's way
+        return False
+    if isinstance(y_pred, (list, tuple)) and len(y_pred) == 1:
+        y_pred = y_pred[0]  # as Functional.call unpacks a single output
+    if metrics_unbuilt:
+        backend.compute_output_spec(model.compute_metrics, x, y, y_pred,
+                                    sample_weight=sample_weight)
+    if loss_unbuilt:
+        backend.compute_output_spec(model._compute_loss, x, y, y_pred,
+                                    sample_weight=sample_weight, training=False)
+    return True
 
 
 def user_losses(model: keras.Model) -> Any:

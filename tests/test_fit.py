@@ -191,6 +191,74 @@ def test_one_trace_serves_an_epoch_and_graph_size_does_not_grow_with_k():
     assert sizes[32] == sizes[4], sizes  # k = 2 and k = 16 give the same graph
 
 
+class _CountedDense(keras.layers.Dense):
+    """A Dense layer that counts the forward passes traced through it."""
+
+    calls = 0
+
+    def call(self, inputs):
+        type(self).calls += 1
+        return super().call(inputs)
+
+
+def _compiled(model, loss, metrics, **kwargs):
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=metrics, **kwargs)
+    return model
+
+
+def _dict_outputs():
+    inputs = keras.Input((6,))
+    hidden = _CountedDense(8, activation="relu")(inputs)
+    model = keras.Model(inputs, {"kind": keras.layers.Dense(3, name="kind")(hidden),
+                                 "size": keras.layers.Dense(1, name="size")(hidden)})
+    return _compiled(model, {"kind": keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), "size": "mse"}, {"kind": ["accuracy"], "size": ["mae"]},
+        loss_weights={"kind": 1.0, "size": 0.5})
+
+
+def _list_of_one_output():
+    inputs = keras.Input((6,))
+    hidden = _CountedDense(8, activation="relu")(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(3)(hidden)])  # call() unpacks it
+    return _compiled(model, [keras.losses.SparseCategoricalCrossentropy(from_logits=True)],
+                     ["accuracy"])
+
+
+def _sequential():
+    model = keras.Sequential([keras.Input((6,)), _CountedDense(8, activation="relu"),
+                              keras.layers.Dense(3)])
+    return _compiled(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                     ["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2)],
+                     weighted_metrics=["accuracy"])
+
+
+@pytest.mark.parametrize("make", [_dict_outputs, _list_of_one_output, _sequential])
+def test_a_built_functional_model_is_built_from_its_output_spec_as_keras_builds_it(make):
+    # A freshly compiled Functional or Sequential model: Keras's symbolic build would
+    # trace a forward pass only to build the compiled loss, its trackers and the metrics;
+    # autosplit builds them from the layers' shape inference. Metric for metric, log for
+    # log, the result must be model.fit's.
+    x, y = data(64)
+    targets = {"kind": y, "size": x[:, :1]} if make is _dict_outputs else y
+    keras.utils.set_random_seed(0)
+    reference = make()
+    keras.utils.set_random_seed(0)
+    candidate = make()
+    reference.fit(x, targets, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    _CountedDense.calls = 0
+    history = autosplit.fit_large_batch(candidate, x, targets, batch_size=64,
+                                        micro_batch_size=16, epochs=2, shuffle=False,
+                                        verbose=0)
+    assert _CountedDense.calls == 2  # the loss plan's trace and the step's: no other
+    assert [m.name for m in candidate.metrics] == [m.name for m in reference.metrics]
+    assert ([v.path for m in candidate.metrics for v in m.variables]
+            == [v.path for m in reference.metrics for v in m.variables])
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+    assert sorted(history.history) == sorted(reference.history.history)
+    for name, values in reference.history.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, err_msg=name)
+
+
 def _stack(layers, *, optimizer="adam"):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6,))] + [
