@@ -265,7 +265,12 @@ class LargeBatchUpdate:
             pooled = [] if self.sums.pool is None else self.sums.pool.apply()
         updates = [] if self.plan.custom is not None else update_loss_trackers(
             model, loss, per_output, local_rows)
-        with tf.control_dependencies([after([summed, *updates, *pooled])]):
+        # The gradient sums are zeroed from their own values (Sums.zero): once the
+        # optimizer has written every variable (each read is ordered after its writes),
+        # so that those zeros never share the apply's peak with the optimizer's own
+        # temporaries.
+        applied = after([tf.convert_to_tensor(v) for _, v in pairs])
+        with tf.control_dependencies([after([summed, applied, *updates, *pooled])]):
             self.sums.zero()
         return loss
 

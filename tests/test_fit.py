@@ -177,6 +177,41 @@ def _fan_in(definition, widest=8):
                   if op not in ("Const", "NoOp") and count > widest)
 
 
+def _ancestors(op):
+    """Every op that ``op`` waits for, through data and control edges."""
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def test_the_gradient_sums_are_zeroed_after_the_optimizer_wrote_every_variable():
+    # The apply zeroes each gradient sum with zeros computed from its own value: a
+    # temporary of the sum's size. Ordered after the optimizer's last write to every
+    # variable, it never adds to the optimizer's own temporaries at the apply's peak
+    # (MLP 784-1024-1024-10 at m=64: up to 23.9 MiB a step where 20.8 before, unordered).
+    x, y = data(64)
+    model = make_mlp(keras.optimizers.Adam(1e-3))
+    _, step = train_on_large_batch(model, x, y, micro_batch_size=16)
+    graph = traced_graph(step, iter(MicroBatches(ArrayInput(x, y), 64, 16).dataset()))
+    handles = {id(v.handle) for v in model.trainable_variables}
+    weights = {internal.ref() for external, internal in graph.captures
+               if id(external) in handles}
+    writes = [op for op in graph.get_operations() if op.inputs
+              and op.inputs[0].ref() in weights
+              and op.type.startswith(("Assign", "ResourceApply"))]
+    zeroing = [op for op in graph.get_operations() if op.type == "AssignVariableOp"
+               and op.inputs[1].op.type == "MulNoNan"]
+    assert len(writes) >= len(model.trainable_variables)
+    assert len(zeroing) == len(model.trainable_variables)
+    for op in zeroing:
+        assert set(writes) <= _ancestors(op), op.name
+
+
 def test_one_trace_serves_an_epoch_and_graph_size_does_not_grow_with_k():
     x, y = data(64)
     sizes = {}
