@@ -49,7 +49,8 @@ class Sums:
     """Per-replica sums of the micro-batches committed since the last apply.
 
     Every commit adds (one ``assign_add`` a sum, no branch); the apply zeroes the sums
-    after it has read them (:meth:`zero`), with zeros computed from each sum's own value
+    once the optimizer has written the weights (:meth:`zero`; ``autosplit.update``
+    orders it), with zeros computed from each sum's own value
     (:func:`_zero_from`): a zeroing constant of a variable's shape is one TensorFlow's
     constant folding materialises when it instantiates the function, and under a tight
     cap that allocation can fail inside the folding pass, which does not survive it.
@@ -108,7 +109,8 @@ class Sums:
                       self.in_call.read_value(), self.rows.read_value())
 
     def zero(self) -> None:
-        """Per replica: start the next large batch (in a graph: after the sums were read)."""
+        """Per replica: start the next large batch (in a graph, ordered by the caller: after
+        the sums were read and the optimizer wrote the weights)."""
         for sums in self.gradients:
             for s in sums:
                 if s is not None:
