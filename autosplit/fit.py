@@ -682,7 +682,7 @@ def _rebuild(plan: _Plan, recovery: Recovery) -> MicroBatches:
     split = split_batch(plan.split.batch_size, rows)
     pipeline = MicroBatches(plan.pipeline.adapter, plan.pipeline.batch_size,
                             split.micro_batch_size, plan.layout)
-    recovery.rebind(pipeline.element_spec())
+    recovery.rebind(pipeline.element_spec(), full=pipeline.always_full())
     plan.pipeline, plan.split = pipeline, split
     return pipeline
 

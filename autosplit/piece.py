@@ -470,7 +470,8 @@ def update_loss_trackers(model, loss, per_output, rows) -> list:
     return [u for u in updates if u is not None]
 
 
-def update_metrics(model, y, y_pred, sample_weight, valid, masks=None) -> None:
+def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
+                   full: bool = False) -> None:
     """Update the compiled metrics from one micro-batch's real rows, as ``model.fit``
     updates them from a batch: ``sample_weight`` as given (None without one).
 
@@ -478,13 +479,16 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None) -> None:
     weighed 0: a weight Keras never passes reached every metric, and metrics that
     flatten or broadcast it against their own values broke (``MeanIoU`` on per-pixel
     targets raised; the Keras guide's ``CategoricalTruePositives`` counted m times).
+    ``full``: the caller knows every row is real; the rows pass as they are, with their
+    static shapes, and no ``tf.cond`` checks for padding.
     """
     unweighted, weighted, flatten = _keras.metric_lists(model)
     if not unweighted and not weighted:
         return
     if masks is None:  # Keras masks ride on y_pred's tensors, which the cut replaces
         masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
-    y, y_pred, masks, sample_weight = real_rows((y, y_pred, masks, sample_weight), valid)
+    if not full:
+        y, y_pred, masks, sample_weight = real_rows((y, y_pred, masks, sample_weight), valid)
     if masks is not None:
         for tensor, mask in zip(keras.tree.flatten(y_pred), keras.tree.flatten(masks),
                                 strict=False):

@@ -223,6 +223,15 @@ class MicroBatches:
         self._epochs: dict = {}  # (shuffle seed, repeat) -> the epoch the next iteration cuts
         self._datasets: dict = {}  # (repeat, seed, marked, autotune) -> ready to iterate
 
+    def always_full(self) -> bool:
+        """Whether every element holds ``rows`` real rows, none of padding: the input
+        tells its length, a whole number of large batches, each cut into pieces of
+        ``rows`` rows, on one local replica. The train step then drops no padding
+        before the metrics (``TrainStep.rebind``): no ``tf.cond`` per micro-batch."""
+        rows = self.adapter.rows
+        return (rows is not None and rows % self.batch_size == 0 and self.local_replicas == 1
+                and all(p.rows == self.rows for p in self.pattern if p.keep))
+
     def steps(self) -> int | None:
         """Large batches in one epoch (None when the input does not say)."""
         rows = self.adapter.rows

@@ -57,8 +57,9 @@ class RecoverableStep(Protocol):
     strategy: Any
     """The model's ``tf.distribute`` strategy (named in a ``WorkerLostError``)."""
 
-    def rebind(self, element_spec: Any) -> None:
-        """Use elements of another size (a new epoch's pipeline) from now on."""
+    def rebind(self, element_spec: Any, *, full: bool = False) -> None:
+        """Use elements of another size (a new epoch's pipeline) from now on (``full``:
+        they hold no padding rows)."""
 
     def run(self, iterator: Any, count: int) -> dict[str, Any]:
         """``run_local(iterator, count)`` then ``finish()``, in one call, for an input that
@@ -179,9 +180,10 @@ class Recovery:
         """Rows per micro-batch in use now."""
         return math.ceil(self.step.rows / self.pieces)
 
-    def rebind(self, element_spec: Any) -> None:
-        """A new epoch's pipeline at the size that worked: one piece per element again."""
-        self.step.rebind(element_spec)
+    def rebind(self, element_spec: Any, *, full: bool = False) -> None:
+        """A new epoch's pipeline at the size that worked: one piece per element again
+        (``full``: its elements hold no padding, ``TrainStep.rebind``)."""
+        self.step.rebind(element_spec, full=full)
         self.pieces = 1
 
     def run(self, iterator: Any, count: int, step_number: int) -> dict[str, Any] | None:

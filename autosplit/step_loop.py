@@ -27,9 +27,13 @@ from autosplit.update import LargeBatchUpdate
 __all__ = ["pull", "run_element"]
 
 
-def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=None
-                ) -> tf.Tensor:
-    """All of one element (the rows from ``first_row`` on), in ``pieces`` parts."""
+def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=None, *,
+                full: bool = False) -> tf.Tensor:
+    """All of one element (the rows from ``first_row`` on), in ``pieces`` parts.
+
+    ``full``: the element holds real rows only (``TrainStep.rebind``); whole, it goes
+    to the micro-step without a check for padding. Its rest after ``first_row`` or its
+    parts may hold padding, and keep the check."""
     x, y, w, valid = element
     axis = 1 if update.replicas.local > 1 else 0
     rows = update.rows
@@ -37,7 +41,8 @@ def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=N
         keep = tf.cast(tf.range(rows) >= first_row, tf.float32)
         valid = valid * (keep[None, :] if axis else keep)
     if pieces == 1:
-        return update.micro_step(x, y, w, valid, tf.constant(rows))
+        return update.micro_step(x, y, w, valid, tf.constant(rows),
+                                 full=full and first_row is None)
     size = -(-rows // pieces)
 
     def body(p):
@@ -71,7 +76,8 @@ def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=N
 
 
 def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
-         pieces: int = 1, counted: bool = False, marked: bool = False) -> tf.Tensor:
+         pieces: int = 1, counted: bool = False, marked: bool = False, full: bool = False
+         ) -> tf.Tensor:
     """Pull up to ``count`` elements and commit them; no collective communication.
     Returns the number pulled.
 
@@ -84,6 +90,8 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
     With ``marked`` the iterator runs on past each epoch, whose end is an element with
     no real row (``MicroBatches.dataset(marked=True)``): the loop stops there, as at the
     end of an iterator, and the marker is neither stashed nor counted.
+
+    With ``full`` the iterator's elements hold real rows only (:func:`run_element`).
     """
     stash = update.stash
     ops = [stash.pulled.assign(0), stash.exhausted.assign(False)]
@@ -104,7 +112,7 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
             marks = stash.put(element)
         with tf.control_dependencies([after(marks)]):
             element = tf.nest.map_structure(tf.identity, element)
-        return run_element(update, element, pieces)
+        return run_element(update, element, pieces, full=full)
 
     def counted_body(i):
         with tf.device(HOST):

@@ -21,6 +21,7 @@ the compiled functions of ``autosplit.step``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import keras
@@ -158,10 +159,10 @@ class LargeBatchUpdate:
         return self._functions.get(("piece", repr(self.piece_spec)), self.piece,
                                    jit_compile=True)
 
-    def _compute(self, x, y, w, valid):
+    def _compute(self, x, y, w, valid, full=False):
         """Per replica: one piece, on its real rows alone where the plan asks for them
-        (``autosplit.piece.without_padding``)."""
-        strip = self.plan.real_rows_only or bool(self.pool)
+        (``autosplit.piece.without_padding``; ``full``: all its rows are real)."""
+        strip = (self.plan.real_rows_only or bool(self.pool)) and not full
         x, y, w, valid = without_padding(strip, x, empty_to_none(y), empty_to_none(w), valid)
         return self._piece_function()(x, y, w, valid)
 
@@ -175,8 +176,9 @@ class LargeBatchUpdate:
         with tf.control_dependencies([] if ready is None else [ready]):
             return self.sums.add(self._unflatten(list(values)))
 
-    def _commit_metrics(self, values, ready=None):
-        """Per replica: update the compiled metrics from one piece (after ``ready``)."""
+    def _commit_metrics(self, values, ready=None, full=False):
+        """Per replica: update the compiled metrics from one piece (after ``ready``;
+        ``full``: all its rows are real)."""
         piece = self._unflatten(list(values))
         if self.plan.custom is not None:  # the step updated its own metrics
             with tf.control_dependencies([] if ready is None else [ready]):
@@ -196,7 +198,7 @@ class LargeBatchUpdate:
                         self.plan.custom.averaged, strict=True)])
         with tf.control_dependencies([] if ready is None else [ready]):
             update_metrics(self.model, piece.y, piece.y_pred, piece.sample_weight, piece.valid,
-                           piece.masks)
+                           piece.masks, full=full)
             return tf.constant(True)
 
     def keep_metrics(self) -> tf.Tensor:
@@ -207,33 +209,37 @@ class LargeBatchUpdate:
         """Put back a custom step's metric variables as the last committed piece left them."""
         return after([v.assign(copy.read_value()) for v, copy in self._metric_copies])
 
-    def micro_step(self, x, y, w, valid, end_row) -> tf.Tensor:
+    def micro_step(self, x, y, w, valid, end_row, *, full: bool = False) -> tf.Tensor:
         """One micro-step on every local replica: compute, then (only once all of them
         have their gradients) add to the sums and record that the rows up to
         ``end_row`` of the element in flight are done, then update the metrics.
 
         Every op depends on the one before: an out-of-memory error anywhere before the
         record leaves the sums and the record as they were, one after it cannot undo it.
+        ``full``: every row of the micro-batch is real (``TrainStep.rebind``), so no
+        padding is dropped before the metrics or a model that needs its real rows alone.
         """
         replicas = self.replicas
         if replicas.count == 1:
-            values = self._compute(x, y, w, valid)
+            values = self._compute(x, y, w, valid, full)
             with tf.control_dependencies([after(values)]):
                 summed = self._commit_sums(values)
         else:
-            values = replicas.run(self._compute, *replicas.split((x, y, w, valid)))
+            values = replicas.run(functools.partial(self._compute, full=full),
+                                  *replicas.split((x, y, w, valid)))
             summed = replicas.done(replicas.run(self._commit_sums, values,
                                                 replicas.done(values)))
         with tf.control_dependencies([summed]):
             recorded = self.stash.record(end_row, self.rows)
         if replicas.count == 1:
             with tf.control_dependencies([recorded]):
-                committed = self._commit_metrics(values)
+                committed = self._commit_metrics(values, full=full)
             if not self._metric_copies:
                 return committed
             with tf.control_dependencies([committed]):
                 return self.keep_metrics()
-        return replicas.done(replicas.run(self._commit_metrics, values, recorded))
+        return replicas.done(replicas.run(functools.partial(self._commit_metrics, full=full),
+                                          values, recorded))
 
     # ------------------------------------------------------------ the apply
 

@@ -500,6 +500,32 @@ def test_pipeline_cuts_balanced_micro_batches_and_marks_the_padding():
     np.testing.assert_array_equal(rows, x)  # every row once, in order
 
 
+@pytest.mark.parametrize("rows, batch, bound, source", [
+    (256, 64, 16, "arrays"), (256, 64, 20, "arrays"),  # 4 pieces of 16
+    (250, 50, 25, "arrays"),
+    (256, 64, 24, "arrays"),  # pieces of 22, 21, 21: two padded
+    (250, 64, 16, "arrays"),  # a short last batch
+    (256, 64, 16, "examples"), (250, 64, 16, "examples"),
+    (256, 64, 16, "batched"), (256, 64, 16, "unknown")])
+def test_a_pipeline_is_always_full_exactly_when_no_element_holds_padding(rows, batch, bound,
+                                                                         source):
+    # The train step drops no padding before the metrics where always_full says none
+    # comes: it must never say so of a pipeline that yields a padding row.
+    x, y, w = data(rows)
+    examples = tf.data.Dataset.from_tensor_slices((x, y, w))
+    adapter = {"arrays": lambda: get_input(x, y, w, shuffle=False),
+               "examples": lambda: get_input(examples),
+               "batched": lambda: get_input(examples.batch(32)),
+               "unknown": lambda: get_input(examples.filter(lambda *_: True))}[source]()
+    pipeline = MicroBatches(adapter, batch, split_batch(batch, bound).micro_batch_size)
+    padded = [int((e[3].numpy() == 0).sum()) for e in pipeline.dataset()]
+    assert sum(padded) == len(padded) * pipeline.rows - rows  # the elements' real rows
+    if source == "unknown":
+        assert not pipeline.always_full()  # the input does not tell its length
+    else:
+        assert pipeline.always_full() == (sum(padded) == 0), padded
+
+
 def row_ids_per_large_batch(pipeline, **kwargs):
     """One epoch of ``pipeline`` whose x is the row number: each large batch's rows."""
     elements = iter(pipeline.dataset(**kwargs))
