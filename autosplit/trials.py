@@ -408,7 +408,8 @@ class _Trials:
                 rows = split_batch(self.batch_size // self.where.replicas, m).micro_batch_size
                 cut = MicroBatches(self.data, self.batch_size, rows, self.where)
                 data = trial_dataset(cut)
-                self.step.rebind(data.element_spec)
+                # As training at this size will run: whole elements where none is padded.
+                self.step.rebind(data.element_spec, full=cut.always_full())
                 iterator = iter(data)
                 count = min(_TRIAL_MICRO_BATCHES, cut.per_batch)
             # The first step traces and makes one-time allocations (kernel caches,

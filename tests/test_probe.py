@@ -198,6 +198,19 @@ def test_fit_with_auto_micro_batch(cache_home):
     json.dumps(report.to_dict())
 
 
+@pytest.mark.parametrize("rows", [300, 290])
+def test_training_runs_the_step_its_probe_traced_at_the_chosen_size(cache_home, rows):
+    # A trial traces the step as training at its size will run it (whole elements where
+    # the input has no padding row, the padding check where it may): training after a
+    # probe traces nothing more.
+    x, y = data(rows)
+    history = autosplit.fit_large_batch(small_model(), (x, y), batch_size=100,
+                                        shuffle=False, verbose=0)
+    report = history.autosplit
+    assert report.micro_batch_size in [t.micro_batch_size for t in report.probe.trials]
+    assert report.traces == 0
+
+
 def test_a_seeded_fit_that_probes_shuffles_as_one_given_its_micro_batch(cache_home):
     # keras.utils.set_random_seed fixes TensorFlow's sequence of op seeds, and the
     # training shuffle takes one. The probe's trial pipelines must take none, or the
