@@ -137,6 +137,67 @@ def test_a_real_oom_in_the_middle_of_a_batch_costs_only_that_micro_batch():
     np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-6)
 
 
+class HungryBackward(keras.layers.Layer):
+    """``x * scale`` (a trainable scalar at 1), whose backward pass, on a micro-batch of
+    more than ``limit`` rows holding a marked row (feature 0 above 100), asks TensorFlow
+    for 4 TB: a real ResourceExhaustedError after the forward pass has run."""
+
+    def __init__(self, limit, **kwargs):
+        super().__init__(**kwargs)
+        self.limit = limit
+        self.armed = True
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    def call(self, x):
+        scaled = x * self.scale
+        if not self.armed:
+            return scaled
+
+        @tf.custom_gradient
+        def hungry(t):
+            def grad(dy):
+                marked = tf.reduce_any(t[:, 0] > 100.0)
+                size = tf.where(marked & (tf.shape(t)[0] > self.limit),
+                                tf.constant(10**12, tf.int64), tf.constant(1, tf.int64))
+                return dy + 0.0 * tf.reduce_sum(tf.zeros(tf.reshape(size, [1])))
+            return tf.identity(t), grad
+
+        return hungry(scaled)
+
+
+@pytest.mark.slow
+def test_a_real_oom_in_the_backward_pass_costs_only_that_micro_batch():
+    """As above, but micro-batch 3 of 4 of the second large batch runs out of memory in
+    its backward pass, after its forward pass (and the metrics' inputs) exist: nothing of
+    it may reach the sums, the metrics or the row count before its redo."""
+    x, y = data(256)
+    x[64 + 40, 0] = 1000.0  # batch 1, micro-batch 2 (rows 32-47)
+
+    def model():
+        made = keras.Sequential([keras.Input((6,)), HungryBackward(8),
+                                 keras.layers.Dense(16, activation="relu"),
+                                 keras.layers.Dense(3)])
+        made.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                     metrics=["accuracy"])
+        return made
+
+    reference, candidate = twin(model, (x[:8], y[:8], None))
+    reference.layers[0].armed = False
+    ref_history = autosplit.fit_large_batch(reference, x, y, batch_size=64,
+                                            micro_batch_size=16, shuffle=False, verbose=0)
+    with pytest.warns(UserWarning, match="finishing the same batch"):
+        history = autosplit.fit_large_batch(candidate, x, y, batch_size=64,
+                                            micro_batch_size=16, shuffle=False, verbose=0)
+    assert history.autosplit.oom_recoveries == (OomRecovery(step=1, failed=16, retry=8),)
+    assert int(candidate.optimizer.iterations) == 4
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+    np.testing.assert_allclose(history.history["accuracy"], ref_history.history["accuracy"])
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_a_seeded_shuffled_run_that_recovered_ends_where_the_uninterrupted_one_does():
     """Arrays shuffled (the default) over 3 epochs, one real out-of-memory error in the
