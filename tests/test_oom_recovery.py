@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -89,9 +91,19 @@ def test_a_failed_step_leaves_weights_and_optimizer_untouched():
     assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights(), strict=True))
 
 
+def _ask_4tb(rows, limit):
+    """0, after asking TensorFlow for 4 TB where ``rows``, a micro-batch of more than
+    ``limit`` rows, holds a marked row (feature 0 above 100): a real
+    ResourceExhaustedError."""
+    marked = tf.reduce_any(rows[:, 0] > 100.0)
+    size = tf.where(marked & (tf.shape(rows)[0] > limit), tf.constant(10**12, tf.int64),
+                    tf.constant(1, tf.int64))
+    return 0.0 * tf.reduce_sum(tf.zeros(tf.reshape(size, [1])))
+
+
 class Hungry(keras.layers.Layer):
     """Identity, except that a micro-batch of more than ``limit`` rows holding a marked row
-    (feature 0 above 100) asks TensorFlow for 4 TB: a real ResourceExhaustedError."""
+    (feature 0 above 100) asks TensorFlow for 4 TB in its forward pass."""
 
     def __init__(self, limit, **kwargs):
         super().__init__(**kwargs)
@@ -101,51 +113,12 @@ class Hungry(keras.layers.Layer):
     def call(self, x):
         if not self.armed:
             return x
-        marked = tf.reduce_any(x[:, 0] > 100.0)
-        size = tf.where(marked & (tf.shape(x)[0] > self.limit), tf.constant(10**12, tf.int64),
-                        tf.constant(1, tf.int64))
-        return x + 0.0 * tf.reduce_sum(tf.zeros(tf.reshape(size, [1])))
+        return x + _ask_4tb(x, self.limit)
 
 
-def hungry_model():
-    model = keras.Sequential([keras.Input((6,)), Hungry(8),
-                              keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
-
-
-@pytest.mark.slow
-def test_a_real_oom_in_the_middle_of_a_batch_costs_only_that_micro_batch():
-    """Micro-batch 3 of 4 of the second large batch runs out of memory (the allocator
-    waits ~10 s before it gives up). The two before it stay summed, the rest of the batch
-    runs in pieces of 8 rows, and the run equals the uninterrupted one, metrics too."""
-    x, y = data(256)
-    x[64 + 40, 0] = 1000.0  # batch 1, micro-batch 2 (rows 32-47)
-    reference, candidate = twin(hungry_model, (x[:8], y[:8], None))
-    reference.layers[0].armed = False
-    ref_history = autosplit.fit_large_batch(reference, x, y, batch_size=64,
-                                            micro_batch_size=16, shuffle=False, verbose=0)
-    with pytest.warns(UserWarning, match="finishing the same batch"):
-        history = autosplit.fit_large_batch(candidate, x, y, batch_size=64,
-                                            micro_batch_size=16, shuffle=False, verbose=0)
-    assert history.autosplit.oom_recoveries == (OomRecovery(step=1, failed=16, retry=8),)
-    assert int(candidate.optimizer.iterations) == 4
-    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
-    np.testing.assert_allclose(history.history["accuracy"], ref_history.history["accuracy"])
-    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-6)
-
-
-class HungryBackward(keras.layers.Layer):
-    """``x * scale`` (a trainable scalar at 1), whose backward pass, on a micro-batch of
-    more than ``limit`` rows holding a marked row (feature 0 above 100), asks TensorFlow
-    for 4 TB: a real ResourceExhaustedError after the forward pass has run."""
-
-    def __init__(self, limit, **kwargs):
-        super().__init__(**kwargs)
-        self.limit = limit
-        self.armed = True
+class HungryBackward(Hungry):
+    """``x * scale`` (a trainable scalar at 1) that asks for 4 TB as :class:`Hungry`
+    does, in its backward pass: after the forward pass has run."""
 
     def build(self, input_shape):
         self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
@@ -157,34 +130,31 @@ class HungryBackward(keras.layers.Layer):
 
         @tf.custom_gradient
         def hungry(t):
-            def grad(dy):
-                marked = tf.reduce_any(t[:, 0] > 100.0)
-                size = tf.where(marked & (tf.shape(t)[0] > self.limit),
-                                tf.constant(10**12, tf.int64), tf.constant(1, tf.int64))
-                return dy + 0.0 * tf.reduce_sum(tf.zeros(tf.reshape(size, [1])))
-            return tf.identity(t), grad
+            return tf.identity(t), lambda dy: dy + _ask_4tb(t, self.limit)
 
         return hungry(scaled)
 
 
+def hungry_model(layer=Hungry):
+    model = keras.Sequential([keras.Input((6,)), layer(8),
+                              keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
 @pytest.mark.slow
-def test_a_real_oom_in_the_backward_pass_costs_only_that_micro_batch():
-    """As above, but micro-batch 3 of 4 of the second large batch runs out of memory in
-    its backward pass, after its forward pass (and the metrics' inputs) exist: nothing of
-    it may reach the sums, the metrics or the row count before its redo."""
+@pytest.mark.parametrize("layer", [Hungry, HungryBackward], ids=["forward", "backward"])
+def test_a_real_oom_in_the_middle_of_a_batch_costs_only_that_micro_batch(layer):
+    """Micro-batch 3 of 4 of the second large batch runs out of memory (the allocator
+    waits ~10 s before it gives up), in its forward pass or, after that ran (the metrics'
+    inputs exist), in its backward pass. The two before it stay summed, nothing of it
+    reaches the sums, the metrics or the row count, the rest of the batch runs in pieces
+    of 8 rows, and the run equals the uninterrupted one, metrics too."""
     x, y = data(256)
     x[64 + 40, 0] = 1000.0  # batch 1, micro-batch 2 (rows 32-47)
-
-    def model():
-        made = keras.Sequential([keras.Input((6,)), HungryBackward(8),
-                                 keras.layers.Dense(16, activation="relu"),
-                                 keras.layers.Dense(3)])
-        made.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                     metrics=["accuracy"])
-        return made
-
-    reference, candidate = twin(model, (x[:8], y[:8], None))
+    reference, candidate = twin(functools.partial(hungry_model, layer), (x[:8], y[:8], None))
     reference.layers[0].armed = False
     ref_history = autosplit.fit_large_batch(reference, x, y, batch_size=64,
                                             micro_batch_size=16, shuffle=False, verbose=0)
