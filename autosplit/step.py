@@ -91,7 +91,6 @@ class TrainStep:
         # its call; the counted loop (run) never meets a marker.
         self.end_marker = False
         self._ended: bool | None = False  # the last call reached the end (None: not read)
-        self.full = False
         self.rebind(element_spec, full=full)
 
     @property
