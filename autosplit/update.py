@@ -251,7 +251,7 @@ class LargeBatchUpdate:
         """
         model = self.model
         with tf.control_dependencies([] if ready is None else [ready]):
-            totals = self.sums.read()
+            totals = read = self.sums.read()
         local_rows = totals.rows
         if self.replicas.count > 1:
             totals = totals.summed_over_replicas(tf.distribute.get_replica_context())
@@ -277,7 +277,7 @@ class LargeBatchUpdate:
         # temporaries.
         applied = after([tf.convert_to_tensor(v) for _, v in pairs])
         with tf.control_dependencies([after([summed, applied, *updates, *pooled])]):
-            self.sums.zero()
+            self.sums.zero(read)
         return loss
 
     def apply(self, ready=None):
