@@ -238,7 +238,11 @@ def round_robin(runs: Mapping[str, Callable[[], dict[str, Any]]], repeats: int,
 
 def speed_summary(runs: Mapping[str, Sequence[Mapping[str, Any]]], baseline: str
                   ) -> dict[str, dict[str, Any]]:
-    """Best and median samples/s per method, and both as ratios to ``baseline``'s."""
+    """Best and median samples/s per method, and both as ratios to ``baseline``'s; and
+    the paired ratio, the median over the repeats of each repeat's ratio to the
+    baseline's run of the same repeat (side by side in :func:`round_robin`, so a drift
+    of the machine's speed weighs on both: on 2 busy cores a best over best moved by
+    10% from one run to the next where the paired ratio moved by a few percent)."""
     def rates(name: str) -> list[float]:
         return [r["samples"] / r["seconds"] for r in runs[name]]
 
@@ -250,7 +254,9 @@ def speed_summary(runs: Mapping[str, Sequence[Mapping[str, Any]]], baseline: str
                      "samples_per_s_median": statistics.median(values),
                      "samples_per_s_all": values,
                      "ratio": max(values) / max(base),
-                     "ratio_median": statistics.median(values) / statistics.median(base)}
+                     "ratio_median": statistics.median(values) / statistics.median(base),
+                     "ratio_paired": statistics.median(
+                         v / b for v, b in zip(values, base, strict=False))}
     return out
 
 

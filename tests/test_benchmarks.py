@@ -138,6 +138,8 @@ def test_round_robin_rotates_the_order_and_speed_summary_divides_best_by_best(mo
     assert summary["a"]["samples_per_s_best"] == pytest.approx(100.0)
     assert summary["a"]["ratio"] == pytest.approx(100.0 / 50.0)
     assert summary["a"]["ratio_median"] == pytest.approx(75.0 / 37.5)
+    # Paired: each repeat against b's run beside it, 100/25 and 50/50, their median 2.5.
+    assert summary["a"]["ratio_paired"] == pytest.approx(2.5)
     assert summary["c"]["ratio"] == pytest.approx(12.5 / 50.0)
 
 
@@ -330,7 +332,9 @@ def test_every_method_trains_and_counts_its_applies(method, rows, k, applies):
 
 def test_overhead_checks_every_target_per_epoch_and_per_call():
     def rate(epoch, call):
-        return {"samples_per_s_best": epoch, "call_samples_per_s_best": call}
+        # Two repeats each: the paired ratio pairs each repeat with the baseline's.
+        return {"samples_per_s_best": epoch, "call_samples_per_s_best": call,
+                "samples_per_s_all": [epoch, epoch / 2], "call_samples_per_s_all": [call, call]}
 
     cases = {
         "mlp": {"name": "mlp", "targets": [("autosplit_arrays", "bare_loop", 0.95),
@@ -348,6 +352,10 @@ def test_overhead_checks_every_target_per_epoch_and_per_call():
         ("encoder:autosplit_examples:per-epoch", "MISS"),
         ("encoder:autosplit_examples:per-call", "PASS")]
     assert [c["ratio"] for c in checks] == pytest.approx([0.96, 0.8, 1.0, 1.25, 0.99, 1.2])
+    # The status is the best over best; the paired ratio, against the check's own
+    # baseline, is reported beside it.
+    assert checks[0]["summary"].endswith("(target >= 0.95; paired 0.96)")
+    assert checks[3]["summary"].endswith("(target >= 0.95; paired 1.25)")
 
 
 def test_overhead_set_up_is_the_call_beyond_its_epochs_at_steady_speed():
