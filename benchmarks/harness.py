@@ -255,9 +255,18 @@ def speed_summary(runs: Mapping[str, Sequence[Mapping[str, Any]]], baseline: str
                      "samples_per_s_all": values,
                      "ratio": max(values) / max(base),
                      "ratio_median": statistics.median(values) / statistics.median(base),
-                     "ratio_paired": statistics.median(
-                         v / b for v, b in zip(values, base, strict=False))}
+                     "ratio_paired": paired_ratio(values, base)}
     return out
+
+
+def paired_ratio(values: Sequence[float], base: Sequence[float]) -> float:
+    """The median over the repeats of ``values[i] / base[i]``: runs of one repeat side by
+    side (:func:`round_robin`).
+
+    >>> paired_ratio([100.0, 50.0], [25.0, 50.0])
+    2.5
+    """
+    return statistics.median(v / b for v, b in zip(values, base, strict=True))
 
 
 def growth_check(peak_from_mib: float | None, peak_to_mib: float | None, batch_mib: float, *,

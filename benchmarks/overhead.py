@@ -53,7 +53,6 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -250,8 +249,7 @@ def checks(cases: dict[str, Any]) -> list[dict[str, Any]]:
                                ("per call", "call_samples_per_s_best")):
                 ratio = methods[method][key] / methods[baseline][key]
                 every = "samples_per_s_all" if scope == "per epoch" else "call_samples_per_s_all"
-                paired = statistics.median(v / b for v, b in zip(
-                    methods[method][every], methods[baseline][every], strict=False))
+                paired = harness.paired_ratio(methods[method][every], methods[baseline][every])
                 out.append({
                     "id": f"{case['name']}:{method}:{scope.replace(' ', '-')}",
                     "ratio": ratio, "target": target,
