@@ -112,14 +112,14 @@ class Sums:
         """Per replica: start the next large batch (in a graph, ordered by the caller: after
         the sums were read and the optimizer wrote the weights).
 
-        ``read``: what :meth:`read` gave for the apply. The gradient sums are zeroed from
-        those values (one read less a variable: 102 on a Dense stack of 50 layers); a
-        read tensor shares its variable's buffer, so holding it to the zeroing costs no
-        memory."""
+        ``read``: what :meth:`read` gave for the apply (read here when None). The
+        gradient sums are zeroed from those values (one read less a variable: 102 on a
+        Dense stack of 50 layers); a read tensor shares its variable's buffer, so holding
+        it to the zeroing costs no memory."""
+        if read is None:
+            read = self.read()
         zero = tf.constant(0.0, tf.float32)
-        values = [[None if s is None else s.read_value() for s in sums]
-                  for sums in self.gradients] if read is None else read.gradients
-        for sums, read_sums in zip(self.gradients, values, strict=True):
+        for sums, read_sums in zip(self.gradients, read.gradients, strict=True):
             for s, value in zip(sums, read_sums, strict=True):
                 if s is not None:
                     s.assign(_zero_from(value, zero))
