@@ -529,18 +529,17 @@ def test_a_pipeline_is_always_full_exactly_when_no_element_holds_padding(rows, b
         # holds the next rows of the input, every row once, in order.
         np.testing.assert_array_equal(
             np.concatenate([e[0].numpy() for e in pipeline.dataset()]), x)
-        assert "If" not in map_ops(pipeline.dataset()) and "StatelessIf" not in map_ops(
-            pipeline.dataset())
+        assert not branches(pipeline.dataset())
     elif source != "arrays":  # an array input's row numbers are padded branch-free
-        assert "If" in map_ops(pipeline.dataset()) or "StatelessIf" in map_ops(
-            pipeline.dataset())
+        assert branches(pipeline.dataset())
 
 
-def map_ops(ds):
-    """The op types of the element map of a ``MicroBatches`` dataset (the last map)."""
+def branches(ds):
+    """The ``tf.cond`` ops of the element map of a ``MicroBatches`` dataset (its last map)."""
     while not hasattr(ds, "_map_func"):
         ds = ds._input_dataset
-    return {op.type for op in ds._map_func.function.graph.get_operations()}
+    return [op for op in ds._map_func.function.graph.get_operations()
+            if op.type in ("If", "StatelessIf")]
 
 
 def row_ids_per_large_batch(pipeline, **kwargs):
