@@ -68,17 +68,17 @@ def _pad_rows(piece: Any, rows: int, *, row_numbers: bool = False, whole: bool =
     ms to build and its first iterator 25, against 18 and 11 without); the static row
     count is still checked (``tf.ensure_shape``), and ``valid`` is all ones.
     """
+    def fixed(t):  # the static row count (a gather or a cond keeps the other dimensions)
+        return tf.ensure_shape(t, [rows, *t.shape[1:]])
+
     if whole:
-        return (tf.nest.map_structure(lambda t: tf.ensure_shape(t, [rows, *t.shape[1:]]),
-                                      piece),
-                tf.ones([rows], tf.float32))
+        return tf.nest.map_structure(fixed, piece), tf.ones([rows], tf.float32)
     n = tf.shape(tf.nest.flatten(piece)[0])[0]
     index = tf.minimum(tf.range(rows), n - 1)
 
     def pad(t):
-        padded = tf.gather(t, index) if row_numbers else tf.cond(
-            n < rows, lambda: tf.gather(t, index), lambda: t)
-        return tf.ensure_shape(padded, [rows, *t.shape[1:]])
+        return fixed(tf.gather(t, index) if row_numbers else tf.cond(
+            n < rows, lambda: tf.gather(t, index), lambda: t))
 
     return tf.nest.map_structure(pad, piece), tf.cast(tf.range(rows) < n, tf.float32)
 
