@@ -245,10 +245,10 @@ def checks(cases: dict[str, Any]) -> list[dict[str, Any]]:
     for case in cases.values():
         methods = case["methods"]
         for method, baseline, target in case["targets"]:
-            for scope, key in (("per epoch", "samples_per_s_best"),
-                               ("per call", "call_samples_per_s_best")):
+            for scope, key, every in (
+                    ("per epoch", "samples_per_s_best", "samples_per_s_all"),
+                    ("per call", "call_samples_per_s_best", "call_samples_per_s_all")):
                 ratio = methods[method][key] / methods[baseline][key]
-                every = "samples_per_s_all" if scope == "per epoch" else "call_samples_per_s_all"
                 paired = harness.paired_ratio(methods[method][every], methods[baseline][every])
                 out.append({
                     "id": f"{case['name']}:{method}:{scope.replace(' ', '-')}",
