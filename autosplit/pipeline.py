@@ -317,6 +317,8 @@ class MicroBatches:
                 options = tf.data.Options()
                 options.deterministic = True
                 options.autotune.enabled = autotune
+                if not self.adapter.graph_rewrites:
+                    options.experimental_optimization.apply_default_optimizations = False
                 self._datasets[key] = ds.with_options(options).prefetch(_PREFETCH)
         return self._datasets[key]
 

@@ -583,6 +583,18 @@ def test_only_a_kind_with_epoch_hooks_needs_an_iterator_per_epoch():
     assert get_input(Batches(x, y, w, 10), shuffle=False).epoch_hooks
 
 
+def test_only_a_pipeline_of_autosplit_s_own_stages_skips_the_graph_rewrites():
+    # tf.data's rewrites serialize the graph, captured arrays included, when the first
+    # iterator is made (inputs.ArrayInput.graph_rewrites); the arrays pipeline is all
+    # autosplit's and skips them. A dataset's own stages keep what tf.data does to them.
+    x, y, w = data(40)
+    for given, rewrites in ((get_input(x, y, w, shuffle=True), False),
+                            (get_input(tf.data.Dataset.from_tensor_slices((x, y)),
+                                       shuffle=False), None)):
+        for repeat in (False, True):
+            options = MicroBatches(given, 8, 4).dataset(repeat=repeat).options()
+            assert options.experimental_optimization.apply_default_optimizations is rewrites
+
 @pytest.mark.parametrize("shuffle", [False, True, "batch"])
 def test_the_repeated_pipeline_reads_each_epoch_as_a_fresh_iterator_would(shuffle):
     # fit reads every epoch from one iterator of dataset(repeat=True) where the epoch's
