@@ -235,8 +235,16 @@ def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: 
     the far pair of fits may point past a failure that ran; the two peaks around the
     budget locate it better than halving the micro-batch count.
 
+    A fit below the crossing that leaves sizes to try above it (more than 5% larger,
+    below ``hi``) costs a trial more whatever it shows, so the size whose fit ends the
+    search is asked instead when it lies within 5% above the crossing, inside the
+    allocator's noise on two peaks: on the CLI's CNN at B = 4096, 256 rows after 179
+    fit and 274 ran over, where 241 was asked and then 256 (one trial, ~1.5 s, more).
+
     >>> seen = [Trial(179, True, False, 158, 1.0), Trial(274, False, False, 248, 1.0)]
-    >>> _secant(4096, 230, seen, 179, 274)  # the line meets 230 at 255.8 rows (k = 17)
+    >>> _secant(4096, 230, seen, 179, 274)  # the line meets 230 at 255.8 rows (k = 17: 241)
+    256
+    >>> _secant(4096, 230, seen[:1] + [Trial(274, False, False, 268, 1.0)], 179, 274)
     241
     """
     def peak(m: int, fits: bool) -> int | None:
@@ -253,7 +261,11 @@ def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: 
     # The largest the line says fits, as for the line's own guess: one too small costs
     # a trial, one too large may run out of memory (10 s of the allocator's retries).
     under = [m for m in inside if m <= crossing]
-    return max(under) if under else min(inside)
+    if not under:
+        return min(inside)
+    ending = min(m for m in inside
+                 if hi - m <= max(1, TOLERANCE * m) or not _sizes_between(batch_size, m, hi))
+    return ending if max(under) < ending <= crossing * (1 + TOLERANCE) else max(under)
 
 
 def _still_fits(trials: Sequence[Trial], m: int, budget: int) -> bool:
