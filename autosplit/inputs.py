@@ -225,9 +225,11 @@ class ArrayInput(InputAdapter):
     # serializes the graph, the arrays the gather captures included: 40 to 180 ms for
     # 50 MB (benchmarks.overhead's CNN and MLP 784 data), 200 to 700 ms for 400 MB, in
     # every call and every probe trial; without, 4 to 6 ms. Every stage here is
-    # autosplit's (row numbers, the cut, the gather), and the epochs ran as fast
-    # without the rewrites (best of four, alternating: CNN 2.146 s both ways, MLP 784
-    # 1.310 s with, 1.320 s without; the calls 0.02 and 0.17 s shorter).
+    # autosplit's (row numbers, the cut, the gather), and the one rewrite that did
+    # anything for them, the gather run in parallel, the pipeline asks for itself.
+    # The epochs ran as fast without the rewrites (best of four, alternating: CNN
+    # 2.146 s both ways, MLP 784 1.310 s with, 1.320 s without; the calls 0.02 and
+    # 0.17 s shorter).
     graph_rewrites = False
 
     def __init__(self, x: Any, y: Any, sample_weight: Any = None, *,
