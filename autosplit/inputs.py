@@ -222,7 +222,7 @@ class ArrayInput(InputAdapter):
     rows: int  # arrays always know their length
     row_numbers = True  # rows_dataset yields row numbers; materialize gathers them
     # tf.data rewrites a pipeline when its first iterator is made, and to rewrite it
-    # serializes the graph, the arrays the gather captures included: 40 to 180 ms for
+    # serializes the graph, the arrays the gather captures included: 13 to 180 ms for
     # 50 MB (benchmarks.overhead's CNN and MLP 784 data), 200 to 700 ms for 400 MB, in
     # every call and every probe trial; without, 4 to 6 ms. Every stage here is
     # autosplit's (row numbers, the cut, the gather), and the one rewrite that did

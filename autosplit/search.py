@@ -121,7 +121,8 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
     largest fit (a line through two small sizes can be mostly noise); a guess outside
     the open interval (largest fit, smallest failure), or no such pair, means the size
     below where the line through their two peaks meets the budget when the failure
-    ran over it (:func:`_secant`), else the size halfway between them in micro-batch
+    ran over it, or the one just above whose fit would end the search
+    (:func:`_secant`), else the size halfway between them in micro-batch
     count (rounded to the larger size) after an out-of-memory error, so a bad line
     costs one trial. Once the smallest failure ran out of memory, the line that
     pointed there is not trusted past that halfway size either: each out-of-memory
@@ -235,8 +236,8 @@ def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: 
     the far pair of fits may point past a failure that ran; the two peaks around the
     budget locate it better than halving the micro-batch count.
 
-    A fit below the crossing that leaves sizes to try above it (more than 5% larger,
-    below ``hi``) costs a trial more whatever it shows, so the size whose fit ends the
+    A size below the crossing that leaves sizes to try above it (more than 5% larger,
+    below ``hi``) costs a trial more when it fits, so the size whose fit ends the
     search is asked instead when it lies within 5% above the crossing, inside the
     allocator's noise on two peaks: on the CLI's CNN at B = 4096, 256 rows after 179
     fit and 274 ran over, where 241 was asked and then 256 (one trial, ~1.5 s, more).

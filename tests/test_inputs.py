@@ -595,6 +595,7 @@ def test_only_a_pipeline_of_autosplit_s_own_stages_skips_the_graph_rewrites():
             options = MicroBatches(given, 8, 4).dataset(repeat=repeat).options()
             assert options.experimental_optimization.apply_default_optimizations is rewrites
 
+
 @pytest.mark.parametrize("shuffle", [False, True, "batch"])
 def test_the_repeated_pipeline_reads_each_epoch_as_a_fresh_iterator_would(shuffle):
     # fit reads every epoch from one iterator of dataset(repeat=True) where the epoch's
