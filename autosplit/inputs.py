@@ -89,7 +89,8 @@ class InputAdapter:
         row_numbers: the stream's rows are row numbers, which ``materialize`` turns
             into data (arrays): padding them copies no data.
         graph_rewrites: ``tf.data``'s default static rewrites run on the pipeline
-            (map fusion and parallelization of the input's own stages); see
+            (map-and-batch fusion, map parallelization and others, on the input's
+            own stages too); see
             :attr:`ArrayInput.graph_rewrites` for why arrays turn them off.
     """
 
@@ -223,10 +224,11 @@ class ArrayInput(InputAdapter):
     row_numbers = True  # rows_dataset yields row numbers; materialize gathers them
     # tf.data rewrites a pipeline when its first iterator is made, and to rewrite it
     # serializes the graph, the arrays the gather captures included: 13 to 180 ms for
-    # 50 MB (benchmarks.overhead's CNN and MLP 784 data), 200 to 700 ms for 400 MB, in
+    # 50 MB (benchmarks.overhead's CNN and MLP 784 data), 198 to 717 ms for 400 MB, in
     # every call and every probe trial; without, 4 to 6 ms. Every stage here is
     # autosplit's (row numbers, the cut, the gather), and the one rewrite that did
-    # anything for them, the gather run in parallel, the pipeline asks for itself.
+    # anything for them, the gather run in parallel where tf.data autotunes (a GPU
+    # host), the pipeline asks for itself (MicroBatches._build).
     # The epochs ran as fast without the rewrites (best of four, alternating: CNN
     # 2.146 s both ways, MLP 784 1.310 s with, 1.320 s without; the calls 0.02 and
     # 0.17 s shorter).

@@ -33,6 +33,7 @@ from autosplit.split import Piece, piece_pattern
 __all__ = ["MicroBatches", "elements_per_batch", "end_marker", "host_autotune", "is_end_marker",
            "release", "skip_to_end_marker"]
 
+_IN_PARALLEL = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}
 _PREFETCH = 2  # micro-batches the host keeps ready: enough to hide the cut, constant in B
 
 
@@ -235,7 +236,8 @@ class MicroBatches:
         self.pattern = piece_pattern(batch_size, rows, workers=where.workers,
                                      worker=where.worker, local_replicas=local_replicas)
         self.per_batch = elements_per_batch(self.pattern, batch_size, local_replicas)
-        self._cuts: dict = {}  # None or (shuffle seed, repeat) -> the elements of an epoch
+        # (None or (shuffle seed, repeat), autotune) -> the elements of an epoch
+        self._cuts: dict = {}
         self._epochs: dict = {}  # (shuffle seed, repeat) -> the epoch the next iteration cuts
         self._datasets: dict = {}  # (repeat, seed, marked, autotune) -> ready to iterate
 
@@ -302,10 +304,11 @@ class MicroBatches:
                     self._epochs[cut] = tf.Variable(0, dtype=tf.int64, trainable=False)
             self._epochs[cut].assign(epoch)
         if key not in self._datasets:
-            if cut not in self._cuts:
-                self._cuts[cut] = self._build(
-                    shuffle_seed=shuffle_seed, epoch=0 if cut is None else self._epochs[cut])
-            ds = self._cuts[cut]
+            if (cut, autotune) not in self._cuts:
+                self._cuts[cut, autotune] = self._build(
+                    shuffle_seed=shuffle_seed, epoch=0 if cut is None else self._epochs[cut],
+                    parallel=autotune)
+            ds = self._cuts[cut, autotune]
             with tf.device(HOST):
                 if marked:
                     marker = end_marker(ds.element_spec)
@@ -322,9 +325,18 @@ class MicroBatches:
                 self._datasets[key] = ds.with_options(options).prefetch(_PREFETCH)
         return self._datasets[key]
 
-    def _build(self, *, shuffle_seed: int | None, epoch: int | tf.Variable
-               ) -> tf.data.Dataset:
-        """The cut, padded elements of one epoch, before any repeat or prefetch."""
+    def _build(self, *, shuffle_seed: int | None, epoch: int | tf.Variable,
+               parallel: bool) -> tf.data.Dataset:
+        """The cut, padded elements of one epoch, before any repeat or prefetch.
+
+        ``parallel`` (where ``tf.data`` autotunes) runs the element map in parallel, in
+        order: what ``tf.data``'s map_parallelization rewrite makes of it then, and only
+        then, asked for here because an arrays pipeline has the rewrites off
+        (``InputAdapter.graph_rewrites``); a GPU host's large gathers overlap. Without
+        autotuning (every probe trial, training on the CPU) the map runs alone, as the
+        rewrite leaves it: AUTOTUNE would then mean up to 16 elements in flight, memory
+        the step's own device would hold.
+        """
         with tf.device(HOST):
             ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed, epoch=epoch,
                                            batch_size=self.batch_size)
@@ -352,11 +364,7 @@ class MicroBatches:
                                           rows=self.rows,
                                           row_numbers=self.adapter.row_numbers,
                                           whole=self.always_full()),
-                        # In parallel, in order: what tf.data's map_parallelization
-                        # rewrite made of this map, kept where the rewrites are off
-                        # (arrays: InputAdapter.graph_rewrites). Epochs on 2 CPU cores
-                        # as fast either way; on a GPU host large gathers overlap.
-                        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+                        **(_IN_PARALLEL if parallel else {}))
             replicas = self.local_replicas
             if replicas > 1:
                 ds = ds.batch(replicas).map(functools.partial(_pad_replicas_of,

@@ -229,8 +229,9 @@ def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: 
     """Between the largest fit ``lo`` and a smallest failure ``hi`` that ran (over the
     budget, its peak measured), the largest size at or below where the straight line
     through their two peaks meets the budget (the smallest size above ``lo`` when none
-    is); None after an out-of-memory error (no peak) or without a size a split can run
-    strictly between them.
+    is), or the smallest size whose fit ends the search when that lies within 5% above
+    it (below); None after an out-of-memory error (no peak) or without a size a split
+    can run strictly between them.
 
     The peak can climb in steps (an allocator growing its pool), so the line through
     the far pair of fits may point past a failure that ran; the two peaks around the
@@ -243,7 +244,7 @@ def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: 
     fit and 274 ran over, where 241 was asked and then 256 (one trial, ~1.5 s, more).
 
     >>> seen = [Trial(179, True, False, 158, 1.0), Trial(274, False, False, 248, 1.0)]
-    >>> _secant(4096, 230, seen, 179, 274)  # the line meets 230 at 255.8 rows (k = 17: 241)
+    >>> _secant(4096, 230, seen, 179, 274)  # the line meets 230 at 255.0 rows (k = 17: 241)
     256
     >>> _secant(4096, 230, seen[:1] + [Trial(274, False, False, 268, 1.0)], 179, 274)
     241

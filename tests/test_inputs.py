@@ -596,6 +596,20 @@ def test_only_a_pipeline_of_autosplit_s_own_stages_skips_the_graph_rewrites():
             assert options.experimental_optimization.apply_default_optimizations is rewrites
 
 
+def test_the_element_map_runs_in_parallel_only_where_tf_data_autotunes():
+    # As tf.data's map_parallelization rewrite does (and arrays have it off): on a GPU
+    # host (autotune on) the gathers overlap; without autotuning (the CPU, every probe
+    # trial) AUTOTUNE would hold up to 16 elements in flight in the step's own memory.
+    x, y, w = data(40)
+    for autotune in (False, True):
+        ds = MicroBatches(get_input(x, y, w, shuffle=False), 8, 4).dataset(autotune=autotune)
+        stages = []
+        while ds is not None:
+            stages.append(type(ds).__name__)
+            ds = getattr(ds, "_input_dataset", None)
+        assert ("_ParallelMapDataset" in stages) == autotune, stages
+
+
 @pytest.mark.parametrize("shuffle", [False, True, "batch"])
 def test_the_repeated_pipeline_reads_each_epoch_as_a_fresh_iterator_would(shuffle):
     # fit reads every epoch from one iterator of dataset(repeat=True) where the epoch's
