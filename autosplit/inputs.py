@@ -90,8 +90,8 @@ class InputAdapter:
             into data (arrays): padding them copies no data.
         graph_rewrites: ``tf.data``'s default static rewrites run on the pipeline
             (map-and-batch fusion, map parallelization and others, on the input's
-            own stages too); see
-            :attr:`ArrayInput.graph_rewrites` for why arrays turn them off.
+            own stages too); see ``ArrayInput.graph_rewrites`` for why arrays turn
+            them off.
     """
 
     kind = "input"
