@@ -153,7 +153,7 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
         yield from ask(second_size(batch_size, first, trials[-1].peak_bytes, budget))
     lo, hi = bounds()
     for _ in range(12):
-        if lo == 0 or lo == batch_size or hi - lo <= max(1, TOLERANCE * lo):
+        if lo == 0 or lo == batch_size or _close_enough(lo, hi):
             break
         line = fit_line(_far_pair(trials))
         guess = None
@@ -266,8 +266,15 @@ def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: 
     if not under:
         return min(inside)
     ending = min(m for m in inside
-                 if hi - m <= max(1, TOLERANCE * m) or not _sizes_between(batch_size, m, hi))
+                 if _close_enough(m, hi) or not _sizes_between(batch_size, m, hi))
     return ending if max(under) < ending <= crossing * (1 + TOLERANCE) else max(under)
+
+
+def _close_enough(lo: int, hi: int) -> bool:
+    """Whether the largest fit ``lo`` and the smallest failure ``hi`` end the search: the
+    gap is within 5% of ``lo`` (or one row). The loop of :func:`search` stops there,
+    and :func:`_secant` asks for the size whose fit would stop it."""
+    return hi - lo <= max(1, TOLERANCE * lo)
 
 
 def _still_fits(trials: Sequence[Trial], m: int, budget: int) -> bool:
