@@ -265,8 +265,9 @@ def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: 
     under = [m for m in inside if m <= crossing]
     if not under:
         return min(inside)
-    ending = min(m for m in inside
-                 if _close_enough(m, hi) or not _sizes_between(batch_size, m, hi))
+    # A fit at the largest size inside leaves none above it; a smaller one may be close
+    # enough to hi already.
+    ending = min(m for m in inside if m == inside[0] or _close_enough(m, hi))
     return ending if max(under) < ending <= crossing * (1 + TOLERANCE) else max(under)
 
 
