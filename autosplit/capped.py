@@ -46,8 +46,7 @@ def capped_cpu_env(limit_bytes: int, base: Mapping[str, str] | None = None) -> d
 
     Returns:
         A copy of ``base`` with ``TF_CPU_ALLOCATOR_USE_BFC=true``,
-        ``TF_CPU_BFC_MEM_LIMIT_IN_MB``, ``TF_ENABLE_ONEDNN_OPTS=0`` (oneDNN kernels
-        segfaulted on allocation failure), ``MALLOC_MMAP_THRESHOLD_=65536`` (so the
+        ``TF_CPU_BFC_MEM_LIMIT_IN_MB``, ``MALLOC_MMAP_THRESHOLD_=65536`` (so the
         ``rss-hwm`` fallback of :class:`~autosplit.peak_meter.PeakMeter` is
         repeatable) and ``TF_CPP_MIN_LOG_LEVEL=2`` unless ``base`` already sets a level.
 
@@ -65,9 +64,6 @@ def capped_cpu_env(limit_bytes: int, base: Mapping[str, str] | None = None) -> d
     env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(-(-limit // MIB))
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    # oneDNN's kernels crashed the process (SIGSEGV) on an allocation failure under
-    # the cap, where TF's own kernels raise ResourceExhaustedError: seen on TF 2.21.
-    env["TF_ENABLE_ONEDNN_OPTS"] = "0"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
 

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from autosplit import _keras
 from autosplit.batchnorm import MODES
+from autosplit.compiled import Compilation
 from autosplit.custom_step import flat_logs, metrics_or_last
 from autosplit.device import check_headroom
 from autosplit.distribute import Layout, layout
@@ -35,6 +36,7 @@ from autosplit.errors import (
 from autosplit.evaluate import Evaluator, validation_input
 from autosplit.host import bfc_enabled
 from autosplit.inputs import InputAdapter, get_input
+from autosplit.isolation import checked_micro_batch, kernels_may_crash
 from autosplit.model_state import model_state
 from autosplit.pipeline import MicroBatches, release, skip_to_end_marker
 from autosplit.recovery import OomRecovery, Recovery
@@ -421,6 +423,13 @@ def _plan(model: keras.Model, adapter: InputAdapter, args: _Args, *, jit_compile
     else:
         micro = args.micro_batch_size
         reason = "given"
+        if where.replicas == 1 and kernels_may_crash():
+            micro = checked_micro_batch(
+                model, adapter.sample(args.batch_size), args.batch_size, micro,
+                Compilation.of(model, jit_compile).jit_compile, args.on_oom)
+            if micro < args.micro_batch_size:
+                reason = (f"given {args.micro_batch_size}; a trial step in a child process "
+                          f"ran out of memory, so training starts at {micro}")
     split = split_batch(args.batch_size // where.replicas, micro)
     pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where)
     step = step_for(model, pipeline, jit_compile=jit_compile, batch_norm=args.batch_norm)

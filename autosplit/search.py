@@ -47,6 +47,9 @@ class Trial:
     # (None when not read): what earlier trials left behind, and what this one did.
     held_before: int | None = None
     held_after: int | None = None
+    # The trial's process ended (a kernel crashed on an allocation failure); it ran in a
+    # child (autosplit.isolation) and counts as out of memory.
+    crashed: bool = False
 
 
 def fit_line(points: Sequence[tuple[int, int]]) -> tuple[float, float] | None:

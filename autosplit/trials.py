@@ -34,8 +34,9 @@ from autosplit.compiled import Compilation
 from autosplit.device import budget_bytes, check_headroom, read_device
 from autosplit.device_info import DeviceInfo
 from autosplit.distribute import Layout, layout
-from autosplit.errors import ArgumentError, MemoryLimitError, NothingFitsError
+from autosplit.errors import ArgumentError, MemoryLimitError, NothingFitsError, describe
 from autosplit.inputs import ArrayInput, InputAdapter, get_input
+from autosplit.isolation import IsolatedTrials, IsolationError, kernels_may_crash
 from autosplit.peak_meter import PeakMeter
 from autosplit.pipeline import MicroBatches
 from autosplit.search import (
@@ -52,6 +53,7 @@ from autosplit.state import Snapshot
 from autosplit.step import TrainStep, build_for, step_for
 from autosplit.units import format_bytes, parse_memory
 from autosplit.validation import check_choice, check_model, check_size
+from autosplit.warn import warn_user
 
 __all__ = ["ProbeResult", "Trial", "invalidate_cache", "probe", "search_micro_batch"]
 
@@ -173,7 +175,8 @@ def invalidate_cache(result: ProbeResult) -> None:
 
 def format_trial(trial: Trial, budget: int) -> str:
     """One line per finished trial, for progress output."""
-    outcome = "OOM" if trial.oom else ("fits" if trial.fits else "over budget")
+    outcome = ("crashed" if trial.crashed else "OOM" if trial.oom
+               else "fits" if trial.fits else "over budget")
     peak = "-" if trial.peak_bytes is None else format_bytes(trial.peak_bytes)
     speed = ("" if trial.samples_per_second is None
              else f"  {trial.samples_per_second:9.1f} samples/s")
@@ -195,6 +198,7 @@ def probe(
     verbose: int = 0,
     on_trial: Callable[[Trial, int], None] | None = None,
     objective: str = "memory",
+    isolate: bool | None = None,
 ) -> ProbeResult:
     """Find the largest micro-batch of ``model`` that fits, by real trial steps.
 
@@ -215,6 +219,10 @@ def probe(
             time up to two more balanced sizes between half of it and it, and keep the
             one with the most samples per second when it is more than 5% faster than
             the largest (one process only).
+        isolate: run the trials in a child process (``autosplit.isolation``), where a
+            kernel that crashes on an allocation failure costs one trial, not this
+            process. ``None`` (default): where that can happen, on the CPU under
+            TensorFlow's cap with oneDNN on. Not under a ``tf.distribute`` strategy.
 
     Returns:
         A ``ProbeResult`` with the chosen ``micro_batch_size`` and every trial.
@@ -235,17 +243,22 @@ def probe(
         adapter = get_input(x, y, sample_weight, shuffle=False, model=model)
         return search_micro_batch(model, adapter, batch_size, memory_limit=memory_limit,
                                   headroom=headroom, cache=cache, jit_compile=jit_compile,
-                                  verbose=verbose, on_trial=on_trial, objective=objective)
+                                  verbose=verbose, on_trial=on_trial, objective=objective,
+                                  isolate=isolate)
 
 
 def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: int, *,
                        memory_limit: int | str | None = None, headroom: float = 0.1,
                        cache: bool = True, jit_compile: bool | None = None, verbose: int = 0,
                        on_trial: Callable[[Trial, int], None] | None = None,
-                       objective: str = "memory") -> ProbeResult:
+                       objective: str = "memory", isolate: bool | None = None
+                       ) -> ProbeResult:
     """``probe`` for an input adapter (what ``fit_large_batch(micro_batch_size="auto")`` calls)."""
     started = time.perf_counter()
     check_choice("objective", objective, OBJECTIVES)
+    if isolate not in (None, True, False):
+        raise ArgumentError(f"Expected `isolate` to be None, True or False. Received: "
+                            f"isolate={describe(isolate)}.")
     limit = parse_memory(memory_limit)
     check_headroom(headroom)
     where = layout(model.distribute_strategy)
@@ -272,17 +285,26 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     cached = _from_cache(model, key, cache, where, pipeline, jit)
     if cached is not None:
         return cached
-    step = step_for(model, pipeline, jit_compile=jit)
-    trials_runner = _Trials(step, Snapshot(model), meter, budget, trial_input, batch_size,
-                            where, _reporter(verbose, on_trial, budget))
-    try:
-        chosen, trials, speed_reason = _searched(trials_runner, local_batch, objective)
-    finally:
-        step.discard()
-        trials_runner.snapshot.restore()
-        trials_runner.collector.close()
-        del trials_runner
-        gc.collect()  # the trials' pipelines, before training builds its own
+    say = _reporter(verbose, on_trial, budget)
+    isolated = _isolated(model, trial_input, local_batch, budget, meter, jit, where, isolate)
+    if isolated is not None:
+        with isolated:
+            chosen, trials, speed_reason = _searched(
+                _reporting(isolated.trial, say), budget, local_batch, objective)
+    else:
+        step = step_for(model, pipeline, jit_compile=jit)
+        trials_runner = _Trials(step, Snapshot(model), meter, budget, trial_input, batch_size,
+                                where, say)
+        try:
+            chosen, trials, speed_reason = _searched(
+                trials_runner.trial, budget, local_batch, objective,
+                lockstep=trials_runner.lockstep if where.multi_worker else None)
+        finally:
+            step.discard()
+            trials_runner.snapshot.restore()
+            trials_runner.collector.close()
+            del trials_runner
+            gc.collect()  # the trials' pipelines, before training builds its own
     result = _result(trials, chosen, local_batch, device, budget, limit, headroom, meter,
                      key, time.perf_counter() - started)
     result = dataclasses.replace(result, worker=where.worker, workers=where.workers,
@@ -334,18 +356,80 @@ def _from_cache(model: keras.Model, key: str, cache: bool, where: Layout,
         return None
 
 
-def _searched(trials_runner: _Trials, local_batch: int, objective: str
+def _searched(trial: Callable[[int], Trial], budget: int, local_batch: int, objective: str,
+              lockstep: Callable[[int], tuple[int | None, list[Trial]]] | None = None
               ) -> tuple[int | None, list[Trial], str | None]:
-    """Run the search (in lockstep across workers); with ``objective="speed"`` time the
+    """Run the search (``lockstep`` across workers); with ``objective="speed"`` time the
     sizes between half the largest and it. Returns (chosen, trials, why for speed)."""
-    if trials_runner.where.multi_worker:
-        chosen, trials = trials_runner.lockstep(local_batch)
+    if lockstep is not None:
+        chosen, trials = lockstep(local_batch)
         return chosen, trials, None
-    chosen, trials = run_search(local_batch, trials_runner.budget, trials_runner.trial)
+    chosen, trials = run_search(local_batch, budget, trial)
     if objective != "speed" or chosen is None:
         return chosen, trials, None
-    chosen, why = run_speed(local_batch, chosen, trials, trials_runner.trial)
+    chosen, why = run_speed(local_batch, chosen, trials, trial)
     return chosen, trials, why
+
+
+def _reporting(trial: Callable[[int], Trial], say: Callable[[Trial], None]
+               ) -> Callable[[int], Trial]:
+    def reported(m: int) -> Trial:
+        result = trial(m)
+        say(result)
+        return result
+    return reported
+
+
+def _isolated(model: keras.Model, data: InputAdapter, local_batch: int, budget: int,
+              meter: PeakMeter, jit: bool, where: Layout, isolate: bool | None
+              ) -> IsolatedTrials | None:
+    """The child process the trials run in (``autosplit.isolation``), or None: in this
+    process. ``isolate=None`` isolates where an allocation failure may crash a kernel."""
+    if where.replicas > 1:
+        if isolate:
+            raise ArgumentError(
+                "Expected isolate=None or False under a tf.distribute strategy with "
+                f"{where.replicas} replicas (trials in a child process run on one device). "
+                "Received: isolate=True.")
+        return None
+    if isolate is None:
+        isolate = kernels_may_crash()
+    if not isolate:
+        return None
+    try:
+        return IsolatedTrials(model, data.sample(local_batch), local_batch, budget,
+                              meter.baseline_bytes, jit)
+    except IsolationError as error:
+        warn_user(
+            f"The probe's trials run in this process: {error}. Under TensorFlow's CPU cap "
+            "with oneDNN on, a convolution, pooling or batch normalization kernel that "
+            "runs out of memory ends the process instead of raising. Make the model "
+            "loadable by keras.saving.load_model (register its custom objects with "
+            "keras.saving.register_keras_serializable, in a module both processes "
+            "import), or set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow starts.")
+        return None
+
+
+def child_trials(model: keras.Model, sample: tuple[Any, Any, Any], batch_size: int,
+                 budget: int, jit_compile: bool, *, held_bytes: int) -> _Trials:
+    """The trials of ``search_micro_batch``, in the child process of
+    ``autosplit.isolation``: on ``sample``, holding ``held_bytes`` as the parent does."""
+    where = layout(model.distribute_strategy)
+    data = ArrayInput(*sample, shuffle=False)
+    pipeline = MicroBatches(data, batch_size, min(batch_size, 8), where)
+    build_for(model, pipeline.dataset(shuffle_seed=_TRIAL_SHUFFLE_SEED).element_spec)
+    meter = PeakMeter("CPU:0")
+    meter.reset()
+    missing = held_bytes - meter.baseline_bytes
+    # Kept alive by the runner: the parent's data and other state, as bytes here.
+    ballast = (tf.raw_ops.Empty(shape=[missing // 4], dtype=tf.float32, init=False)
+               if missing >= 4 else None)
+    meter.reset()
+    step = step_for(model, pipeline, jit_compile=jit_compile)
+    runner = _Trials(step, Snapshot(model), meter, budget, data, batch_size, where,
+                     lambda trial: None)
+    runner.ballast = ballast
+    return runner
 
 
 class _Collector:
@@ -384,6 +468,7 @@ class _Trials:
         self.budget, self.data, self.batch_size, self.where = budget, data, batch_size, where
         self.say = say
         self.collector = _Collector()
+        self.ballast: Any = None  # child_trials: what the parent holds, held here
 
     @overload
     def trial(self, m: int) -> Trial: ...

@@ -7,16 +7,18 @@ files (weights) in DIR.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import numpy as np
 import tensorflow as tf
-from common import labelled
+from common import labelled, relative_error, tensor_relative_error
 
 import autosplit
 from autosplit.capped import write_result
@@ -126,7 +128,69 @@ def input_kinds(folder):
     write_result(report)
 
 
+def wide_cnn():
+    """The convolutions, pooling and batch normalization whose oneDNN kernels end the
+    process when an allocation fails under the cap."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((32, 32, 3)),
+        keras.layers.Conv2D(128, 3, padding="same", activation="relu"),
+        keras.layers.BatchNormalization(),
+        keras.layers.Conv2D(128, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(128, 3, padding="same", activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(10),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def cnn_under_the_cap(folder):
+    """oneDNN on (the default): a trial whose kernel crashes costs that trial; the probe
+    ends with a size that trains; a given size too large for the cap starts smaller."""
+    from autosplit.isolation import IsolatedTrials, kernels_may_crash, onednn_enabled
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(1024,)).astype("int32")
+    model = wide_cnn()
+    autosplit._keras.symbolic_build(model, (x[:8], y[:8], None))
+    before = [w.copy() for w in model.get_weights()]
+    report = {"onednn": onednn_enabled(), "may_crash": kernels_may_crash()}
+    held = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    with IsolatedTrials(model, (x[:512], y[:512], None), 512, budget=2**40, held_bytes=held,
+                        jit_compile=False) as trials:
+        report["direct"] = [dataclasses.asdict(trials.trial(m)) for m in (512, 16)]
+    result = autosplit.probe(model, x, y, batch_size=512, cache=False)
+    report["probe"] = result.to_dict()
+    report["unchanged"] = all(
+        np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = autosplit.fit_large_batch(model, x, y, batch_size=512, micro_batch_size=512,
+                                            shuffle=False, verbose=0)
+    report["warnings"] = [str(w.message) for w in caught if "trial step" in str(w.message)]
+    report["fit"] = history.autosplit.to_dict()
+    report["iterations"] = int(model.optimizer.iterations)
+    references = []
+    for _ in range(2):  # twice: what oneDNN's own run-to-run noise is here
+        reference = wide_cnn()
+        autosplit._keras.symbolic_build(reference, (x[:8], y[:8], None))
+        reference.set_weights(before)
+        autosplit.fit_large_batch(reference, x, y, batch_size=512,
+                                  micro_batch_size=history.autosplit.micro_batch_size,
+                                  shuffle=False, verbose=0)
+        references.append(reference.get_weights())
+    report["error"] = relative_error(references[0], model.get_weights())
+    report["errors"] = [tensor_relative_error(a, b)
+                        for a, b in zip(references[0], model.get_weights(), strict=True)]
+    report["noise"] = relative_error(references[0], references[1])
+    write_result(report)
+
+
 if __name__ == "__main__":
     scenarios = {"probe": probe_then_check, "recover": recover_from_real_oom,
-                 "nothing": nothing_fits, "kinds": input_kinds}
+                 "nothing": nothing_fits, "kinds": input_kinds, "cnn": cnn_under_the_cap}
     scenarios[sys.argv[1]](sys.argv[2] if len(sys.argv) > 2 else ".")

@@ -498,7 +498,7 @@ def test_capped_cpu_env_copies_base_and_sets_the_cap():
     env = capped_cpu_env(200 * MiB + 1, base)
     assert env == {"PATH": "/bin", "TF_CPP_MIN_LOG_LEVEL": "3",
                    "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "201",
-                   "MALLOC_MMAP_THRESHOLD_": "65536", "TF_ENABLE_ONEDNN_OPTS": "0"}
+                   "MALLOC_MMAP_THRESHOLD_": "65536"}
     assert base == {"PATH": "/bin", "TF_CPP_MIN_LOG_LEVEL": "3"}
     default = capped_cpu_env(limit_bytes=GiB)
     assert default["PATH"] == os.environ["PATH"]
