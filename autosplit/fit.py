@@ -84,9 +84,10 @@ class FitReport:
     """How ``fit_large_batch`` split its batches, and why: ``history.autosplit``.
 
     Immutable, as :class:`autosplit.ProbeResult` is; ``to_dict()`` gives plain values,
-    ready for JSON. Indexing it as the dict it used to be
-    (``history.autosplit["micro_batch_size"]``) still works, and gives what
-    ``to_dict()`` holds, with a ``DeprecationWarning``: read the attributes instead.
+    ready for JSON. Read as the dict it used to be (``history.autosplit["micro_batch_size"]``,
+    ``.get``, ``.keys()``, ``.items()``, ``.values()``, ``in``, ``len``, iteration), it
+    gives what ``to_dict()`` holds, with a ``DeprecationWarning``: read the attributes
+    instead. That mapping protocol leaves in 0.4.0.
 
     Example:
         >>> history = autosplit.fit_large_batch(  # doctest: +SKIP
@@ -132,13 +133,39 @@ class FitReport:
         data["probe"] = None if self.probe is None else self.probe.to_dict()
         return data
 
+    # history.autosplit was a dict up to 0.2.0: the whole read-only mapping protocol
+    # works on to_dict()'s values until 0.4.0, each use with a DeprecationWarning, so
+    # that code written against the dict keeps running and learns what to read instead.
+
+    def _as_dict(self, use: str) -> dict[str, Any]:
+        warn_user(f"history.autosplit{use} is deprecated: history.autosplit is a FitReport; "
+                  "read its attributes (history.autosplit.micro_batch_size), or .to_dict() "
+                  "for a dict.", DeprecationWarning)
+        return self.to_dict()
+
     def __getitem__(self, key: str) -> Any:
-        # Kept because history.autosplit was a dict up to 0.2.0 and indexing it costs
-        # nothing to support; it warns so that code moves to the attributes.
-        warn_user(f"history.autosplit[{key!r}] is deprecated: history.autosplit is a "
-                  f"FitReport; read history.autosplit.{key}, or .to_dict().",
-                  DeprecationWarning)
-        return self.to_dict()[key]
+        return self._as_dict(f"[{key!r}]")[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._as_dict(f".get({key!r})").get(key, default)
+
+    def keys(self) -> Any:
+        return self._as_dict(".keys()").keys()
+
+    def values(self) -> Any:
+        return self._as_dict(".values()").values()
+
+    def items(self) -> Any:
+        return self._as_dict(".items()").items()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._as_dict(f": {key!r} in history.autosplit")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._as_dict(": iterating over it"))
+
+    def __len__(self) -> int:
+        return len(self._as_dict(": len()"))
 
 
 def fit_large_batch(

@@ -111,6 +111,27 @@ def test_deprecations_and_device_warnings_name_the_callers_line():
     assert_here(found, line)
 
 
+def test_the_old_dict_reads_as_a_mapping_with_a_deprecation_warning_each_time():
+    x, y = labelled(64, 8, 3)
+    history = autosplit.fit_large_batch(classifier(8, 16, 3), x, y, batch_size=32,
+                                        micro_batch_size=16, verbose=0)
+    report, expected = history.autosplit, history.autosplit.to_dict()
+    uses = {
+        "get": (lambda: report.get("micro_batch_size"), 16),
+        "get default": (lambda: report.get("nope", 3), 3),
+        "keys": (lambda: list(report.keys()), list(expected)),
+        "items": (lambda: dict(report.items()), expected),
+        "values": (lambda: list(report.values()), list(expected.values())),
+        "in": (lambda: "oom_recoveries" in report, True),
+        "iter": (lambda: list(report), list(expected)),
+        "len": (lambda: len(report), len(expected)),
+        "index": (lambda: report["accumulation_steps"], 2),
+    }
+    for name, (use, value) in uses.items():
+        with pytest.warns(DeprecationWarning, match="history.autosplit.*FitReport"):
+            assert use() == value, name
+
+
 def _tokens(optimizer, loss="sparse_categorical_crossentropy"):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(5, 4),
