@@ -349,8 +349,11 @@ def batched_ancestor(dataset: tf.data.Dataset, model: keras.Model | None = None)
     batches), where the model declares its inputs.
     """
     def yields_batches(node: tf.data.Dataset) -> bool:
-        name = type(node).__name__  # past an unbatch, a path yields examples
-        return "Unbatch" not in name and "TensorSlice" not in name
+        # Past an unbatch, a path yields examples; a flat_map or interleave yields what
+        # its function makes (from_generator is a flat_map over from_tensors of an id).
+        name = type(node).__name__
+        return not any(part in name for part in ("Unbatch", "TensorSlice", "FlatMap",
+                                                 "Interleave"))
 
     for node in _upstream(dataset, yields_batches):
         name = type(node).__name__

@@ -361,6 +361,29 @@ def test_ragged_parts_are_refused_up_front():
                                   micro_batch_size=8, verbose=0)
 
 
+def test_variable_length_examples_from_a_generator_are_refused_before_any_change():
+    # from_generator is a flat_map over from_tensors of an id: that from_tensors made its
+    # examples look like batches, and Keras's own "Invalid `batch_sizes`" came instead.
+    def examples():
+        rng = np.random.default_rng(0)
+        for i in range(40):
+            yield rng.normal(size=(rng.integers(3, 9),)).astype("float32"), np.int32(i % 3)
+
+    dataset = tf.data.Dataset.from_generator(examples, output_signature=(
+        tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.int32)))
+    model = keras.Sequential([keras.Input((None,)), keras.layers.Reshape((-1, 1)),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with pytest.raises(DatasetError, match=r"examples of a fixed shape.*padded_batch"):
+        autosplit.fit_large_batch(model, dataset, batch_size=16, micro_batch_size=8,
+                                  verbose=0)
+    assert int(model.optimizer.iterations) == 0
+    # Padded into batches, as the message says, they train.
+    history = autosplit.fit_large_batch(model, dataset.padded_batch(8), batch_size=16,
+                                        micro_batch_size=8, verbose=0)
+    assert int(model.optimizer.iterations) == 3 and history.autosplit.micro_batch_size == 8
+
+
 def test_a_cache_file_is_not_counted_through(tmp_path):
     # A cache file replays what it was written from: a stale one holds other rows
     # (150 here, behind a pipeline of 100), which a count would have cut short.
