@@ -35,6 +35,7 @@ from autosplit.errors import (
 )
 from autosplit.evaluate import Evaluator, validation_input
 from autosplit.host import bfc_enabled
+from autosplit.hub import preprocessed, preprocessed_validation, takes_raw_data
 from autosplit.inputs import InputAdapter, get_input
 from autosplit.isolation import checked_micro_batch, kernels_may_crash
 from autosplit.model_state import model_state
@@ -268,6 +269,11 @@ def fit_large_batch(
     if args.validation_split:
         x, y, sample_weight, validation_data = _split_off_validation(
             x, y, sample_weight, args.validation_split)
+    if takes_raw_data(model):  # a keras_hub Task: its preprocessor mapped, as in its fit
+        x, y, sample_weight = preprocessed(model, x, y, sample_weight, args.batch_size)
+        if validation_data is not None:
+            validation_data = preprocessed_validation(
+                model, validation_data, args.validation_batch_size or args.batch_size)
     # Called inside `with strategy.scope():` (as model.fit may be), it runs as outside.
     with _keras.outside_strategy_scope():
         adapter = get_input(x, y, sample_weight, shuffle=shuffle, class_weight=class_weight,

@@ -35,6 +35,7 @@ from autosplit.device import budget_bytes, check_headroom, read_device
 from autosplit.device_info import DeviceInfo
 from autosplit.distribute import Layout, layout
 from autosplit.errors import ArgumentError, MemoryLimitError, NothingFitsError, describe
+from autosplit.hub import preprocessed, takes_raw_data
 from autosplit.inputs import ArrayInput, InputAdapter, get_input
 from autosplit.isolation import IsolatedTrials, IsolationError, kernels_may_crash
 from autosplit.peak_meter import PeakMeter
@@ -240,6 +241,8 @@ def probe(
     check_model(model)
     # Called inside `with strategy.scope():`, it runs as outside (as fit_large_batch).
     with _keras.outside_strategy_scope():
+        if takes_raw_data(model):
+            x, y, sample_weight = preprocessed(model, x, y, sample_weight, batch_size)
         adapter = get_input(x, y, sample_weight, shuffle=False, model=model)
         return search_micro_batch(model, adapter, batch_size, memory_limit=memory_limit,
                                   headroom=headroom, cache=cache, jit_compile=jit_compile,
