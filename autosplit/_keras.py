@@ -27,6 +27,7 @@ __all__ = [
     "flat_losses",
     "flatten_layers",
     "get_keras_mask",
+    "global_seed_generator_kept",
     "gpu_pci_bus_id",
     "has_compiled_loss",
     "loss_tracker",
@@ -305,3 +306,25 @@ def outside_strategy_scope() -> Iterator[None]:
     finally:
         graph._distribution_strategy_stack = modes
         graph._variable_creator_stack = creators
+
+
+@contextlib.contextmanager
+def global_seed_generator_kept() -> Iterator[None]:
+    """Keras's global ``SeedGenerator`` (what ``keras.random.normal`` without a seed
+    draws from) as it was before, around a trace that is never run.
+
+    Keras makes it on first use. Made while a function is only traced, its state
+    variable is never initialized, and the model's next real step (``model.fit``'s too)
+    fails with "seed must have shape [2], not [0]". Reads
+    ``keras.src.backend.common.global_state``'s ``"global_seed_generator"``.
+    """
+    from keras.src.backend.common import global_state
+
+    name = "global_seed_generator"
+    before = global_state.get_global_attribute(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            global_state.set_global_attribute(name, None)
+

@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
+from autosplit import _keras
+
 __all__ = ["Compilation", "FunctionCache", "run_once", "trace"]
 
 
@@ -82,8 +84,10 @@ class FunctionCache:
 
 def trace(fn: Callable, *specs: Any) -> Any:
     """Trace ``fn`` once on ``specs`` without running it (autograph off); returns the
-    concrete function. What ``fn`` records while it is traced is the point."""
-    return tf.function(fn, autograph=False).get_concrete_function(*specs)
+    concrete function. What ``fn`` records while it is traced is the point: Keras state
+    it makes on first use stays unmade (``_keras.global_seed_generator_kept``)."""
+    with _keras.global_seed_generator_kept():
+        return tf.function(fn, autograph=False).get_concrete_function(*specs)
 
 
 def run_once(fn: Callable, *args: Any, autograph: bool = True) -> Any:
