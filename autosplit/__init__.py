@@ -17,7 +17,7 @@ _EXPORTS = {
     "Accumulated": "autosplit.accumulate",
     "accumulate_gradients": "autosplit.accumulate",
     "accumulate_iterator": "autosplit.accumulate",
-    "CheckReport": "autosplit.equivalence",
+    "CheckReport": "autosplit.culprits",
     "check": "autosplit.equivalence",
     "ArgumentError": "autosplit.errors",
     "AutosplitError": "autosplit.errors",
@@ -28,19 +28,20 @@ _EXPORTS = {
     "NothingFitsError": "autosplit.errors",
     "UnsupportedModelError": "autosplit.errors",
     "WorkerLostError": "autosplit.errors",
-    "FitReport": "autosplit.fit",
-    "fit_large_batch": "autosplit.fit",
-    "OomRecovery": "autosplit.recovery",
-    "ProbeResult": "autosplit.trials",
-    "probe": "autosplit.trials",
-    "Trial": "autosplit.search",
-    "Split": "autosplit.split",
-    "split_batch": "autosplit.split",
+    "FitReport": "autosplit.training.report",
+    "fit_large_batch": "autosplit.training.fit",
+    "OomRecovery": "autosplit.training.recovery",
+    "ProbeResult": "autosplit.search.trials",
+    "probe": "autosplit.search.trials",
+    "Trial": "autosplit.search.policy",
+    "Split": "autosplit.data.split",
+    "split_batch": "autosplit.data.split",
 }
 
 # Exported up to 0.2.0, internal since: still importable, with a DeprecationWarning.
 _DEPRECATED = {
-    "TrainStep": ("autosplit.step", "autosplit.TrainStep is internal now (its constructor "
+    "TrainStep": ("autosplit.step.train_step",
+                  "autosplit.TrainStep is internal now (its constructor "
                   "takes the pipeline's element format) and leaves the package in a "
                   "future release: train with fit_large_batch, or write your own loop "
                   "with accumulate_gradients or accumulate_iterator."),
@@ -91,7 +92,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from autosplit.accumulate import Accumulated, accumulate_gradients, accumulate_iterator
-    from autosplit.equivalence import CheckReport, check
+    from autosplit.culprits import CheckReport
+    from autosplit.data.split import Split, split_batch
+    from autosplit.equivalence import check
     from autosplit.errors import (
         ArgumentError,
         AutosplitError,
@@ -103,8 +106,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         UnsupportedModelError,
         WorkerLostError,
     )
-    from autosplit.fit import FitReport, fit_large_batch
-    from autosplit.recovery import OomRecovery
-    from autosplit.search import Trial
-    from autosplit.split import Split, split_batch
-    from autosplit.trials import ProbeResult, probe
+    from autosplit.search.policy import Trial
+    from autosplit.search.trials import ProbeResult, probe
+    from autosplit.training.fit import fit_large_batch
+    from autosplit.training.recovery import OomRecovery
+    from autosplit.training.report import FitReport

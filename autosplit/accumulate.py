@@ -3,10 +3,10 @@
 :func:`accumulate_gradients` (a batch in hand) and :func:`accumulate_iterator` (an
 iterator of micro-batches) run the micro-batches in a ``tf.while_loop``
 (``parallel_iterations=1``: one micro-batch's activations at a time), sum each one's
-contribution (``autosplit.piece``) in loop-carried float32 tensors and return
-``Accumulated(loss, gradients)`` to apply once. Validation (``autosplit.evaluate``)
+contribution (``autosplit.step.piece``) in loop-carried float32 tensors and return
+``Accumulated(loss, gradients)`` to apply once. Validation (``autosplit.training.evaluate``)
 sums its loss terms in the same loop, :func:`sum_loop`. The train step
-(``autosplit.update``) runs the same per-micro-batch code with its sums kept in
+(``autosplit.step.update``) runs the same per-micro-batch code with its sums kept in
 variables, so that a failed micro-batch loses nothing that came before it.
 """
 
@@ -19,25 +19,22 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from autosplit import _keras
+from autosplit.data.split import Split, balanced_sizes, split_batch
 from autosplit.errors import BatchSizeError, DatasetError
-from autosplit.piece import (
-    LossPlan,
+from autosplit.keras_hooks import internals as _keras
+from autosplit.step.loss_plan import LossPlan, forward_totals, loss_plan, step_plan
+from autosplit.step.piece import (
     Piece,
     Totals,
     combine,
     compute_piece,
     empty_to_none,
-    forward_totals,
-    loss_plan,
     map_present,
     none_to_empty,
-    step_plan,
     update_metrics,
     without_padding,
 )
-from autosplit.split import Split, balanced_sizes, split_batch
-from autosplit.sums import after
+from autosplit.step.sums import after
 
 __all__ = [
     "Accumulated",
@@ -95,7 +92,7 @@ def sum_loop(step: Callable[[tf.Tensor, Totals], tuple[Totals, tf.Tensor]],
     """``totals, stop = step(i, totals)`` for micro-batches ``i < count``, until ``stop``.
 
     The loop of ``accumulate_gradients``, ``accumulate_iterator`` and validation
-    (``autosplit.evaluate``): the sums are loop-carried tensors, returned with whether a
+    (``autosplit.training.evaluate``): the sums are loop-carried tensors, returned with whether a
     step stopped early (its input ran out).
     """
     def body(i: tf.Tensor, totals: Totals, stop: tf.Tensor

@@ -47,7 +47,7 @@ def capped_cpu_env(limit_bytes: int, base: Mapping[str, str] | None = None) -> d
     Returns:
         A copy of ``base`` with ``TF_CPU_ALLOCATOR_USE_BFC=true``,
         ``TF_CPU_BFC_MEM_LIMIT_IN_MB``, ``MALLOC_MMAP_THRESHOLD_=65536`` (so the
-        ``rss-hwm`` fallback of :class:`~autosplit.peak_meter.PeakMeter` is
+        ``rss-hwm`` fallback of :class:`~autosplit.memory.peak_meter.PeakMeter` is
         repeatable) and ``TF_CPP_MIN_LOG_LEVEL=2`` unless ``base`` already sets a level.
 
     Raises:

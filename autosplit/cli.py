@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from autosplit.fit import FitReport
+    from autosplit.training.fit import FitReport
 
 EXIT_OK, EXIT_NOT_EXACT, EXIT_USAGE, EXIT_NOTHING_FITS = 0, 1, 2, 3
 _CHILD_ENV = "AUTOSPLIT_CHILD"
@@ -177,7 +177,7 @@ def _configure_gpu_cap() -> None:
 def _probe(args: argparse.Namespace, limit: int | None) -> int:
     _configure_gpu_cap()
     from autosplit.errors import AutosplitError, NothingFitsError
-    from autosplit.trials import format_trial, probe
+    from autosplit.search.trials import format_trial, probe
     from autosplit.units import format_bytes
 
     try:

@@ -23,12 +23,12 @@ from unittest import mock
 import keras
 import tensorflow as tf
 
-from autosplit import fit as _fit
-from autosplit.inputs import ArrayInput
-from autosplit.pipeline import MicroBatches
-from autosplit.recovery import RecoverableStep, Recovery
-from autosplit.split import split_batch
-from autosplit.step import TrainStep, step_for
+from autosplit.data.arrays import ArrayInput
+from autosplit.data.pipeline import MicroBatches
+from autosplit.data.split import split_batch
+from autosplit.step.train_step import TrainStep, step_for
+from autosplit.training import fit as _fit
+from autosplit.training.recovery import RecoverableStep, Recovery
 
 __all__ = ["FaultyStep", "inject_oom", "traced_graph", "train_on_large_batch"]
 
@@ -36,7 +36,7 @@ __all__ = ["FaultyStep", "inject_oom", "traced_graph", "train_on_large_batch"]
 class FaultyStep:
     """A train step that runs out of memory before the first attempt of chosen steps.
 
-    Wraps a real step (a ``TrainStep``, or any ``autosplit.recovery.RecoverableStep``)
+    Wraps a real step (a ``TrainStep``, or any ``autosplit.training.recovery.RecoverableStep``)
     and delegates everything to it, except that the first ``run``, ``run_if_any`` or
     ``run_local`` of a large batch numbered in ``at_steps`` raises a real
     ``tf.errors.ResourceExhaustedError`` before it pulls anything, as a step whose

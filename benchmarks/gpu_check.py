@@ -58,7 +58,7 @@ import keras
 import tensorflow as tf
 
 import autosplit
-from autosplit.device import read_device
+from autosplit.memory.device import read_device
 from benchmarks import harness, workloads
 from benchmarks.harness import MIB, OOM, Panel, Series
 

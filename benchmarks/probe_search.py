@@ -156,8 +156,8 @@ def run_method(task: dict[str, Any]) -> dict[str, Any]:
     import tensorflow as tf
 
     import autosplit
-    from autosplit.host import is_tf_bfc_capped
-    from autosplit.peak_meter import PeakMeter
+    from autosplit.memory.host import is_tf_bfc_capped
+    from autosplit.memory.peak_meter import PeakMeter
     from benchmarks import workloads
 
     s = Settings(**{**task["settings"], "hidden": tuple(task["settings"]["hidden"]),

@@ -77,8 +77,8 @@ TINY = replace(FULL, features=8, hidden=(), micro_batch_size=16)
 @contextlib.contextmanager
 def switched_off(pieces: Sequence[str]) -> Iterator[None]:
     """Patch the library so that a step traced inside leaves ``pieces`` out."""
-    from autosplit import sums
-    from autosplit import update as update_module
+    from autosplit.step import sums
+    from autosplit.step import update as update_module
 
     saved = (sums.Stash.put, update_module.update_metrics, sums.Stash.record)
     off = set(pieces)
@@ -113,8 +113,8 @@ def _bare(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings) -> Call
 
 def _pipeline(x: np.ndarray, y: np.ndarray, s: Settings, kind: str):
     """The micro-batches of one input kind, built as ``fit`` builds them."""
-    from autosplit.inputs import get_input
-    from autosplit.pipeline import MicroBatches
+    from autosplit.data.inputs import get_input
+    from autosplit.data.pipeline import MicroBatches
 
     data = get_input(x, y, shuffle=False) if kind == "arrays" else get_input(
         tf.data.Dataset.from_tensor_slices((x, y)), shuffle=False)
@@ -142,7 +142,7 @@ def iterator_ms(x: np.ndarray, y: np.ndarray, s: Settings, times: int = 10) -> d
 def _ours(model: keras.Model, x: np.ndarray, y: np.ndarray, s: Settings, kind: str
           ) -> Callable[[], None]:
     """One call of ``TrainStep.run`` (one large batch), its input built as ``fit`` does."""
-    from autosplit.step import step_for
+    from autosplit.step.train_step import step_for
 
     pipeline = _pipeline(x, y, s, kind)
     step = step_for(model, pipeline)

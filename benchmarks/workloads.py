@@ -39,8 +39,8 @@ import numpy as np
 import tensorflow as tf
 
 import autosplit
-from autosplit.peak_meter import PeakMeter
-from autosplit.pipeline import release
+from autosplit.data.pipeline import release
+from autosplit.memory.peak_meter import PeakMeter
 from benchmarks.harness import MIB, OOM, error_text
 
 CLASSES = 10
@@ -205,7 +205,7 @@ def bare_loop(model: keras.Model, x: np.ndarray, y: np.ndarray, *, batch_size: i
     ``tf.data`` iterator, takes each one's gradient of its summed loss over B, sums the
     gradients in the loop's carried tensors, and Adam applies them once. No padding, no
     metrics, no OOM recovery: B must be a multiple of m. Each epoch's used iterator is
-    deleted on a thread of its own (``autosplit.pipeline.release``), as fit_large_batch
+    deleted on a thread of its own (``autosplit.data.pipeline.release``), as fit_large_batch
     deletes its own: a yardstick without that waits 0.5 s and more at random epochs.
     """
     if batch_size % micro_batch_size:

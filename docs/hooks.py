@@ -80,9 +80,12 @@ def _served_links(markdown: str, page_uri: str) -> str:
     """``../benchmarks/README.md`` (the repository's file) -> ``benchmarks/index.md``."""
     served = dict(_outside_sources())
     here = posixpath.dirname(page_uri)
+    # A served file's links are relative to where it lives in the repository.
+    source = {uri: source for source, uri in served.items()}.get(page_uri)
+    base = posixpath.dirname(source) if source else posixpath.join("docs", here)
 
     def point(match):
-        target = posixpath.normpath(posixpath.join("docs", here, match["target"]))
+        target = posixpath.normpath(posixpath.join(base, match["target"]))
         if target not in served:
             return match[0]
         new = posixpath.relpath(served[target], here or ".")
@@ -110,10 +113,13 @@ def _docstring(path: Path) -> str:
 
 def _module_table() -> str:
     rows = ["| module | what it owns |", "|---|---|"]
-    for path in sorted(PACKAGE.glob("*.py")):
-        if path.name in ("__init__.py", "__main__.py"):
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.name == "__main__.py" or relative == Path("__init__.py"):
             continue
-        rows.append(f"| `{path.name}` | {_docstring(path).replace('|', '&#124;')} |")
+        # A subpackage's row (its __init__ docstring) comes before its modules' rows.
+        name = f"{relative.parent}/" if relative.name == "__init__.py" else relative.as_posix()
+        rows.append(f"| `{name}` | {_docstring(path).replace('|', '&#124;')} |")
     return "\n".join(rows)
 
 

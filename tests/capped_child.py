@@ -22,7 +22,7 @@ from common import labelled, relative_error, tensor_relative_error
 
 import autosplit
 from autosplit.capped import write_result
-from autosplit.peak_meter import PeakMeter
+from autosplit.memory.peak_meter import PeakMeter
 from autosplit.testing import train_on_large_batch
 
 
@@ -88,7 +88,7 @@ def nothing_fits(folder):
     """A budget of what the model holds plus 1 MiB: not even one example fits."""
     x, y = data(256)
     model = demo_mlp(keras.optimizers.Adam(1e-3))
-    autosplit._keras.symbolic_build(model, (x[:8], y[:8], None))
+    autosplit.keras_hooks.internals.symbolic_build(model, (x[:8], y[:8], None))
     before = [w.copy() for w in model.get_weights()]
     held = tf.config.experimental.get_memory_info("CPU:0")["current"]
     report = {}
@@ -150,13 +150,13 @@ def wide_cnn():
 def cnn_under_the_cap(folder):
     """oneDNN on (the default): a trial whose kernel crashes costs that trial; the probe
     ends with a size that trains; a given size too large for the cap starts smaller."""
-    from autosplit.isolation import IsolatedTrials, kernels_may_crash, onednn_enabled
+    from autosplit.search.isolation import IsolatedTrials, kernels_may_crash, onednn_enabled
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(1024, 32, 32, 3)).astype("float32")
     y = rng.integers(0, 10, size=(1024,)).astype("int32")
     model = wide_cnn()
-    autosplit._keras.symbolic_build(model, (x[:8], y[:8], None))
+    autosplit.keras_hooks.internals.symbolic_build(model, (x[:8], y[:8], None))
     before = [w.copy() for w in model.get_weights()]
     report = {"onednn": onednn_enabled(), "may_crash": kernels_may_crash()}
     held = tf.config.experimental.get_memory_info("CPU:0")["current"]
@@ -177,7 +177,7 @@ def cnn_under_the_cap(folder):
     references = []
     for _ in range(2):  # twice: what oneDNN's own run-to-run noise is here
         reference = wide_cnn()
-        autosplit._keras.symbolic_build(reference, (x[:8], y[:8], None))
+        autosplit.keras_hooks.internals.symbolic_build(reference, (x[:8], y[:8], None))
         reference.set_weights(before)
         autosplit.fit_large_batch(reference, x, y, batch_size=512,
                                   micro_batch_size=history.autosplit.micro_batch_size,

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 from common import labelled, tensor_relative_error
 
-from autosplit import _keras
+from autosplit.keras_hooks import internals as _keras
 
 __all__ = ["assert_weights_close", "classifier", "dense_reference_step", "labelled", "twin"]
 

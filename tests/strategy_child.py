@@ -30,11 +30,11 @@ import keras  # noqa: E402
 from common import labelled, relative_error  # noqa: E402
 
 import autosplit  # noqa: E402
-from autosplit.distribute import Layout  # noqa: E402
-from autosplit.inputs import get_input  # noqa: E402
-from autosplit.pipeline import MicroBatches  # noqa: E402
-from autosplit.split import split_batch  # noqa: E402
-from autosplit.step import step_for  # noqa: E402
+from autosplit.data.inputs import get_input  # noqa: E402
+from autosplit.data.pipeline import MicroBatches  # noqa: E402
+from autosplit.data.split import split_batch  # noqa: E402
+from autosplit.step.layout import Layout  # noqa: E402
+from autosplit.step.train_step import step_for  # noqa: E402
 from autosplit.testing import traced_graph  # noqa: E402
 
 

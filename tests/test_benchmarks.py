@@ -502,7 +502,7 @@ def test_overhead_quick_run(tmp_path):
 
 @pytest.mark.slow
 def test_step_costs_quick_run_restores_the_library(tmp_path):
-    from autosplit import sums, update
+    from autosplit.step import sums, update
 
     before = (sums.Stash.put, update.update_metrics, sums.Stash.record)
     assert step_costs.main(["--quick", "--out", str(tmp_path)]) == 0

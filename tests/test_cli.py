@@ -96,8 +96,8 @@ def test_probe_subprocess_nothing_fits_exits_3():
 
 
 def test_demo_summary_reads_the_fit_report():
-    from autosplit.fit import FitReport
-    from autosplit.recovery import OomRecovery
+    from autosplit.training.fit import FitReport
+    from autosplit.training.recovery import OomRecovery
 
     report = FitReport(
         batch_size=4096, micro_batch_size=683, accumulation_steps=6, padded_rows=2,

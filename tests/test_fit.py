@@ -14,6 +14,8 @@ import tensorflow as tf
 from conftest import assert_weights_close, twin
 
 import autosplit
+from autosplit.data.arrays import ArrayInput
+from autosplit.data.pipeline import MicroBatches
 from autosplit.errors import (
     ArgumentError,
     BatchSizeError,
@@ -22,8 +24,6 @@ from autosplit.errors import (
     ModelNotReadyError,
     UnsupportedModelError,
 )
-from autosplit.inputs import ArrayInput
-from autosplit.pipeline import MicroBatches
 from autosplit.testing import traced_graph, train_on_large_batch
 
 
@@ -95,12 +95,15 @@ def test_a_full_collection_only_where_memory_is_measured_or_capped(monkeypatch):
     # gc.collect() frees an earlier call's pipelines before the probe measures, under a
     # cap and on a GPU; on a plain CPU it is left to Python, as after model.fit (it cost
     # 0.1-0.3 s a call in a process with a few models).
-    import autosplit.fit as fit_module
+    import autosplit.training.plan as plan_module
 
     calls = []
-    monkeypatch.setattr(fit_module.gc, "collect", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(plan_module.gc, "collect", lambda *a: calls.append(a) or 0)
     monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
-    monkeypatch.setattr(fit_module.tf.config, "list_logical_devices", lambda kind=None: [])
+    monkeypatch.setattr(plan_module.tf.config, "list_logical_devices", lambda kind=None: [])
+    # The variable alone, set after TensorFlow made its allocator, caps nothing: no
+    # trial of the given size in a child process (autosplit.search.isolation).
+    monkeypatch.setattr(plan_module, "kernels_may_crash", lambda: False)
     x, y = data(64)
     autosplit.fit_large_batch(make_mlp(), x, y, batch_size=32, micro_batch_size=16, verbose=0)
     assert calls == []
@@ -322,7 +325,7 @@ def test_whole_elements_reach_the_metrics_without_a_padding_check_only_where_non
         x, y = data(rows)
         model = make_mlp()
         pipeline = MicroBatches(ArrayInput(x, y), 64, 16)
-        step = autosplit.step.step_for(model, pipeline)
+        step = autosplit.step.train_step.step_for(model, pipeline)
         assert step.full == (rows == 256)
         counted[rows], steps[rows] = conds(step, pipeline), step
         reference, candidate = twin(make_mlp, (x[:16], y[:16], None))
@@ -352,7 +355,7 @@ def test_control_edges_grow_with_the_graph_not_the_square_of_the_variables(known
     def graph(layers):
         model = _stack(layers)
         pipeline = MicroBatches(ArrayInput(x, y), 64, 16)
-        step = autosplit.step.step_for(model, pipeline, jit_compile=False)
+        step = autosplit.step.train_step.step_for(model, pipeline, jit_compile=False)
         return traced_graph(step, iter(pipeline.dataset()),
                             known_length=known_length).as_graph_def()
 
@@ -382,7 +385,7 @@ def test_an_input_of_many_tensors_is_stashed_through_one_token():
     x, y = data(64)
     features = {name: x[:, :1] + i for i, name in enumerate(names)}
     pipeline = MicroBatches(ArrayInput(features, y), 64, 16)
-    step = autosplit.step.step_for(model, pipeline, jit_compile=False)
+    step = autosplit.step.train_step.step_for(model, pipeline, jit_compile=False)
     definition = traced_graph(step, iter(pipeline.dataset())).as_graph_def()
     assert _fan_in(definition) == []
 

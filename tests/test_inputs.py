@@ -16,11 +16,12 @@ import tensorflow as tf
 from conftest import assert_weights_close
 
 import autosplit
+from autosplit.data.adapter import HOST
+from autosplit.data.inputs import get_input
+from autosplit.data.pipeline import MicroBatches, elements_per_batch, skip_to_end_marker
+from autosplit.data.split import balanced_sizes, piece_pattern, split_batch
 from autosplit.errors import DatasetError
-from autosplit.inputs import HOST, get_input
-from autosplit.pipeline import MicroBatches, elements_per_batch, skip_to_end_marker
-from autosplit.split import balanced_sizes, piece_pattern, split_batch
-from autosplit.step import step_for
+from autosplit.step.train_step import step_for
 from autosplit.testing import traced_graph
 
 N, B, M = 230, 64, 16  # 230 = 3 * 64 + 38: a short last large batch every epoch
@@ -129,7 +130,7 @@ def test_an_input_of_unknown_length_runs_each_large_batch_in_one_call(monkeypatc
     # comes: each large batch is one call (the loop, then the apply only if a row
     # came), and a call that finds the input spent applies nothing: the optimizer steps
     # once per large batch, as model.fit does.
-    from autosplit.step import TrainStep
+    from autosplit.step.train_step import TrainStep
 
     calls = {"run_if_any": 0, "run_local": 0, "finish": 0}
 
@@ -339,7 +340,7 @@ PIPELINES = {  # name: (pipeline, counted rows, batch rows); None: not told
 def test_counted_rows_and_batch_rows_are_a_real_pass_s_or_none(name):
     # What a pass holds decides every epoch boundary (counted_rows) and the validation
     # batches (batch_rows): each is either what iterating the pipeline finds, or None.
-    from autosplit.inputs import batch_rows, counted_rows
+    from autosplit.data.datasets import batch_rows, counted_rows
 
     pipeline, rows, size = PIPELINES[name]
     batches = [int(tf.nest.flatten(b)[0].shape[0]) for b in pipeline()]
@@ -391,7 +392,7 @@ def test_a_cache_file_is_not_counted_through(tmp_path):
     list(_examples(150).batch(16).cache(path))
     stale = _examples(100).batch(16).cache(path)
     assert sum(int(b.shape[0]) for b in stale) == 150
-    from autosplit.inputs import batch_rows, counted_rows
+    from autosplit.data.datasets import batch_rows, counted_rows
 
     assert counted_rows(stale) is None and batch_rows(stale) is None
 
@@ -412,7 +413,7 @@ def test_a_map_after_the_batch_leaves_the_length_to_the_first_epoch():
 def test_a_miscounted_batched_dataset_stops_rather_than_borrow_the_next_epoch(monkeypatch):
     # Every epoch boundary of the repeated pipeline rests on the count: one too large
     # must stop training, not read the next epoch's rows into this one.
-    monkeypatch.setattr(autosplit.inputs, "counted_rows", lambda dataset: 260 + B)
+    monkeypatch.setattr(autosplit.data.datasets, "counted_rows", lambda dataset: 260 + B)
     x, y, w = data(260)
     model = make()
     with pytest.raises(tf.errors.FailedPreconditionError, match="expected to contain"):
@@ -608,7 +609,7 @@ def test_only_a_kind_with_epoch_hooks_needs_an_iterator_per_epoch():
 
 def test_only_a_pipeline_of_autosplit_s_own_stages_skips_the_graph_rewrites():
     # tf.data's rewrites serialize the graph, captured arrays included, when the first
-    # iterator is made (inputs.ArrayInput.graph_rewrites); the arrays pipeline is all
+    # iterator is made (arrays.ArrayInput.graph_rewrites); the arrays pipeline is all
     # autosplit's and skips them. A dataset's own stages keep what tf.data does to them.
     x, y, w = data(40)
     for given, rewrites in ((get_input(x, y, w, shuffle=True), False),

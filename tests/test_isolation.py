@@ -1,4 +1,4 @@
-"""Probe trials in a child process (autosplit.isolation): a kernel that crashes when an
+"""Probe trials in a child process (autosplit.search.isolation): a kernel that crashes when an
 allocation fails under TensorFlow's CPU cap costs one trial, never the run.
 
 The real-cap test keeps oneDNN on, as a user's TensorFlow has it: its convolution,
@@ -15,7 +15,7 @@ from conftest import classifier, labelled
 from test_probe import run_child
 
 import autosplit
-from autosplit.isolation import kernels_may_crash
+from autosplit.search.isolation import kernels_may_crash
 
 
 def test_isolate_takes_a_bool_or_none():
@@ -34,7 +34,7 @@ def test_no_cap_no_crash_no_child():
 def test_an_isolated_probe_finds_what_the_in_process_probe_finds():
     x, y = labelled(256, 6, 3)
     model = classifier(6, 8, 3, keras.optimizers.Adam(1e-3))
-    autosplit._keras.symbolic_build(model, (x[:8], y[:8], None))
+    autosplit.keras_hooks.internals.symbolic_build(model, (x[:8], y[:8], None))
     before = [w.copy() for w in model.get_weights()]
     isolated = autosplit.probe(model, x, y, batch_size=256, isolate=True, cache=False)
     here = autosplit.probe(model, x, y, batch_size=256, isolate=False, cache=False)
@@ -61,7 +61,7 @@ def test_a_model_the_child_cannot_load_is_probed_here_with_a_warning():
 
 def test_a_crashed_trial_is_an_out_of_memory_one():
     trial = autosplit.Trial(512, False, True, None, 1.0, crashed=True)
-    assert autosplit.trials.format_trial(trial, 2**20).split()[2] == "crashed"
+    assert autosplit.search.trials.format_trial(trial, 2**20).split()[2] == "crashed"
 
 
 @pytest.mark.slow

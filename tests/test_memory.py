@@ -21,14 +21,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from autosplit import device
-from autosplit import host as host_readings
 from autosplit.capped import capped_cpu_env, is_noise, run_capped
-from autosplit.device import budget_bytes, read_device, read_gpu
-from autosplit.device_info import LIMIT_SOURCES, DeviceInfo
 from autosplit.errors import MemoryLimitError
-from autosplit.host import is_tf_bfc_capped, read_cpu
-from autosplit.peak_meter import PeakMeter
+from autosplit.memory import device
+from autosplit.memory import host as host_readings
+from autosplit.memory.device import budget_bytes, read_device, read_gpu
+from autosplit.memory.device_info import LIMIT_SOURCES, DeviceInfo
+from autosplit.memory.host import is_tf_bfc_capped, read_cpu
+from autosplit.memory.peak_meter import PeakMeter
 from autosplit.units import format_bytes, parse_memory
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -262,7 +262,7 @@ def test_read_cpu_tf_bfc_cap(host, tmp_path, tf_state, expected):
 _LATE_BFC_SCRIPT = """
 import json, os
 import tensorflow as tf
-from autosplit.host import read_cpu
+from autosplit.memory.host import read_cpu
 
 tf.constant(1.0) + 1  # TensorFlow creates its CPU allocator, without BFC
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
@@ -586,8 +586,8 @@ def _run_capped_child(script: str, limit_bytes: int) -> dict:
 _PEAK_SCRIPT = """
 import json
 import tensorflow as tf
-from autosplit.peak_meter import PeakMeter
-from autosplit.host import read_cpu
+from autosplit.memory.peak_meter import PeakMeter
+from autosplit.memory.host import read_cpu
 
 meter = PeakMeter("CPU:0")
 meter.reset()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,33 +30,42 @@ def test_every_export_resolves_and_the_functions_stay_functions_after_every_impo
     # No submodule shares a name with an export, so importing one never shadows it.
     assert not modules & set(autosplit.__all__)
     assert callable(autosplit.probe) and callable(autosplit.check)
-    assert autosplit.probe.__module__ == "autosplit.trials"
+    assert autosplit.probe.__module__ == "autosplit.search.trials"
     assert autosplit.check.__module__ == "autosplit.equivalence"
 
 
-def _imported_modules(path) -> set[str]:
-    """The autosplit modules ``path`` imports anywhere, inside functions too."""
-    import ast
+PACKAGE = Path(autosplit.__file__).parent
 
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (packages' __init__ files, which only
+    hold a docstring, left out)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts)] = path
+    return found
+
+
+def _imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The autosplit modules ``path`` imports anywhere, inside functions too."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == "autosplit":
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autosplit."):
-            names.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autosplit"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                names.add(full if full in known else node.module)
         elif isinstance(node, ast.Import):
-            names.update(a.name.split(".")[1] for a in node.names
-                         if a.name.startswith("autosplit."))
-    return names
+            names.update(a.name for a in node.names if a.name.startswith("autosplit."))
+    return names & known
 
 
 def test_modules_import_one_way():
     """No cycle, not even through an import inside a function (device <-> host was one)."""
-    from pathlib import Path
-
-    files = {p.stem: p for p in Path(autosplit.__file__).parent.glob("*.py")}
-    del files["__init__"]
-    graph = {name: _imported_modules(path) & set(files) - {name}
+    files = _modules()
+    graph = {name: _imported_modules(path, set(files)) - {name}
              for name, path in files.items()}
     done: set[str] = set()
 
@@ -69,8 +80,42 @@ def test_modules_import_one_way():
         visit(name, ())
 
 
+MODULE_LINES, FUNCTION_CODE_LINES = 450, 60
+
+
+def _code_lines(lines: list[str], node: ast.AST) -> int:
+    """A function's lines that hold code: not blank, not a comment, not its docstring."""
+    body = node.body
+    docstring = set()
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        docstring = set(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for number in range(node.lineno, node.end_lineno + 1)
+               if number not in docstring
+               and lines[number - 1].strip() and not lines[number - 1].strip().startswith("#"))
+
+
+def test_modules_and_functions_stay_short():
+    """A module holds one job (at most 450 lines), a function one step (at most 60 lines
+    of code): past that, cut at a seam (docs/development.md)."""
+    long_modules, long_functions = [], []
+    for name, path in sorted(_modules().items()):
+        text = path.read_text()
+        lines = text.splitlines()
+        if len(lines) > MODULE_LINES:
+            long_modules.append(f"{name}: {len(lines)} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                count = _code_lines(lines, node)
+                if count > FUNCTION_CODE_LINES:
+                    long_functions.append(f"{name}.{node.name} (line {node.lineno}): {count}")
+    assert not long_modules, f"modules over {MODULE_LINES} lines: {long_modules}"
+    assert not long_functions, (
+        f"functions over {FUNCTION_CODE_LINES} lines of code: {long_functions}")
+
+
 def test_train_step_is_internal_and_its_old_export_warns():
-    from autosplit.step import TrainStep
+    from autosplit.step.train_step import TrainStep
 
     assert "TrainStep" not in autosplit.__all__ and "TrainStep" not in dir(autosplit)
     with pytest.warns(DeprecationWarning, match="autosplit.TrainStep is internal"):

@@ -14,10 +14,10 @@ from conftest import classifier, labelled
 
 import autosplit
 from autosplit.capped import run_capped
+from autosplit.data.inputs import get_input
 from autosplit.errors import MemoryLimitError
-from autosplit.inputs import get_input
-from autosplit.peak_meter import PeakMeter
-from autosplit.trials import ProbeResult, invalidate_cache, probe
+from autosplit.memory.peak_meter import PeakMeter
+from autosplit.search.trials import ProbeResult, invalidate_cache, probe
 
 HERE = Path(__file__).parent
 
@@ -44,7 +44,7 @@ def state(model):
 
 def test_probe_leaves_state_bitwise_unchanged_and_round_trips(cache_home):
     model = small_model()
-    autosplit._keras.symbolic_build(model, (data()[0][:8], data()[1][:8], None))
+    autosplit.keras_hooks.internals.symbolic_build(model, (data()[0][:8], data()[1][:8], None))
     before = state(model)
     result = probe(model, data(), batch_size=256, cache=False)
     after = state(model)
@@ -86,7 +86,7 @@ def test_trials_pull_trainings_elements_with_autotuning_off(cache_home, monkeypa
     # took CPU from the step, and deleting a trial's iterator waited up to 1.2 s for it.
     # Training on this CPU machine runs the same pipeline: autotuning's buffers would
     # be memory the trials never saw.
-    from autosplit import trials
+    from autosplit.search import runner
 
     made = []
 
@@ -94,12 +94,12 @@ def test_trials_pull_trainings_elements_with_autotuning_off(cache_home, monkeypa
         made.append((cut, trials_dataset(cut)))
         return made[-1][1]
 
-    trials_dataset = trials.trial_dataset
-    monkeypatch.setattr(trials, "trial_dataset", spy)
+    trials_dataset = runner.trial_dataset
+    monkeypatch.setattr(runner, "trial_dataset", spy)
     result = probe(small_model(), data(), batch_size=256, cache=False)
     assert len(made) == len(result.trials) >= 2
     for cut, pulled in made:
-        training = cut.dataset(repeat=True, shuffle_seed=trials._TRIAL_SHUFFLE_SEED)
+        training = cut.dataset(repeat=True, shuffle_seed=runner.TRIAL_SHUFFLE_SEED)
         assert pulled.options().autotune.enabled is False
         assert training.options().autotune.enabled is False
         for a, b in zip(pulled.take(3), training.take(3), strict=True):
@@ -110,23 +110,23 @@ def test_trials_pull_trainings_elements_with_autotuning_off(cache_home, monkeypa
 def test_a_trial_over_the_budget_after_one_measured_step_stops_there(monkeypatch):
     # Real trial steps and a real meter; only the budget is chosen: 1 byte (every
     # measured step is over it) or unbounded.
-    from autosplit import trials
-    from autosplit.distribute import ALONE
-    from autosplit.pipeline import MicroBatches
-    from autosplit.state import Snapshot
-    from autosplit.step import build_for, step_for
+    from autosplit.data.pipeline import MicroBatches
+    from autosplit.search.runner import TrialRunner
+    from autosplit.step.layout import ALONE
+    from autosplit.step.snapshot import Snapshot
+    from autosplit.step.train_step import build_for, step_for
 
     model, adapter = small_model(), get_input(*data(256), shuffle=False)
     pipeline = MicroBatches(adapter, 256, 8)
     build_for(model, pipeline.element_spec(), 1)
     step = step_for(model, pipeline)
-    runs, original = [], trials._Trials._step
-    monkeypatch.setattr(trials._Trials, "_step",
+    runs, original = [], TrialRunner._step
+    monkeypatch.setattr(TrialRunner, "_step",
                         lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
     before = state(model)
     for budget, steps in ((1, 2), (2**62, 3)):
-        runner = trials._Trials(step, Snapshot(model), PeakMeter("CPU:0"), budget, adapter,
-                                256, ALONE, lambda trial: None)
+        runner = TrialRunner(step, Snapshot(model), PeakMeter("CPU:0"), budget, adapter,
+                             256, ALONE, lambda trial: None)
         runs.clear()
         trial = runner.trial(64)
         runner.collector.close()
@@ -139,7 +139,7 @@ def test_a_trial_over_the_budget_after_one_measured_step_stops_there(monkeypatch
 def test_training_autotunes_its_pipeline_only_when_the_step_runs_on_a_gpu(monkeypatch):
     # On a GPU autotuning's buffers are host memory, outside the budget the probe
     # measured; on the CPU they are the step's own memory.
-    from autosplit import pipeline
+    from autosplit.data import pipeline
 
     cut = pipeline.MicroBatches(get_input(*data(64), shuffle=False), 32, 16)
     assert cut.dataset().options().autotune.enabled is False
@@ -284,7 +284,7 @@ def test_the_choice_on_arrays_trains_from_every_input_kind(tmp_path):
 
 def test_objective_speed_times_real_trials_and_says_why(cache_home):
     model = small_model()
-    autosplit._keras.symbolic_build(model, (data()[0][:8], data()[1][:8], None))
+    autosplit.keras_hooks.internals.symbolic_build(model, (data()[0][:8], data()[1][:8], None))
     before = state(model)
     result = probe(model, data(), batch_size=256, objective="speed")
     assert all(np.array_equal(a, b) for a, b in zip(before, state(model), strict=True))

@@ -10,7 +10,7 @@ import pytest
 from common import relative_error
 
 import autosplit
-from autosplit.model_state import model_state
+from autosplit.step.model_state import model_state
 
 N, B, M = 120, 60, 25  # an uneven split: 3 micro-batches of 20
 

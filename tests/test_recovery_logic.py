@@ -2,7 +2,7 @@
 fake step (as ``test_search.py`` drives the search with fake trials): exact row ids,
 micro-batch sizes and agreements, in milliseconds, with no model.
 
-``FakeStep`` keeps ``TrainStep``'s contract (``autosplit.step_loop``): elements are pulled
+``FakeStep`` keeps ``TrainStep``'s contract (``autosplit.step.loop``): elements are pulled
 one by one and stashed; each is cut into ``pieces`` micro-batches of
 ``ceil(rows / pieces)`` rows; a micro-batch is committed only if it did not run out of
 memory, and then the stash records the rows of the element done so far; ``resume``
@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import tensorflow as tf
 
-from autosplit import fit as _fit
 from autosplit.errors import NothingFitsError, WorkerLostError
-from autosplit.recovery import OomRecovery, RecoverableStep, Recovery
 from autosplit.testing import FaultyStep, inject_oom
+from autosplit.training import fit as _fit
+from autosplit.training.recovery import OomRecovery, RecoverableStep, Recovery
 
 
 @pytest.fixture(autouse=True)

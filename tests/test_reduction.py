@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from autosplit.reduction import COUNT, SUM, WEIGHT, combined_loss, output_terms
+from autosplit.step.reduction import COUNT, SUM, WEIGHT, combined_loss, output_terms
 
 # Three real rows in two micro-batches of two; the second repeats row 2 as padding.
 PIECES = ((slice(0, 2), [1.0, 1.0]), (slice(2, 4), [1.0, 0.0]))

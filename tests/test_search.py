@@ -12,20 +12,18 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from autosplit import _keras
-from autosplit.recovery import shrink_micro_batch
-from autosplit.reduction import output_terms
-from autosplit.search import (
+from autosplit.keras_hooks import internals as _keras
+from autosplit.search.policy import (
     Trial,
     achievable,
     between,
-    fastest,
     fit_line,
     reliable_fits,
     run_search,
-    run_speed,
-    speed_candidates,
 )
+from autosplit.search.speed import fastest, run_speed, speed_candidates
+from autosplit.step.reduction import output_terms
+from autosplit.training.recovery import shrink_micro_batch
 
 
 def linear(fixed, per_example, budget, limit=10**12):
@@ -285,7 +283,7 @@ def test_output_terms_recombine_to_keras_loss(loss, weighted, masked):
 
 
 def _result(m, trials, **kw):
-    from autosplit.trials import ProbeResult
+    from autosplit.search.trials import ProbeResult
 
     fields = dict(batch_size=4096, micro_batch_size=m, accumulation_steps=-(-4096 // m),
                   trials=tuple(trials), device={}, budget_bytes=72 * 2**20,

@@ -1,5 +1,5 @@
-"""``autosplit.traced``: what a traced scalar's graph says about how it adds up over rows,
-checked against the arithmetic itself: a value the walk calls a mean (a sum) equals the
+"""``autosplit.keras_hooks.traced``: what a traced scalar's graph says about how it adds up
+over rows, checked against the arithmetic itself: a value the walk calls a mean (a sum) equals the
 rows-weighed mean (the sum) of its values on two parts of the batch; one it calls neither
 does not."""
 
@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from keras import ops
 
-from autosplit.traced import counts_rows, repeats_rows, row_reduction
+from autosplit.keras_hooks.traced import counts_rows, repeats_rows, row_reduction
 
 PENALTY = tf.Variable([1.0, -2.0])  # a weight penalty reads variables, not the batch
 

@@ -20,7 +20,7 @@ from common import relative_error
 from conftest import classifier, labelled
 
 import autosplit
-from autosplit.device import read_device
+from autosplit.memory.device import read_device
 from autosplit.testing import inject_oom
 
 

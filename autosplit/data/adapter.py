@@ -1,0 +1,215 @@
+"""Input adapters: every kind of input ``model.fit`` takes, as one small interface
+(:class:`InputAdapter`), one module per kind, and ``autosplit.data.inputs.get_input``
+to pick one.
+
+Separation of concerns (after Keras's ``trainers/data_adapters/``): an adapter knows
+one input kind and turns it into a host-side ``tf.data`` stream of *rows*, batched any
+way the input likes; ``autosplit.data.pipeline`` cuts that stream into micro-batches; the
+compiled step (``autosplit.step.train_step``) pulls them. No adapter ever builds a large batch.
+
+========================  ============================================================
+input                     rows stream
+========================  ============================================================
+arrays ``(x, y[, w])``    batches of row *numbers* (shuffled each epoch); the pipeline
+                          gathers each micro-batch's rows from the arrays on the host
+``tf.data`` of examples   the examples, batched by 256 on the host
+``tf.data``, batched      the user's batches as they come, any size (rebatched later)
+``keras.utils.PyDataset`` Keras's own PyDataset adapter (workers, multiprocessing)
+Python generator          Keras's own generator adapter; read once, not rewound
+========================  ============================================================
+
+Every element is ``(x, y)`` or ``(x, y, sample_weight)``; each part may be a tensor,
+tuple or dict. ``class_weight`` becomes a sample weight, as in ``model.fit``. All
+checks run before any state changes and raise ``DatasetError``.
+"""
+
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from autosplit.errors import DatasetError, describe
+
+__all__ = [
+    "EXAMPLE_CHUNK",
+    "HINT",
+    "HOST",
+    "InputAdapter",
+    "arity",
+    "check_class_weight_alone",
+    "check_shared_rows",
+    "class_weight_fn",
+    "leading_rows",
+]
+
+HINT = ("Pass arrays (x, y[, sample_weight]), a tf.data.Dataset of (x, y[, sample_weight]) "
+        "(single examples or batches), a keras.utils.PyDataset or a Python generator.")
+EXAMPLE_CHUNK = 256  # examples per host batch before the cut; any size gives the same rows
+
+HOST = "/device:CPU:0"
+_PARTS = ("x", "y", "sample_weight")
+
+
+
+def leading_rows(parts: tuple) -> dict[str, int | None]:
+    """``{"x[0]": rows, "y": rows, ...}``: the leading dimension of every leaf."""
+    counts: dict[str, int | None] = {}
+    for name, part in zip(_PARTS, parts, strict=False):
+        for path, leaf in keras.tree.flatten_with_path(part):
+            if leaf is None:
+                continue
+            shape = tf.TensorShape(getattr(leaf, "shape", None))
+            label = name + "".join(f"[{p!r}]" for p in path)
+            counts[label] = None if shape.rank in (None, 0) else shape[0]
+    return counts
+
+
+def check_shared_rows(parts: tuple, what: str) -> None:
+    """Refuse a batch (or spec) whose leaves do not share one number of rows."""
+    counts = leading_rows(parts)
+    if len({n for n in counts.values() if n is not None}) > 1:
+        raise DatasetError(
+            f"Expected every part of a batch of {what} to have the same number of rows "
+            f"(one row per example). Received: rows {counts}. Inputs whose parts do not "
+            "share a row count (a merged graph of atoms and bonds, say) cannot be split "
+            "into micro-batches by rows: train them with model.fit.")
+
+
+class InputAdapter:
+    """One input kind as a host-side stream of rows.
+
+    Attributes:
+        kind: what the user passed, for messages and ``history.autosplit``.
+        rows: examples in one epoch, or None when only the end of the data tells.
+        reiterable: a second pass reads the data again (generators: no).
+        row_numbers: the stream's rows are row numbers, which ``materialize`` turns
+            into data (arrays): padding them copies no data.
+        graph_rewrites: ``tf.data``'s default static rewrites run on the pipeline
+            (map-and-batch fusion, map parallelization and others, on the input's
+            own stages too); see ``ArrayInput.graph_rewrites`` for why arrays turn
+            them off.
+    """
+
+    kind = "input"
+    rows: int | None = None
+    reiterable = True
+    row_numbers = False
+    graph_rewrites = True
+    _class_weight: Any = None  # (y, sample_weight) -> sample_weight, from ``class_weight``
+    _arity = 2  # elements (x, y) = 2, (x, y, w) = 3, x alone (no targets) = 0
+
+    def rows_dataset(self, *, shuffle_seed: int | None = None,
+                     epoch: int | tf.Variable = 0,
+                     batch_size: int | None = None) -> tf.data.Dataset:
+        """One epoch as ``tf.data`` batches of rows (leading dimension = rows).
+
+        Args:
+            shuffle_seed: where this input shuffles (:attr:`shuffles`), its order is
+                ``(shuffle_seed, epoch)``'s alone: the same in every process and in
+                every pipeline built for it.
+            epoch: the epoch's number, for the seeded order; or an int64 variable
+                holding it, which each iteration reads and advances by one (a
+                pipeline repeated over epochs).
+            batch_size: B, the large batch the rows are cut into; what arrays with
+                ``shuffle="batch"`` shuffle within.
+        """
+        raise NotImplementedError
+
+    def own_batch_rows(self) -> int | None:
+        """The rows of each of the input's own batches but the last, where it comes in
+        batches of one size that can be read (a batched ``tf.data`` pipeline); else
+        None. ``model.fit`` validates such an input batch by batch."""
+        return None
+
+    @property
+    def shuffles(self) -> bool:
+        """Whether the order of the rows is ours to shuffle (arrays with ``shuffle``)."""
+        return False
+
+    def materialize(self, rows: Any) -> tuple:
+        """A cut piece of ``rows_dataset`` elements -> ``(x, y_or_None, sample_weight_or_None)``."""
+        if self._arity == 0:
+            # x alone: a model whose loss comes from add_loss in call() (targets, if any,
+            # are among its inputs). A 1-tuple element is x, as model.fit unpacks it.
+            return (rows[0] if isinstance(rows, tuple) and len(rows) == 1 else rows), None, None
+        x, y, *w = rows
+        return self._weighted(x, y, w[0] if w else None)
+
+    def _weighted(self, x: Any, y: Any, w: Any) -> tuple:
+        """``(x, y, w)`` with ``class_weight`` applied to ``w``, where one was given."""
+        return x, y, (w if self._class_weight is None else self._class_weight(y, w))
+
+    def sample(self, n: int) -> tuple:
+        """Up to ``n`` leading examples as ``(x, y, sample_weight_or_None)`` tensors."""
+        ds = self.rows_dataset().unbatch().take(n).batch(n)
+        for batch in ds:
+            return self.materialize(batch)
+        raise DatasetError(f"Expected a non-empty {self.kind}. Received: one with no example.")
+
+    def on_epoch_begin(self) -> None:
+        pass
+
+    def on_epoch_end(self) -> None:
+        pass
+
+    @property
+    def epoch_hooks(self) -> bool:
+        """Whether this kind overrides ``on_epoch_begin``/``on_epoch_end`` (a
+        ``PyDataset``'s), so each epoch needs an iterator of its own."""
+        kind = type(self)
+        return (kind.on_epoch_begin is not InputAdapter.on_epoch_begin
+                or kind.on_epoch_end is not InputAdapter.on_epoch_end)
+
+
+def class_weight_fn(class_weight: dict) -> Any:
+    """``(y, sample_weight) -> sample_weight`` applying ``class_weight`` as ``model.fit`` does.
+
+    Integer class ids, ``(n, 1)`` ids or one-hot rows (argmax); classes missing from the
+    dict weigh 1.
+    """
+    if not isinstance(class_weight, dict) or not class_weight:
+        raise DatasetError(
+            f"Expected `class_weight` to be a non-empty dict of class id -> weight. Received: "
+            f"class_weight={describe(class_weight)}.")
+    table = tf.constant([float(class_weight.get(c, 1.0))
+                         for c in range(int(max(class_weight)) + 1)], tf.float32)
+
+    def apply(y, sample_weight):
+        if tf.nest.is_nested(y):
+            raise DatasetError("Expected one target for `class_weight`. Received: a nested y; "
+                               "use sample weights for multi-output models.")
+        ids = y
+        if ids.shape.rank > 1:
+            ids = tf.argmax(ids, axis=-1) if ids.shape[-1] != 1 else tf.squeeze(ids, -1)
+        ids = tf.cast(tf.round(tf.cast(ids, tf.float32)), tf.int32)
+        n = table.shape[0]
+        picked = tf.gather(table, tf.clip_by_value(ids, 0, n - 1))
+        weights = tf.where((ids >= 0) & (ids < n), picked, 1.0)
+        return weights if sample_weight is None else sample_weight * weights
+
+    return apply
+
+
+def arity(element: Any) -> int | None:
+    """How ``model.fit`` reads an element: (x, y) 2, (x, y, w) 3, x alone 0; else None."""
+    if not isinstance(element, tuple):
+        return 0
+    return {1: 0, 2: 2, 3: 3}.get(len(element))
+
+
+def check_class_weight_alone(class_weight, has_weights, y=None):
+    """Refuse, before any pipeline is traced, what ``class_weight`` cannot apply to."""
+    if class_weight is not None and has_weights:
+        raise DatasetError(
+            "Expected either `class_weight` or sample weights. Received: both. Fold the class "
+            "weights into your sample weights, as model.fit also requires.")
+    if class_weight is not None and tf.nest.is_nested(y):
+        # Checked here, not only in the pipeline's map, where tracing wraps the error in
+        # TensorFlow's StagingError.
+        raise DatasetError(
+            "Expected one target for `class_weight` (model.fit supports it for models with "
+            "a single output). Received: nested targets. Pass per-output sample weights "
+            "instead.")

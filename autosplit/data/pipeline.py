@@ -1,0 +1,391 @@
+"""The host pipeline: any input's rows -> micro-batches, never a large batch.
+
+Every input adapter (``autosplit.data.inputs``) gives a host ``tf.data`` stream of rows in
+batches of whatever size. This module cuts that stream with ``Dataset.rebatch`` into
+the runs of :func:`autosplit.data.split.piece_pattern` (the balanced micro-batches of this
+worker's share of each large batch, and the other workers' rows to drop), pads each
+micro-batch to its static row count with copies of its own rows, and marks real rows
+in ``valid``. Array rows are gathered here, after the cut, so no more than one
+micro-batch of each input is ever copied. All of it is pinned to the host CPU; the
+compiled step pulls one element per micro-step and only that element reaches the
+accelerator.
+
+An element is ``(x, y_or_(), sample_weight_or_(), valid)``: ``valid`` is float32 ``(rows,)``,
+1.0 for real rows and 0.0 for padding. With several local replicas every part gains
+a leading axis, one micro-batch per replica (missing ones are all padding). Every
+element has a real row, so an element whose ``valid`` is all 0 can only be the end
+marker that ``MicroBatches.dataset(marked=True)`` puts after each epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from typing import Any
+
+import tensorflow as tf
+
+from autosplit.data.adapter import HOST, InputAdapter
+from autosplit.data.split import Piece, piece_pattern
+from autosplit.step.layout import ALONE, Layout
+
+__all__ = ["MicroBatches", "elements_per_batch", "end_marker", "host_autotune", "is_end_marker",
+           "release", "skip_to_end_marker"]
+
+_IN_PARALLEL = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}
+_PREFETCH = 2  # micro-batches the host keeps ready: enough to hide the cut, constant in B
+
+
+def host_autotune() -> bool:
+    """Whether training's pipeline lets ``tf.data`` autotune: only when the step runs on
+    a GPU.
+
+    Autotuning grows buffers and in-flight elements as it goes. On a GPU they are host
+    memory, outside the device memory the probe budgets. When the step runs on the
+    CPU they are the same memory as the step's, and the probe's trials (which run with
+    autotuning off, see ``autosplit.search.runner.trial_dataset``) cannot see them. Measured on
+    the demo's MLP 128-1024-1024-10 at 2,048 rows, 32 steps per run, capped CPU
+    allocator: steps peaked at 72-73 MiB (median 65-66) with autotuning, climbing to
+    80 MiB in one run, against 66-68 MiB (median 63) without it and 61-70 MiB in the
+    trials. Epochs were no slower without it, on arrays, a dataset of examples and a
+    batched dataset, 128 and 784 features (2 cores).
+    """
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
+def _pad_rows(piece: Any, rows: int, *, row_numbers: bool = False, whole: bool = False
+              ) -> tuple[Any, tf.Tensor]:
+    """Pad every leaf of ``piece`` to ``rows`` rows with copies of its last row.
+
+    Data are gathered only when the piece is short (a gather would copy every
+    micro-batch). Row numbers (an array input's pieces, materialized after this) are
+    gathered always: that costs nothing, and a ``tf.cond`` in a ``tf.data`` map is
+    instantiated with every iterator (8 ms of 24 measured for an array input's
+    iterator, 4 ms of the pipeline's build).
+
+    ``whole``: every piece has ``rows`` rows (:meth:`MicroBatches.always_full`), so
+    nothing is padded and nothing branches (a map with a ``tf.cond`` per leaf took 41
+    ms to build and its first iterator 25, against 18 and 11 without); the static row
+    count is still checked (``tf.ensure_shape``), and ``valid`` is all ones.
+    """
+    def fixed(t):  # the static row count (a gather or a cond keeps the other dimensions)
+        return tf.ensure_shape(t, [rows, *t.shape[1:]])
+
+    if whole:
+        return tf.nest.map_structure(fixed, piece), tf.ones([rows], tf.float32)
+    n = tf.shape(tf.nest.flatten(piece)[0])[0]
+    index = tf.minimum(tf.range(rows), n - 1)
+
+    def pad(t):
+        return fixed(tf.gather(t, index) if row_numbers else tf.cond(
+            n < rows, lambda: tf.gather(t, index), lambda: t))
+
+    return tf.nest.map_structure(pad, piece), tf.cast(tf.range(rows) < n, tf.float32)
+
+
+def _pad_replicas(element: Any, replicas: int) -> Any:
+    """(p, rows, ...) with p <= replicas pieces -> (replicas, rows, ...); extras weigh 0."""
+    *parts, valid = element
+    p = tf.shape(valid)[0]
+    index = tf.minimum(tf.range(replicas), p - 1)
+
+    def pad(t):
+        return tf.ensure_shape(tf.gather(t, index), [replicas, *t.shape[1:]])
+
+    parts = tf.nest.map_structure(pad, tuple(parts))
+    present = tf.cast(tf.range(replicas) < p, tf.float32)[:, None]
+    return (*parts, pad(valid) * present)
+
+
+@tf.autograph.experimental.do_not_convert
+def _element(*piece: Any, materialize, rows: int, row_numbers: bool, whole: bool) -> tuple:
+    """A cut piece of rows -> ``(x, y, sample_weight_or_(), valid)``, padded to ``rows``.
+
+    Traced without autograph (``tf.data`` converts a map's function by default): its
+    branches are ``tf.cond`` already, and building the pipeline skips the conversion,
+    2 of 36 ms on the MLP 128 from arrays (medians of 20 builds, alternating).
+    """
+    piece = piece[0] if len(piece) == 1 else piece
+    padded, valid = _pad_rows(piece, rows, row_numbers=row_numbers, whole=whole)
+    x, y, w = materialize(padded)
+    return x, (() if y is None else y), (() if w is None else w), valid
+
+
+def _pad_replicas_of(*element: Any, replicas: int) -> Any:
+    return _pad_replicas(element, replicas)
+
+
+def release(held: list[Any]) -> None:
+    """Delete the iterators in ``held`` (their only references) on a thread of their own.
+
+    With tf.data's autotuning on (the default; it is worth ~10% on a dataset of examples
+    here), deleting an iterator waits for its optimisation thread: 0.55 to 0.65 s
+    measured on 2 CPU cores, at one epoch in four on average, against epochs of 0.65 s
+    (an MLP 128-1024-1024-10 at B=4096 on 16384 examples). Training need not wait for
+    that. The thread is no daemon: at exit the interpreter lets the deletion finish
+    rather than tear TensorFlow down under it.
+    """
+    if any(it is not None for it in held):
+        threading.Thread(target=held.clear, name="autosplit-release-iterator").start()
+
+
+def end_marker(element_spec: Any) -> tf.data.Dataset | None:
+    """One element of ``element_spec`` with no real row (``valid`` all 0, the rest
+    zeros; a dimension of unknown size is 0), or None when a part is not a plain
+    tensor (ragged, sparse): then an epoch's end is the end of its iterator."""
+    if not _markable(element_spec):
+        return None
+    with tf.device(HOST):
+        zeros = tf.nest.map_structure(
+            lambda s: tf.zeros([0 if d is None else d for d in s.shape], s.dtype), element_spec)
+        return tf.data.Dataset.from_tensors(zeros)
+
+
+def is_end_marker(element: Any) -> tf.Tensor:
+    """Whether ``element`` is :func:`end_marker`'s: no real row (in a graph or eagerly)."""
+    return tf.logical_not(tf.reduce_any(element[-1] > 0))
+
+
+def skip_to_end_marker(iterator: Any) -> int:
+    """Read ``iterator`` (of ``MicroBatches.dataset(marked=True)``) up to and including
+    its next end marker, or to its end; returns the real elements dropped on the way.
+    An epoch that ran the large batches its first epoch counted ends there:
+    ``model.fit`` trains on no more of a longer epoch. Eager, on the host: mostly one
+    element."""
+    dropped = 0
+    for element in iterator:
+        if bool(is_end_marker(element)):
+            break
+        dropped += 1
+    return dropped
+
+
+def varying_shapes(element_spec: Any) -> bool:
+    """Whether batches of ``element_spec`` may differ beyond their row count (a
+    ``padded_batch`` of sequences of varying length: a dimension after the rows of
+    unknown size)."""
+    return any(isinstance(leaf, tf.TensorSpec) and leaf.shape.rank is not None
+               and None in leaf.shape.as_list()[1:] for leaf in tf.nest.flatten(element_spec))
+
+
+def _padded_cut(ds: tf.data.Dataset, sizes: list[int]) -> tf.data.Dataset:
+    """``ds.rebatch(sizes)`` for batches whose shapes differ beyond the row count: the
+    rows of each piece are padded to the longest among them, with zeros (``""`` for
+    strings), as ``padded_batch`` pads by default.
+
+    ``rebatch`` copies slices of its input batches into each piece and stops with
+    "source and dst shapes are not compatible" when a piece spans two ``padded_batch``
+    batches padded to different lengths. Here the batches are unbatched, each row is
+    numbered, and ``group_by_window`` gathers the rows of each piece of the repeating
+    pattern and pads them together (one window at a time: the rows come in order).
+    """
+    period, count = sum(sizes), len(sizes)
+    ends = tf.constant([sum(sizes[:j + 1]) for j in range(count)], tf.int64)
+    table = tf.constant(sizes, tf.int64)
+
+    def piece(index, *_):
+        within = tf.searchsorted(ends, tf.reshape(index % period, [1]), side="right")[0]
+        return index // period * count + tf.cast(within, tf.int64)
+
+    def rows_of(key):
+        return tf.gather(table, key % count)
+
+    def padded(key, window):
+        return window.map(lambda _, *row: row[0] if len(row) == 1 else row).padded_batch(
+            rows_of(key))
+
+    return ds.unbatch().enumerate().group_by_window(piece, padded, window_size_func=rows_of)
+
+
+def _markable(element_spec: Any) -> bool:
+    return all(type(leaf) is tf.TensorSpec for leaf in tf.nest.flatten(element_spec))
+
+
+def elements_per_batch(pattern: list[Piece], batch_rows: int, local_replicas: int) -> int:
+    """Elements this worker's pipeline yields for a large batch of ``batch_rows`` rows.
+
+    A short last batch (``batch_rows`` < B) ends inside the pattern: only the kept
+    pieces it reaches count, the last one cut short.
+    """
+    kept, seen = 0, 0
+    for piece in pattern:
+        if seen >= batch_rows:
+            break
+        kept += piece.keep
+        seen += piece.rows
+    return math.ceil(kept / local_replicas)
+
+
+class MicroBatches:
+    """One worker's micro-batches of one input, for one split.
+
+    Args:
+        adapter: the input.
+        batch_size: B, the global large batch.
+        rows: rows per micro-batch on this worker.
+        where: the ``tf.distribute`` layout of this process (``autosplit.step.layout``).
+    """
+
+    def __init__(self, adapter: InputAdapter, batch_size: int, rows: int,
+                 where: Layout = ALONE) -> None:
+        self.adapter = adapter
+        self.batch_size = batch_size
+        self.rows = rows
+        self.local_replicas = local_replicas = where.local_replicas
+        self.pattern = piece_pattern(batch_size, rows, workers=where.workers,
+                                     worker=where.worker, local_replicas=local_replicas)
+        self.per_batch = elements_per_batch(self.pattern, batch_size, local_replicas)
+        # (None or (shuffle seed, repeat), autotune) -> the elements of an epoch
+        self._cuts: dict = {}
+        self._epochs: dict = {}  # (shuffle seed, repeat) -> the epoch the next iteration cuts
+        self._datasets: dict = {}  # (repeat, seed, marked, autotune) -> ready to iterate
+
+    def always_full(self) -> bool:
+        """Whether every element holds ``rows`` real rows, none of padding: the input
+        tells its length, a whole number of large batches, each cut into pieces of
+        ``rows`` rows, on one local replica. The train step then drops no padding
+        before the metrics (``TrainStep.rebind``): no ``tf.cond`` per micro-batch."""
+        rows = self.adapter.rows
+        return (rows is not None and rows % self.batch_size == 0 and self.local_replicas == 1
+                and all(p.rows == self.rows for p in self.pattern if p.keep))
+
+    def steps(self) -> int | None:
+        """Large batches in one epoch (None when the input does not say)."""
+        rows = self.adapter.rows
+        return None if rows is None else math.ceil(rows / self.batch_size)
+
+    def elements(self, step: int) -> int:
+        """Elements of large batch ``step`` (0-based) of an epoch; the last may be short."""
+        rows = self.adapter.rows
+        if rows is None:
+            return self.per_batch
+        return elements_per_batch(self.pattern, min(self.batch_size,
+                                                    rows - step * self.batch_size),
+                                  self.local_replicas)
+
+    def dataset(self, *, repeat: bool = False, shuffle_seed: int | None = None,
+                epoch: int = 0, marked: bool = False, autotune: bool | None = None
+                ) -> tf.data.Dataset:
+        """The micro-batch elements of one epoch (or, with ``repeat``, of endless epochs).
+
+        Repeating after the cut restarts the pattern with every epoch, so a short last
+        batch never borrows rows from the next epoch. The cut is built once per seed and
+        every variant wraps it: iterating again starts a new epoch, and asking for the
+        repeated variant after the element spec traces none of its functions again.
+
+        With ``shuffle_seed``, an input that shuffles (arrays) orders epoch ``epoch`` by
+        ``(shuffle_seed, epoch)`` alone, and with ``repeat`` each epoch after it by the
+        next number: a pipeline built later (at another micro-batch size, after an
+        out-of-memory recovery) and started at epoch e gives e and every epoch after it
+        the order this one would have. The number is a variable of the cut, which each
+        iteration reads and advances: every call sets the epoch the next iterator made
+        starts at. Other inputs keep their own order.
+
+        With ``marked`` each epoch ends with :func:`end_marker`'s element (see
+        :meth:`can_mark`), so one repeated iterator reads every epoch of an input whose
+        length only its end tells: the step stops a large batch at the marker.
+
+        ``autotune`` turns ``tf.data``'s autotuning on or off for the whole pipeline,
+        the input's own stages included; None: :func:`host_autotune`.
+        """
+        autotune = host_autotune() if autotune is None else autotune
+        if not self.adapter.shuffles:
+            shuffle_seed = None
+        key = (repeat, shuffle_seed, marked, autotune)
+        # The cut: one per seed and repeat (a repeated iterator's epochs must not move
+        # with another's), its epoch a variable, so that rereading the data (each epoch
+        # a new iterator, with steps_per_epoch) builds nothing new: a cut per epoch,
+        # cached, grew by 47 MB over 300 epochs.
+        cut = None if shuffle_seed is None else (shuffle_seed, repeat)
+        if cut is not None:
+            if cut not in self._epochs:
+                with tf.device(HOST):
+                    self._epochs[cut] = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self._epochs[cut].assign(epoch)
+        if key not in self._datasets:
+            if (cut, autotune) not in self._cuts:
+                self._cuts[cut, autotune] = self._build(
+                    shuffle_seed=shuffle_seed, epoch=0 if cut is None else self._epochs[cut],
+                    parallel=autotune)
+            ds = self._cuts[cut, autotune]
+            with tf.device(HOST):
+                if marked:
+                    marker = end_marker(ds.element_spec)
+                    if marker is None:
+                        raise ValueError("These elements cannot be marked; see can_mark().")
+                    ds = ds.concatenate(marker)
+                if repeat:
+                    ds = ds.repeat()
+                options = tf.data.Options()
+                options.deterministic = True
+                options.autotune.enabled = autotune
+                if not self.adapter.graph_rewrites:
+                    options.experimental_optimization.apply_default_optimizations = False
+                self._datasets[key] = ds.with_options(options).prefetch(_PREFETCH)
+        return self._datasets[key]
+
+    def _build(self, *, shuffle_seed: int | None, epoch: int | tf.Variable,
+               parallel: bool) -> tf.data.Dataset:
+        """The cut, padded elements of one epoch, before any repeat or prefetch.
+
+        ``parallel`` (where ``tf.data`` autotunes) runs the element map in parallel, in
+        order: what ``tf.data``'s map_parallelization rewrite makes of it then, and only
+        then, asked for here because an arrays pipeline has the rewrites off
+        (``InputAdapter.graph_rewrites``); a GPU host's large gathers overlap. Without
+        autotuning (every probe trial, training on the CPU) the map runs alone, as the
+        rewrite leaves it: AUTOTUNE would then mean up to 16 elements in flight, memory
+        the step's own device would hold.
+        """
+        with tf.device(HOST):
+            ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed, epoch=epoch,
+                                           batch_size=self.batch_size)
+            sizes = [p.rows for p in self.pattern]
+            if varying_shapes(ds.element_spec):
+                ds = _padded_cut(ds, sizes)
+            else:
+                ds = ds.rebatch(sizes if len(sizes) > 1 else sizes[0])
+            keep = [p.keep for p in self.pattern]
+            if not all(keep):
+                table = tf.constant(keep)
+                period = len(keep)
+
+                def ours(index, piece):
+                    return tf.gather(table, index % period)
+
+                def drop_index(index, piece):
+                    return piece
+
+                ds = ds.enumerate().filter(ours).map(drop_index)
+            # Functions that hold the adapter, not this object: a dataset kept in
+            # self._cuts must not point back at self (a cycle would keep the input's
+            # arrays alive until the next garbage collection).
+            ds = ds.map(functools.partial(_element, materialize=self.adapter.materialize,
+                                          rows=self.rows,
+                                          row_numbers=self.adapter.row_numbers,
+                                          whole=self.always_full()),
+                        **(_IN_PARALLEL if parallel else {}))
+            replicas = self.local_replicas
+            if replicas > 1:
+                ds = ds.batch(replicas).map(functools.partial(_pad_replicas_of,
+                                                              replicas=replicas))
+            steps = self.steps()
+            if steps is not None:
+                # Every step and epoch boundary rests on this count (a batched input's
+                # is datasets.counted_rows'): a pass that ends short stops with tf.data's
+                # "expected to contain" error rather than take rows of the next epoch.
+                ds = ds.apply(tf.data.experimental.assert_cardinality(
+                    sum(self.elements(step) for step in range(steps))))
+            return ds
+
+    def can_mark(self) -> bool:
+        """Whether :meth:`dataset` can mark the end of each epoch (every part of an
+        element a plain tensor)."""
+        return _markable(self.element_spec())
+
+    def element_spec(self) -> Any:
+        """The elements' spec: the same for every variant, so one already built gives it
+        (building another would draw an op seed for its shuffle)."""
+        for ds in self._datasets.values():
+            return ds.element_spec
+        return self.dataset().element_spec

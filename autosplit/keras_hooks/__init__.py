@@ -1,0 +1,4 @@
+"""What reaches into Keras: its private names (``internals``), BatchNormalization's pooled
+statistics (``batchnorm``), models with their own ``train_step`` (``custom_step``),
+facts read off a trace (``traced``).
+"""

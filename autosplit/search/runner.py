@@ -1,0 +1,244 @@
+"""Real trial steps of the compiled step at one size after another (:class:`TrialRunner`),
+in this process or in the child process of ``autosplit.search.isolation``
+(:func:`child_trials`).
+
+A trial at micro-batch size m builds the input pipeline training will use at m
+(``autosplit.data.pipeline``) and runs the training step (``autosplit.step``) on it:
+one warm-up step of one micro-batch and the apply, then two measured ones, each of two
+micro-batches and the apply. The loop runs its micro-batches one after another, so two
+reach the step's peak and a trial's time does not grow with B/m. The model, the
+optimizer and the metrics are restored bitwise after each trial.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from typing import Any, overload
+
+import keras
+import tensorflow as tf
+
+from autosplit.data.adapter import InputAdapter
+from autosplit.data.arrays import ArrayInput
+from autosplit.data.pipeline import MicroBatches
+from autosplit.data.split import split_batch
+from autosplit.errors import NothingFitsError
+from autosplit.memory.peak_meter import PeakMeter
+from autosplit.search.policy import Trial, search
+from autosplit.step.layout import Layout, layout
+from autosplit.step.snapshot import Snapshot
+from autosplit.step.train_step import TrainStep, build_for, step_for
+
+__all__ = ["TRIAL_SHUFFLE_SEED", "TrialRunner", "child_trials", "trial_dataset"]
+
+_TRIAL_STEPS = 2  # measured steps per trial, after one warm-up step
+_TRIAL_MICRO_BATCHES = 2  # per measured step: enough to reach the loop's steady peak
+# The warm-up step traces the step and makes its one-time allocations: one micro-batch
+# and the apply run every op the measured steps run (~0.1-0.2 s a trial on the CLI's CNN).
+_WARM_UP_MICRO_BATCHES = 1
+# Trial pipelines shuffle (the same memory as training's) by a seed of their own: an
+# unseeded shuffle would take one of the op seeds `keras.utils.set_random_seed` fixes,
+# and the training shuffle's order would depend on how many trials the search ran.
+TRIAL_SHUFFLE_SEED = 0
+
+
+def trial_dataset(cut: MicroBatches) -> tf.data.Dataset:
+    """The endless micro-batches a trial pulls from: training's pipeline at the trial's
+    size, with ``tf.data``'s autotuning off.
+
+    A trial lasts one to three seconds, too short for autotuning to tune anything, and
+    its optimisation thread only took CPU from the step and made the trial's readings
+    noisy. Measured on the CLI's CNN at B = 4096 on 2 cores, four processes each way:
+
+    - deleting a trial's iterator waited for that thread, 1.2 s in a third of the
+      trials (0.001 s with autotuning off);
+    - the measured steps ran 5-15% faster;
+    - the peak at 64 rows read 71-97 MiB (72-76 off) and at 256 rows 164-191 MiB
+      (159-171 off).
+
+    Training on the CPU runs with autotuning off too, so the trials measure the
+    pipeline it runs; on a GPU training autotunes, in host memory the trials do not
+    budget (:func:`autosplit.data.pipeline.host_autotune`). Every size is timed the same
+    way, so ``objective="speed"`` compares like with like.
+    """
+    return cut.dataset(repeat=True, shuffle_seed=TRIAL_SHUFFLE_SEED, autotune=False)
+
+
+class _Collector:
+    """A full garbage collection after each trial, over what that trial left alone.
+
+    A trial's dead pipeline and iterator may sit in reference cycles and hold buffers
+    the next trial's peak would count, so every trial ends with ``gc.collect()``. In a
+    process that has traced a few models that scans a million objects: 0.1 to 0.4 s a
+    trial, measured on the CNN. What survives one collection is frozen
+    (``gc.freeze``), so the next scans only the objects made since; :meth:`close` puts
+    them back in the collector's care. A process that froze objects of its own keeps
+    its freeze untouched and pays the full scan.
+    """
+
+    def __init__(self) -> None:
+        self.freezing = gc.get_freeze_count() == 0
+
+    def collect(self) -> None:
+        gc.collect()
+        if self.freezing:
+            gc.freeze()
+
+    def close(self) -> None:
+        if self.freezing:
+            gc.unfreeze()
+            self.freezing = False
+
+
+class TrialRunner:
+    """Trial steps at one size after another, and the lockstep form across workers."""
+
+    def __init__(self, step: TrainStep, snapshot: Snapshot, meter: PeakMeter, budget: int,
+                 data: InputAdapter, batch_size: int, where: Layout,
+                 say: Callable[[Trial], None]) -> None:
+        self.step, self.snapshot, self.meter = step, snapshot, meter
+        self.budget, self.data, self.batch_size, self.where = budget, data, batch_size, where
+        self.say = say
+        self.collector = _Collector()
+        self.ballast: Any = None  # child_trials: what the parent holds, held here
+
+    @overload
+    def trial(self, m: int) -> Trial: ...
+    @overload
+    def trial(self, m: None) -> None: ...
+    def trial(self, m: int | None) -> Trial | None:
+        """One warm-up step (one micro-batch), then the peak of two more; None when ``m``
+        is None (a worker whose search is over still takes part in every collective of
+        the round).
+
+        In one process a trial whose first measured step already peaked over the budget
+        stops there: the peak is a maximum, so the second step could not bring it back
+        under, and it costs as much as a step near the cap (~0.5 s of a 2 s trial on the
+        CLI's CNN). Workers of a multi-worker job run every step: the steps agree in
+        collectives."""
+        t0 = time.perf_counter()
+        held_before = self.meter.current_bytes()
+        iterator, failed, peak, speed, rows = None, m is None, None, None, 0
+        try:
+            count = 0
+            if m is not None:
+                rows = split_batch(self.batch_size // self.where.replicas, m).micro_batch_size
+                cut = MicroBatches(self.data, self.batch_size, rows, self.where)
+                data = trial_dataset(cut)
+                # As training at this size will run: whole elements where none is padded.
+                self.step.rebind(data.element_spec, full=cut.always_full())
+                iterator = iter(data)
+                count = min(_TRIAL_MICRO_BATCHES, cut.per_batch)
+            # The first step traces and makes one-time allocations (kernel caches,
+            # scratch buffers) that stay; the steady-state peak is what training sees.
+            steps = 0  # measured
+            for index in range(1 + _TRIAL_STEPS):
+                pulled = min(_WARM_UP_MICRO_BATCHES, count) if index == 0 else count
+                failed = not self._step(iterator, pulled, active=not failed) or failed
+                if index == 0:
+                    self.meter.reset()
+                    measured = time.perf_counter()
+                    continue
+                steps += 1
+                if (not failed and not self.where.multi_worker
+                        and self.meter.peak_bytes() > self.budget):
+                    break
+            peak = None if failed else self.meter.peak_bytes()
+            # Rows of the measured steps over their time: the warm-up (tracing) excluded.
+            speed = None if failed or not count else (
+                steps * count * rows / (time.perf_counter() - measured))
+        finally:
+            self.step.discard()
+            self.snapshot.restore()
+            del iterator
+            self.collector.collect()  # a dead trial's buffers must not count in the next
+        if m is None:
+            return None
+        result = Trial(m, peak is not None and peak <= self.budget, peak is None,
+                       None if peak is None else int(peak), time.perf_counter() - t0,
+                       None if speed is None else round(speed, 1),
+                       held_before=held_before, held_after=self.meter.current_bytes())
+        self.say(result)
+        return result
+
+    def _step(self, iterator: Any, count: int, *, active: bool) -> bool:
+        """One trial step; False if it ran out of memory on this worker."""
+        if not self.where.multi_worker:
+            if not active:
+                return False
+            try:
+                self.step.run(iterator, count)
+            except tf.errors.ResourceExhaustedError:
+                return False
+            return True
+        ok = True
+        if active:
+            try:
+                self.step.run_local(iterator, count)
+            except tf.errors.ResourceExhaustedError:
+                ok = False
+        # The loop above runs no collective; the agreement and the apply do, and
+        # every worker reaches them the same number of times, whatever it tried.
+        all_ok, _ = self.step.agree(ok, 0.0)
+        if all_ok:
+            self.step.finish()
+        else:
+            self.step.discard()
+        return ok and active
+
+    def lockstep(self, batch_size: int) -> tuple[int | None, list[Trial]]:
+        """Each worker runs its own search (its own sizes, its own budget), one trial per
+        round for all; the rounds go on until every worker's search is over."""
+        trials: list[Trial] = []
+        generator = search(batch_size, self.budget)
+        request: tuple[int, bool] | None = next(generator)
+        chosen = None
+        while True:
+            result = self.trial(None if request is None else request[0])
+            if result is not None:  # a request was made
+                trials.append(result)
+                try:
+                    request = generator.send(result)
+                except StopIteration as stop:
+                    chosen, request = stop.value, None
+            everyone_done, _ = self.step.agree(request is None, 0.0)
+            if everyone_done:
+                break
+        # A worker with nothing that fits stops them all, not only itself.
+        all_found, _ = self.step.agree(chosen is not None, 0.0)
+        if not all_found and chosen is not None:
+            raise NothingFitsError(
+                "Another worker of the MultiWorkerMirroredStrategy run found that not even "
+                "one example fits its memory budget; see that worker's error.")
+        return chosen, trials
+
+
+def child_trials(model: keras.Model, sample: tuple[Any, Any, Any], batch_size: int,
+                 budget: int, jit_compile: bool, *, held_bytes: int, step_held: bool
+                 ) -> TrialRunner:
+    """The trials of ``search_micro_batch``, in the child process of
+    ``autosplit.search.isolation``: on ``sample``, holding what the parent holds.
+
+    ``held_bytes`` is what the parent's allocator holds; ``step_held``, whether that
+    includes a compiled step's float32 sums and stash (a step cached from an earlier
+    call), which this process makes too. The difference is allocated and kept (a ballast
+    tensor), so that a trial meets the cap where the parent's training would.
+    """
+    where = layout(model.distribute_strategy)
+    data = ArrayInput(*sample, shuffle=False)
+    pipeline = MicroBatches(data, batch_size, min(batch_size, 8), where)
+    build_for(model, pipeline.dataset(shuffle_seed=TRIAL_SHUFFLE_SEED).element_spec)
+    meter = PeakMeter("CPU:0")
+    model_bytes = meter.current_bytes()  # the model, its optimizer, the data sample
+    step = step_for(model, pipeline, jit_compile=jit_compile)
+    with_step = meter.current_bytes()
+    missing = held_bytes - (with_step if step_held else model_bytes)
+    ballast = (tf.raw_ops.Empty(shape=[missing // 4], dtype=tf.float32, init=False)
+               if missing >= 4 else None)
+    meter.reset()
+    runner = TrialRunner(step, Snapshot(model), meter, budget, data, batch_size, where,
+                         lambda trial: None)
+    runner.ballast = ballast
+    return runner

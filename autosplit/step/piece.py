@@ -1,0 +1,298 @@
+"""One micro-batch's contribution to a large batch, and how the contributions combine.
+
+One micro-batch (:func:`compute_piece`) gives, for every compiled loss, the numerator
+of Keras's reduction (``autosplit.step.reduction``) and the gradients of those numerators,
+grouped by what they will be divided by:
+
+- ``"count"``: losses averaged over examples (``sum_over_batch_size`` without a Keras
+  mask) and the losses added in ``call()``. Their denominator is the large batch's
+  real rows, known only at its end when the input is a stream; the loop scales them by
+  the planned batch B and :func:`combine` multiplies by ``B / n`` once (exactly 1.0 for
+  every full batch).
+- ``"sum"``: ``reduction="sum"`` losses, divided by nothing.
+- ``("deferred", j)``: a loss whose denominator the model decides (unmasked tokens,
+  the sum of sample weights): its gradient is summed on its own and divided once.
+
+:func:`combine` turns the sums into the full-batch loss and gradients. Graph code only:
+where the sums live (loop-carried tensors in ``autosplit.accumulate``, variables in
+``autosplit.step.update``) is the caller's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import keras
+import tensorflow as tf
+
+from autosplit.keras_hooks import internals as _keras
+from autosplit.keras_hooks.batchnorm import recording
+from autosplit.keras_hooks.custom_step import CustomFacts, batch_data
+from autosplit.keras_hooks.interception import intercept
+from autosplit.step.loss_plan import (
+    COUNT_GROUP,
+    SUM_GROUP,
+    LossPlan,
+    forward,
+    forward_parts,
+    forward_totals,
+    weight_regularization,
+)
+from autosplit.step.reduction import COUNT, SUM, combined_loss
+
+__all__ = [
+    "Piece",
+    "Totals",
+    "combine",
+    "compute_piece",
+    "empty_to_none",
+    "map_present",
+    "none_to_empty",
+    "update_loss_trackers",
+    "update_metrics",
+    "without_padding",
+]
+
+class Piece(NamedTuple):
+    """One micro-batch's contribution (per replica)."""
+
+    gradients: list  # per group: one float32 tensor per trainable variable (None: no grad)
+    numerators: list  # per compiled loss, float32 scalars
+    denominators: list
+    # the call() losses: [the means' sum times the piece's real rows, the sums' sum]
+    forward: tf.Tensor
+    rows: tf.Tensor  # real rows in the piece
+    y: Any  # targets aligned to y_pred, for the metrics
+    y_pred: Any
+    masks: Any  # Keras masks of y_pred (lost when y_pred leaves an XLA function)
+    logs: Any = None  # a custom train_step's return value
+    moments: Any = None  # per pooled BatchNormalization layer: its Moments on the piece
+    sample_weight: Any = None  # the rows the piece ran on, for the metrics: their weights
+    valid: Any = None  # and real-row marks (padding dropped where ``without_padding`` ran)
+
+
+def _dense_f32(g) -> tf.Tensor | None:
+    # An Embedding yields IndexedSlices with repeated indices; densifying sums the
+    # duplicates, which is the true gradient of the summed loss.
+    return None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
+
+
+def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_size: int,
+                  scale, pool: list | tuple = ()) -> Piece:
+    """Forward and backward of one micro-batch; changes no variable but the model's own
+    (BatchNormalization statistics, seed generators; a custom step's metric trackers)."""
+    if plan.custom is not None:
+        return _custom_piece(model, plan.custom, x, y, sample_weight, valid,
+                             batch_size=batch_size, pool=pool)
+    variables = model.trainable_variables
+    with recording(pool) as records, tf.GradientTape(persistent=len(plan.groups) > 1) as tape:
+        y, y_pred, terms, in_call = forward(model, x, y, sample_weight, valid)
+        rows = tf.reduce_sum(valid)
+        in_call_mean, in_call_sum = forward_parts(in_call, plan.forward_summed)
+        objectives = []
+        for group in plan.groups:
+            if group == COUNT_GROUP:
+                # loss_plan folds a "count" loss only when its per_row is static (not None).
+                parts = [terms[j].numerator * (plan.weights[j] / (batch_size * plan.per_row[j]))  # type: ignore[operator]
+                         for j in range(len(terms)) if plan.folded[j] and plan.kinds[j] == COUNT]
+                if in_call:
+                    parts.append(in_call_mean * rows / batch_size)
+            elif group == SUM_GROUP:
+                parts = [terms[j].numerator * plan.weights[j]
+                         for j in range(len(terms)) if plan.kinds[j] == SUM]
+                if any(plan.forward_summed):
+                    parts.append(in_call_sum)
+            else:
+                j = group[1]
+                parts = [terms[j].numerator * plan.weights[j]]
+            objectives.append(tf.add_n(parts) * scale)
+    gradients = [[_dense_f32(g) for g in tape.gradient(objective, variables)]
+                 for objective in objectives]
+    del tape
+    masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
+    return Piece(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
+                 forward_totals(in_call_mean, in_call_sum, rows), rows, y, y_pred, masks, None,
+                 _moments(pool, records), sample_weight, valid)
+
+
+def _moments(pool, records) -> list | None:
+    """Per pooled BatchNormalization layer: the moments of each of its calls in this
+    piece, in call order (``batchnorm.Pool`` pools each call over the micro-batches)."""
+    if not pool:
+        return None
+    return [list(calls) for calls in records]
+
+
+def _custom_piece(model, facts: CustomFacts, x, y, sample_weight, valid, *,
+                  batch_size: int, pool) -> Piece:
+    """The model's own train_step on one micro-batch of real rows, its apply caught: the
+    gradients of its mean over n rows, weighed n / B, or of its sum over them (a
+    per-example tape target), unweighed (``autosplit.keras_hooks.custom_step``)."""
+    rows = tf.reduce_sum(valid)
+    with intercept(model, rows, batch_size) as seen, recording(pool) as records:
+        logs = model.train_step(batch_data(x, y, sample_weight))
+    share = rows / batch_size
+    # A gradient of a per-example target is a sum over the rows: added unweighed.
+    weights = [1.0 if summed else share for summed in facts.summed]
+    gradients = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32) * weight
+                 for g, weight in zip(seen.gradients, weights, strict=True)]
+    return Piece([gradients], [], [], forward_totals(), rows, None, None, None, logs,
+                 _moments(pool, records))
+
+
+class Totals(NamedTuple):
+    """Sums over the micro-batches of one large batch (per replica, or all-reduced)."""
+
+    gradients: list  # per group, per variable (None: no gradient)
+    numerators: list
+    denominators: list
+    forward: tf.Tensor
+    rows: tf.Tensor
+
+    def summed_over_replicas(self, context) -> Totals:
+        """The scalar sums added up over every replica in one all-reduce; the gradients
+        stay this replica's (the optimizer all-reduces those)."""
+        numerators, denominators, forward, rows = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, (self.numerators, self.denominators, self.forward,
+                                         self.rows))
+        return Totals(self.gradients, numerators, denominators, forward, rows)
+
+
+def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
+            replicas: int = 1) -> tuple[tf.Tensor, list, list]:
+    """(loss, gradients, per-output losses) of the large batch from its sums.
+
+    ``totals`` numerators, denominators, forward and rows must already be summed over
+    replicas; the gradients are this replica's (the optimizer all-reduces them).
+    ``batch_size`` is the global B the loop scaled by; ``scale`` the loss scale the
+    gradients carry (the weight regularizer's gradient gets it too). The loss and the
+    per-output losses are ``autosplit.step.reduction.combined_loss``'s, as validation's are.
+    """
+    variables = model.trainable_variables
+    n = totals.rows
+    correction = tf.math.divide_no_nan(tf.constant(float(batch_size)), n)
+    if plan.custom is not None:
+        # The step's own loss (regularisation included, if it adds it) is in its gradients.
+        # A sum over the rows (a per-example tape target) needs no correction.
+        (sums,) = totals.gradients
+        return tf.constant(0.0), [
+            None if g is None else tf.cast(g if summed else g * correction, v.dtype)
+            for g, v, summed in zip(sums, variables, plan.custom.summed, strict=True)], []
+    with tf.GradientTape() as tape:
+        # Counted once per large batch: each replica adds its 1/replicas share.
+        regularization = weight_regularization(model) / replicas
+    reg_grads = tape.gradient(regularization, variables) if variables else []
+    loss, per_output = combined_loss(
+        totals.numerators, totals.denominators, totals.forward, n, kinds=plan.kinds,
+        weights=plan.weights, regularization=regularization * replicas)
+    gradients = []
+    for index, variable in enumerate(variables):
+        parts = []
+        for group, sums in zip(plan.groups, totals.gradients, strict=True):
+            g = sums[index]
+            if g is None:
+                continue
+            if group == COUNT_GROUP:
+                g = g * correction
+            elif group != SUM_GROUP:
+                g = tf.math.divide_no_nan(g, totals.denominators[group[1]])
+            parts.append(g)
+        reg = _dense_f32(reg_grads[index]) if reg_grads else None
+        if reg is not None:
+            parts.append(reg * scale)
+        gradients.append(tf.cast(tf.add_n(parts), variable.dtype) if parts else None)
+    return loss, gradients, per_output
+
+
+def update_loss_trackers(model, loss, per_output, rows) -> list:
+    """Record a large batch's loss and per-output losses, weighted by its ``rows``, in
+    Keras's loss trackers; returns the update ops (graph mode)."""
+    tracker = _keras.loss_tracker(model)
+    updates = [] if tracker is None else [tracker.update_state(loss, sample_weight=rows)]
+    for metric, value in zip(_keras.output_loss_trackers(model), per_output, strict=False):
+        updates.append(metric.update_state(value, sample_weight=rows))
+    return [u for u in updates if u is not None]
+
+
+def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
+                   full: bool = False) -> None:
+    """Update the compiled metrics from one micro-batch's real rows, as ``model.fit``
+    updates them from a batch: ``sample_weight`` as given (None without one).
+
+    A padded micro-batch's padding rows are dropped first (:func:`real_rows`), not
+    weighed 0: a weight Keras never passes reached every metric, and metrics that
+    flatten or broadcast it against their own values broke (``MeanIoU`` on per-pixel
+    targets raised; the Keras guide's ``CategoricalTruePositives`` counted m times).
+    ``full``: the caller knows every row is real; the rows pass as they are, with their
+    static shapes, and no ``tf.cond`` checks for padding.
+    """
+    unweighted, weighted, flatten = _keras.metric_lists(model)
+    if not unweighted and not weighted:
+        return
+    if masks is None:  # Keras masks ride on y_pred's tensors, which the cut replaces
+        masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
+    if not full:
+        y, y_pred, masks, sample_weight = real_rows((y, y_pred, masks, sample_weight), valid)
+    if masks is not None:
+        for tensor, mask in zip(keras.tree.flatten(y_pred), keras.tree.flatten(masks),
+                                strict=False):
+            if mask is not None:
+                _keras.set_keras_mask(tensor, mask)
+    y_flat, p_flat = flatten(y), flatten(y_pred)
+    for mls, y_t, y_p in zip(unweighted, y_flat, p_flat, strict=False):
+        if mls:
+            mls.update_state(y_t, y_p)
+    if sample_weight is not None:
+        sw_flat = flatten(sample_weight)
+        if len(sw_flat) < len(y_flat):
+            sw_flat = [sw_flat[0]] * len(y_flat)
+    else:
+        sw_flat = [None] * len(y_flat)
+    for mls, y_t, y_p, s_w in zip(weighted, y_flat, p_flat, sw_flat, strict=False):
+        if mls:
+            mls.update_state(y_t, y_p, sample_weight=s_w)
+
+
+def real_rows(structure: Any, valid: tf.Tensor) -> Any:
+    """``structure`` (tensors with a leading row axis, or None) less its padding rows;
+    a micro-batch without padding (all but the last of a large batch, usually) passes
+    as it is, not copied. The row count becomes dynamic."""
+    keep = valid > 0
+    leaves = tf.nest.flatten(structure)
+    present = [t for t in leaves if t is not None]
+    if not present:
+        return structure
+    kept = tf.cond(tf.reduce_all(keep), lambda: [tf.identity(t) for t in present],
+                   lambda: [tf.boolean_mask(t, keep) for t in present])
+    it = iter(kept)
+    return tf.nest.pack_sequence_as(structure, [None if t is None else next(it) for t in leaves])
+
+
+def without_padding(strip: bool, x, y, sample_weight, valid) -> tuple:
+    """The real rows of a micro-batch alone, where something averages over its rows.
+
+    A layer's own loss (``add_loss(mean(...))``, an endpoint layer's CTC), a loss that
+    returns one value per batch, a custom train_step and a BatchNormalization layer whose
+    statistics are pooled average over every row they see; padding rows (copies of real
+    ones) would enter those means. ``strip``: such models get micro-batches of their
+    real rows only (a dynamic row count: under XLA a second compiled shape for the short
+    micro-batch); others keep the static shape. A micro-batch without padding (all but
+    the last of a large batch, usually) passes as it is, not copied.
+    """
+    if not strip:
+        return x, y, sample_weight, valid
+    return tuple(real_rows((x, y, sample_weight, valid), valid))
+
+
+def map_present(fn: Callable[[Any], Any], structure: Any) -> Any:
+    """``tf.nest.map_structure`` that leaves ``None`` (no sample weight) alone."""
+    return tf.nest.map_structure(lambda t: None if t is None else fn(t), structure)
+
+
+def none_to_empty(w: Any) -> Any:
+    return () if w is None else w
+
+
+def empty_to_none(w: Any) -> Any:
+    return None if isinstance(w, tuple) and not w else w

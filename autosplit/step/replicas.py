@@ -1,0 +1,76 @@
+"""Per-replica graph code under a ``tf.distribute`` strategy, and the vote of the workers.
+
+The train step's graph code is written for one replica. With one replica in sync it is
+called as it is; with several it runs through ``strategy.run``, once per local replica,
+and what each returned is read back with ``experimental_local_results``. A strategy
+runs replica functions in threads of their own, where the caller's control
+dependencies do not reach: order between replica functions travels as data, in tokens
+(:meth:`Replicas.done`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from autosplit.keras_hooks import internals as _keras
+from autosplit.step.layout import layout
+from autosplit.step.sums import after
+
+__all__ = ["Replicas", "without_replica_axis"]
+
+
+def without_replica_axis(specs: Any) -> Any:
+    """Per-replica specs of elements that carry a leading local-replica axis."""
+    return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), specs)
+
+
+def _summed(*values: tf.Tensor) -> tf.Tensor:
+    context = tf.distribute.get_replica_context()
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack(values))
+
+
+class Replicas:
+    """The replicas of a model's strategy, as its graph code runs on them.
+
+    Args:
+        strategy: the model's ``tf.distribute`` strategy (the default one without).
+    """
+
+    def __init__(self, strategy: tf.distribute.Strategy) -> None:
+        where = layout(strategy)
+        self.strategy = strategy
+        self.count = where.replicas  # in sync, over every worker
+        self.local = where.local_replicas  # in this process
+
+    def each(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` per replica: called as it is with one replica in sync, through
+        ``strategy.run`` with several."""
+        return fn(*args) if self.count == 1 else self.run(fn, *args)
+
+    def run(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` on every local replica (``strategy.run``)."""
+        return self.strategy.run(fn, args=args)
+
+    def results(self, values: Any) -> tuple:
+        """What each local replica returned."""
+        return self.strategy.experimental_local_results(values)
+
+    def done(self, values: Any) -> tf.Tensor:
+        """A token that exists once every local replica's ``values`` do."""
+        return after([t for out in self.results(values) for t in tf.nest.flatten(out)])
+
+    def split(self, element: Any) -> Any:
+        """One value per local replica from an element with a leading local-replica axis
+        (an element without one, with a single local replica, as it is)."""
+        if self.local == 1:
+            return element
+        return tf.nest.map_structure(
+            lambda t: _keras.per_replica([t[i] for i in range(self.local)]), element)
+
+    def vote(self, failed: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
+        """Collective: ``[failed, rows]`` summed over every worker (one all-reduce of two
+        floats); ``rows`` is this worker's, shared out between its local replicas."""
+        return self.results(self.run(_summed, failed, rows / self.local))[0]

@@ -1,0 +1,172 @@
+"""The state of one large batch in flight: its float32 sums, and the element being worked.
+
+:class:`Sums` holds, per replica, the gradient sums of each loss group and the scalar
+sums of every loss's numerator and denominator, of the losses added in ``call()`` and
+of the real rows (``autosplit.step.piece``). :class:`Stash` holds, on the host, a copy of the
+element being processed and how far it got, so that an out-of-memory error can resume
+exactly. Both live in variables, created once and reused for every large batch; only
+the train step's graph code (``autosplit.step.update``, ``autosplit.step.loop``) changes
+them, inside its compiled functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from autosplit.data.adapter import HOST
+from autosplit.keras_hooks.batchnorm import Pool
+from autosplit.step.loss_plan import LossPlan
+from autosplit.step.piece import Piece, Totals
+
+__all__ = ["Stash", "Sums", "after"]
+
+
+def after(ops: list) -> tf.Tensor:
+    """A token that exists once ``ops`` have run.
+
+    Order many ops after many others through one token: ``tf.control_dependencies(ops)``
+    gives every op made under it one control edge per entry of ``ops``, so ordering the
+    optimizer's apply (some 15 ops a variable) after every variable's gradient grows
+    with the square of the variable count. Traced that way, the step of a Dense stack
+    of 202 variables held 622,527 control edges (8,418 through tokens), and a
+    ``fit_large_batch`` call of one large batch took 14.7 s against 7.3 s; on the
+    Transformer of ``benchmarks.memory_scaling`` (36 variables) TensorFlow's graph
+    optimiser met 22,342 edges against 5,755 and took ~100 ms longer.
+    """
+    with tf.control_dependencies(ops):
+        return tf.constant(True)
+
+
+def _zero_from(value: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
+    """Zeros computed from a variable's value (0 even where it holds inf or NaN): unlike
+    ``tf.zeros_like``, nothing constant folding could turn into a weight-sized constant."""
+    return tf.math.multiply_no_nan(value, zero)
+
+
+class Sums:
+    """Per-replica sums of the micro-batches committed since the last apply.
+
+    Every commit adds (one ``assign_add`` a sum, no branch); the apply zeroes the sums
+    once the optimizer has written the weights (:meth:`zero`; ``autosplit.step.update``
+    orders it), with zeros computed from each sum's own value
+    (:func:`_zero_from`): a zeroing constant of a variable's shape is one TensorFlow's
+    constant folding materialises when it instantiates the function, and under a tight
+    cap that allocation can fail inside the folding pass, which does not survive it.
+
+    The sums used to be overwritten by a large batch's first commit instead, behind a
+    ``tf.cond`` on a flag: two branch functions of one assign a sum each, traced,
+    optimised and instantiated with every step, and run with every micro-batch (MLP
+    128, B = 512, m = 256: ~50 ms more to trace and ~40 ms more to the first run).
+    """
+
+    def __init__(self, model: keras.Model, plan: LossPlan, strategy, pool: list | tuple = ()
+                 ) -> None:
+        replicated = strategy.num_replicas_in_sync > 1
+        kwargs = dict(synchronization=tf.VariableSynchronization.ON_READ,
+                      aggregation=tf.VariableAggregation.SUM) if replicated else {}
+
+        def var(shape, name):
+            return tf.Variable(tf.zeros(shape, tf.float32), trainable=False,
+                               name=f"autosplit_{name}", **kwargs)
+
+        self.groups = plan.groups
+        with strategy.scope():
+            self.gradients = [[var(v.shape, "sum") if has else None
+                               for v, has in zip(model.trainable_variables, plan.has_grad,
+                                                 strict=True)]
+                              for _ in plan.groups]
+            self.numerators = [var([], "numerator") for _ in plan.kinds]
+            self.denominators = [var([], "denominator") for _ in plan.kinds]
+            self.in_call = var([2], "in_call")  # piece.Piece.forward
+            self.rows = var([], "rows")
+            # BatchNormalization statistics pooled over the large batch (keras_hooks/batchnorm.py).
+            calls = {id(layer): n for layer, n in plan.batch_norm_calls}
+            self.pool = Pool(list(pool), [calls[id(layer)] for layer in pool],
+                             var) if pool else None
+
+    def add(self, piece: Piece) -> tf.Tensor:
+        """Per replica: add one piece; returns a token of the additions."""
+        ops = [s.assign_add(g)
+               for sums, grads in zip(self.gradients, piece.gradients, strict=True)
+               for s, g in zip(sums, grads, strict=True) if s is not None and g is not None]
+        ops += [v.assign_add(t) for v, t in zip(self.numerators, piece.numerators, strict=True)]
+        ops += [v.assign_add(t) for v, t in
+                zip(self.denominators, piece.denominators, strict=True)]
+        ops += [self.in_call.assign_add(piece.forward), self.rows.assign_add(piece.rows)]
+        if self.pool is not None:
+            ops += self.pool.add(piece.moments)
+        return after(ops)
+
+    def read(self) -> Totals:
+        """Per replica: what was summed (zeros where nothing was committed: a worker whose
+        share of a short last batch is empty)."""
+        return Totals([[None if s is None else s.read_value() for s in sums]
+                       for sums in self.gradients],
+                      [v.read_value() for v in self.numerators],
+                      [v.read_value() for v in self.denominators],
+                      self.in_call.read_value(), self.rows.read_value())
+
+    def zero(self, read: Totals | None = None) -> None:
+        """Per replica: start the next large batch (in a graph, ordered by the caller: after
+        the sums were read and the optimizer wrote the weights).
+
+        ``read``: what :meth:`read` gave for the apply (read here when None). The
+        gradient sums are zeroed from those values (one read less a variable: 102 on a
+        Dense stack of 50 layers); a read tensor shares its variable's buffer, so holding
+        it to the zeroing costs no memory."""
+        if read is None:
+            read = self.read()
+        zero = tf.constant(0.0, tf.float32)
+        for sums, read_sums in zip(self.gradients, read.gradients, strict=True):
+            for s, value in zip(sums, read_sums, strict=True):
+                if s is not None:
+                    s.assign(_zero_from(value, zero))
+        for v in [*self.numerators, *self.denominators, self.in_call, self.rows]:
+            v.assign(tf.zeros_like(v))
+        if self.pool is not None:
+            self.pool.zero()
+
+
+class Stash:
+    """On the host: the element being processed, how many were pulled, how far it got."""
+
+    def __init__(self, element_spec: Any) -> None:
+        self.spec = element_spec
+        with tf.device(HOST):
+            self.pulled = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self.exhausted = tf.Variable(False, trainable=False)
+            self.pending = tf.Variable(False, trainable=False)
+            self.done_rows = tf.Variable(0, dtype=tf.int32, trainable=False)
+            # One micro-batch of inputs; the shape follows whatever size is in use.
+            self.values = tf.nest.map_structure(
+                lambda s: tf.Variable(tf.zeros([d or 1 for d in s.shape.as_list()], s.dtype),
+                                      trainable=False, shape=tf.TensorShape(None)),
+                element_spec)
+
+    def fits(self, element_spec: Any) -> bool:
+        """Whether elements of ``element_spec`` can be stashed here (same structure)."""
+        try:
+            tf.nest.assert_same_structure(self.values, element_spec)
+        except (ValueError, TypeError):
+            return False
+        return all(v.dtype == s.dtype for v, s in zip(
+            tf.nest.flatten(self.values), tf.nest.flatten(element_spec), strict=True))
+
+    def put(self, element: Any) -> list:
+        """Ops that record a newly pulled element (its rows not yet done)."""
+        return [self.pulled.assign_add(1), self.done_rows.assign(0),
+                self.pending.assign(True)] + [
+            v.assign(t) for v, t in zip(tf.nest.flatten(self.values),
+                                        tf.nest.flatten(element), strict=True)]
+
+    def get(self, element_spec: Any) -> Any:
+        """The stashed element, with the static shapes of ``element_spec``."""
+        return tf.nest.map_structure(lambda v, s: tf.ensure_shape(v.read_value(), s.shape),
+                                     self.values, element_spec)
+
+    def record(self, end_row, rows: int) -> tf.Tensor:
+        """The rows up to ``end_row`` of the element are in the sums."""
+        return after([self.done_rows.assign(end_row), self.pending.assign(end_row < rows)])

@@ -1,0 +1,289 @@
+"""The train step: one model's compiled large-batch functions, built once and cached.
+
+As Keras keeps ``train_step`` (the math), ``make_train_function`` (the ``tf.function``
+and the loop) and ``fit`` apart, the train step is three parts:
+
+- the math of one large batch, in variables: micro-steps that commit, one apply
+  (``autosplit.step.update``);
+- the loops that pull the elements of a large batch from the host iterator and cut
+  them into pieces, with the stash that makes an out-of-memory error cost one
+  micro-batch (``autosplit.step.loop``);
+- here, :class:`TrainStep`: those loops and the apply compiled, in one
+  ``autosplit.step.compiled.FunctionCache`` (the XLA-compiled piece of ``jit_compile``
+  joins it), and the calls that ``fit_large_batch``, its out-of-memory recovery
+  (``autosplit.training.recovery``) and the probe's trials make.
+
+:func:`step_for` gives the model's step for a pipeline, built once per model, compile
+state and batch size, as Keras keeps ``model.train_function``.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from autosplit.data.pipeline import MicroBatches
+from autosplit.errors import DatasetError, noted
+from autosplit.keras_hooks import internals as _keras
+from autosplit.keras_hooks.custom_step import has_custom_step
+from autosplit.step.compiled import Compilation, FunctionCache
+from autosplit.step.loop import pull
+from autosplit.step.model_state import model_state, step_key
+from autosplit.step.piece import empty_to_none
+from autosplit.step.reduction import check_reduction
+from autosplit.step.replicas import without_replica_axis
+from autosplit.step.update import LargeBatchUpdate
+from autosplit.training.arguments import check_trainable
+
+__all__ = ["TrainStep", "build_for", "step_for"]
+
+
+class TrainStep:
+    """Exact large-batch updates of a compiled Keras model from an iterator of micro-batches.
+
+    Internal: :func:`step_for` makes it (and reuses it) for a pipeline.
+
+    Args:
+        model: a compiled Keras model (TensorFlow backend).
+        batch_size: B, the global large batch (under a strategy, across all replicas).
+        element_spec: the pipeline's element spec ``(x, y, w_or_(), valid)``; with
+            several local replicas each part has a leading replica axis.
+        compilation: XLA for the per-micro-batch computation, and whether to run
+            without ``tf.function``; default what ``model.compile`` resolved.
+        batch_norm: ``"pooled"``: BatchNormalization's moving statistics are updated
+            once per large batch with the pooled statistics of its micro-batches
+            (``autosplit.keras_hooks.batchnorm``); ``"micro"``: once per micro-batch.
+
+    Variables are created once and reused for every split of the same element
+    structure; call :meth:`rebind` to use another micro-batch size.
+
+    ``full``: every element the pipeline yields holds real rows only
+    (``MicroBatches.always_full``); see :meth:`rebind`.
+    """
+
+    # Functions whose collectives must be traced once, in the same order, on every
+    # worker: TensorFlow numbers collective instances as they are traced, so a worker
+    # that traced one more (for its own micro-batch size) would talk past the others.
+    _SHARED = ("finish", "agree")
+
+    def __init__(self, model: keras.Model, batch_size: int, element_spec: Any, *,
+                 compilation: Compilation | None = None, batch_norm: str = "pooled",
+                 full: bool = False) -> None:
+        self.model = model
+        self.batch_size = batch_size
+        self.strategy = model.distribute_strategy
+        self.compilation = compilation or Compilation.of(model)
+        for flat in _keras.flat_losses(model):
+            check_reduction(flat.loss)
+        self._functions = FunctionCache()
+        self.update = LargeBatchUpdate(
+            model, batch_size, pooled=batch_norm == "pooled",
+            functions=self._functions,
+            jit=self.compilation.jit_compile and not self.compilation.run_eagerly)
+        self.replicas = self.update.replicas.count
+        self._dirty = False  # the sums may hold a partial large batch
+        # The pipeline marks each epoch's end (MicroBatches.dataset(marked=True)): the
+        # loops of an input of unknown length stop there. fit_large_batch sets it for
+        # its call; the counted loop (run) never meets a marker.
+        self.end_marker = False
+        self._ended: bool | None = False  # the last call reached the end (None: not read)
+        self.rebind(element_spec, full=full)
+
+    @property
+    def rows(self) -> int:
+        """Rows per element of the pipeline in use (``autosplit.training.recovery``'s ``rows``)."""
+        return self.update.rows
+
+    def rebind(self, element_spec: Any, *, full: bool = False) -> None:
+        """Use elements of ``element_spec`` (another micro-batch size) from now on.
+
+        ``full``: the pipeline's elements hold real rows only, never padding
+        (``MicroBatches.always_full``). Its whole elements then reach the metrics (and
+        a model that needs its real rows alone) as they are, where a ``tf.cond`` per
+        micro-batch would drop padding rows: a branch pair less to trace and optimise
+        with every step (the CNN with accuracy: ~40 ms a call) and to run with every
+        micro-batch. A redone element's rest, or an element cut into pieces after an
+        out-of-memory error, keeps the check (``autosplit.step.loop``). The default
+        assumes padding may come.
+        """
+        self.update.bind(element_spec)
+        self.full = full
+
+    # ------------------------------------------------------------ compiled functions
+
+    def _function(self, name: str, fn, **static):
+        spec = "" if name in self._SHARED else repr(self.update.piece_spec)
+        key = (name, spec, tuple(sorted(static.items())))
+        call = functools.partial(fn, **static) if static else fn
+        return self._functions.get(key, call, run_eagerly=self.compilation.run_eagerly)
+
+    def _fused(self, iterator, count, *, full: bool = False):
+        return self.update.apply(pull(self.update, iterator, count, counted=True, full=full))
+
+    def _fused_if_any(self, iterator, count, *, marked: bool = False, full: bool = False):
+        pulled = pull(self.update, iterator, count, marked=marked, full=full)
+        with tf.control_dependencies([pulled]):
+            ended = self.update.stash.exhausted.read_value()
+        applied, logs = self.update.apply_if_any(pulled)
+        return applied, ended, logs
+
+    def _local(self, iterator, count, *, resume: bool = False, pieces: int = 1,
+               marked: bool = False, full: bool = False):
+        return pull(self.update, iterator, count, resume=resume, pieces=pieces, marked=marked,
+                    full=full)
+
+    @property
+    def train_function(self):
+        """The compiled function :meth:`run` calls, ``(iterator, count) -> logs``, as
+        Keras's ``model.train_function`` (the plain function under ``run_eagerly``)."""
+        return self._function("fused", self._fused, full=self.full)
+
+    @property
+    def function_if_any(self):
+        """The compiled function :meth:`run_if_any` calls, ``(iterator, count) ->
+        (applied, ended, logs)``: it pulls until the input (or with ``end_marker``, the
+        epoch) ends, if it ends before ``count``; ``ended`` says whether it did."""
+        return self._function("fused_if_any", self._fused_if_any, marked=self.end_marker,
+                              full=self.full)
+
+    def tracing_count(self) -> int:
+        """Traces of every compiled function so far (0 under ``run_eagerly``)."""
+        return self._functions.tracing_count()
+
+    # ------------------------------------------------------------ calls
+
+    def run(self, iterator, count: int) -> dict:
+        """One large batch of ``count`` elements, applied once; returns the metric logs.
+
+        The iterator must hold ``count`` more elements (an input that knows its length);
+        for one whose end only its iterator tells, :meth:`run_if_any`."""
+        self._dirty = True
+        logs = self.train_function(iterator, tf.constant(count, tf.int32))
+        self._dirty = False
+        return logs
+
+    def run_if_any(self, iterator, count: int) -> dict | None:
+        """:meth:`run` for an input whose end only its iterator tells (one replica): the
+        apply runs in the same call, if any row came; None (nothing applied) if the
+        input ended (with ``end_marker``, the epoch's marker came) before the large batch
+        began. :meth:`input_ended` then says whether this call reached that end."""
+        self._dirty = True
+        applied, ended, logs = self.function_if_any(iterator, tf.constant(count, tf.int32))
+        self._dirty = False
+        self._ended = bool(ended)
+        return logs if bool(applied) else None
+
+    def run_local(self, iterator, count: int, *, resume: bool = False, pieces: int = 1) -> int:
+        """Commit up to ``count`` elements (after the stash, with ``resume``); returns the
+        number pulled. Runs no collective: safe for one worker to fail alone."""
+        self._dirty = True
+        self._ended = None
+        fn = self._function("local", self._local, resume=resume, pieces=pieces,
+                            marked=self.end_marker, full=self.full)
+        return int(fn(iterator, tf.constant(count, tf.int32)))
+
+    def input_ended(self) -> bool:
+        """Whether the last call's loop reached the input's end (or the epoch's marker)."""
+        if self._ended is None:
+            self._ended = bool(self.update.stash.exhausted.numpy())
+        return self._ended
+
+    def finish(self) -> dict:
+        """Apply the summed large batch once and zero the sums; returns the metric logs."""
+        logs = self._function("finish", self.update.apply)()
+        self._dirty = False
+        return logs
+
+    def agree(self, ok: bool, rows: float) -> tuple[bool, float]:
+        """Every worker's verdict on this attempt (collective): all ok, and the rows."""
+        failed, total = self._function("agree", self.update.replicas.vote)(
+            tf.constant(0.0 if ok else 1.0), tf.constant(rows, tf.float32)).numpy()
+        return failed == 0, float(total)
+
+    def local_rows(self) -> float:
+        """Real rows committed on this worker since the last finish."""
+        values = self.update.replicas.results(self.update.sums.rows)
+        return float(sum(float(v) for v in values))
+
+    def progress(self) -> tuple[int, bool, bool]:
+        """(elements pulled by the last call, stash holds an unfinished element, input ended)."""
+        stash = self.update.stash
+        return (int(stash.pulled.numpy()), bool(stash.pending.numpy()),
+                bool(stash.exhausted.numpy()))
+
+    def discard(self) -> None:
+        """Forget a partial large batch: zero the sums and the stash mark."""
+        if self._dirty:
+            self._function("zero", self.update.zero)()
+            self._dirty = False
+        self.update.stash.pending.assign(False)
+
+
+def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | None = None,
+             run_eagerly: bool | None = None, batch_norm: str = "pooled") -> TrainStep:
+    """The model's ``TrainStep`` for ``pipeline``'s micro-batches, built once and reused.
+
+    Builds the model for the pipeline's elements first (:func:`build_for`). As Keras
+    keeps ``model.train_function``, a second ``fit_large_batch`` on the same model
+    reuses the compiled step (no new trace, no new variables) while its compile state
+    (``autosplit.step.model_state``), the batch size and the compile options are the same;
+    a ``compile()`` or a change of ``trainable`` in between gives a fresh step.
+    """
+    spec = pipeline.element_spec()
+    compilation = Compilation.of(model, jit_compile, run_eagerly)
+    state = model_state(model)
+    key = step_key(pipeline.batch_size, compilation, batch_norm)
+    step = state.steps.get(key)
+    # keras-io's Switch Transformer reshapes to a fixed batch_size * tokens.
+    with noted(f"autosplit built and traced `{type(model).__name__}` on micro-batches of "
+               f"{pipeline.rows} rows (batch_size={pipeline.batch_size}), as model.fit "
+               "would on batches of that size. A model that fixes the batch size in "
+               "call() (a reshape to batch_size * tokens) cannot be split: take such "
+               "sizes from the input (keras.ops.shape(x)[0]), or train with model.fit."):
+        build_for(model, spec, pipeline.local_replicas)
+        if step is None:
+            if state.steps:
+                # An older batch size: free its sums before allocating new ones (its
+                # compiled functions hold it in a reference cycle).
+                state.steps.clear()
+                gc.collect()
+            step = TrainStep(model, pipeline.batch_size, spec, compilation=compilation,
+                             batch_norm=batch_norm, full=pipeline.always_full())
+            state.steps[key] = step
+        else:
+            step.rebind(spec, full=pipeline.always_full())
+            step.discard()
+    step.end_marker = False  # a fit_large_batch call whose input is marked sets it
+    return step
+
+
+def build_for(model: keras.Model, element_spec: Any, local_replicas: int = 1) -> None:
+    """Build the model (symbolically, as ``model.fit`` does) for pipeline elements."""
+    x, y, w, _ = element_spec
+    if local_replicas > 1:
+        x, y, w = without_replica_axis((x, y, w))
+    custom = has_custom_step(model)
+    if empty_to_none(y) is None and _keras.has_compiled_loss(model) and not custom:
+        raise DatasetError(
+            "Expected targets `y` for the compiled loss. Received: inputs without targets. "
+            "Pass (x, y), as to model.fit, or compile with loss=None when the model adds "
+            "its loss in call().")
+    with model.distribute_strategy.scope():
+        if custom:
+            # As model.fit does without a strategy: a model whose train_step is its own
+            # (and may have no call(), as the Keras VAE) is built by tracing that step
+            # (the step plan's throwaway trace), and so are its compiled loss and
+            # metrics, on the (y, y_pred) the step gives them (keras-io's masked
+            # autoencoder feeds them its own targets: built on the input's y = None,
+            # they raised). A model already built has its optimizer built now.
+            if not model.built:
+                return
+            if model.optimizer is not None and not model.optimizer.built:
+                model.optimizer.build(model.trainable_variables)
+        else:
+            _keras.symbolic_build(model, (x, empty_to_none(y), empty_to_none(w)))
+    check_trainable(model)

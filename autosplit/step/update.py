@@ -1,0 +1,308 @@
+"""One exact large-batch update, kept in variables: micro-steps commit, one apply.
+
+The math of the train step, as Keras's ``train_step`` is the math of ``fit``. Per
+micro-batch, :meth:`LargeBatchUpdate.micro_step` runs ``autosplit.step.piece.compute_piece``
+on every local replica (XLA-compiled on its own when ``jit_compile``: the iterator stays
+outside the XLA cluster, as in Keras's ``steps_per_execution`` loop) and *commits* it:
+adds its gradients and loss terms to float32 sums kept in variables
+(``autosplit.step.sums``), records how far the element in flight got, and updates the
+metrics. :meth:`LargeBatchUpdate.apply` divides the sums by the whole batch's
+denominators (``autosplit.step.piece.combine``), applies the optimizer once and zeroes the
+sums.
+
+Why that order: a micro-batch that runs out of memory must cost nothing but itself.
+Commits happen only after a micro-batch's gradients exist (under a strategy: after
+every local replica's do), so the sums hold exactly the micro-batches before the
+failure, and the stash says which rows of the element in flight they hold.
+
+Graph code only: the loops that pull elements (``autosplit.step.loop``) call it, inside
+the compiled functions of ``autosplit.step.train_step``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from autosplit.errors import UnsupportedModelError
+from autosplit.keras_hooks import internals as _keras
+from autosplit.step.compiled import FunctionCache
+from autosplit.step.loss_plan import LossPlan, step_plan
+from autosplit.step.piece import (
+    Piece,
+    combine,
+    compute_piece,
+    empty_to_none,
+    update_loss_trackers,
+    update_metrics,
+    without_padding,
+)
+from autosplit.step.replicas import Replicas, without_replica_axis
+from autosplit.step.sums import Stash, Sums, after
+from autosplit.training.arguments import check_trainable
+
+__all__ = ["LargeBatchUpdate"]
+
+
+class LargeBatchUpdate:
+    """The variables of one model's large batch in flight, and the graph code that moves them.
+
+    Args:
+        model: a compiled Keras model (TensorFlow backend).
+        batch_size: B, the global large batch (under a strategy, across all replicas).
+        pooled: pool BatchNormalization's moving statistics over the large batch
+            (``autosplit.keras_hooks.batchnorm``: the layers the step calls in training mode, as
+            the loss plan's trace found them); False: updated per micro-batch.
+        functions: the train step's compiled functions; the XLA-compiled piece joins them.
+        jit: compile each micro-batch's computation with XLA.
+
+    :meth:`bind` creates the variables, and keeps them for every split of the same
+    element structure.
+    """
+
+    # Set by the first bind, which the constructor's caller runs at once.
+    plan: LossPlan  # of the element structure bound
+    sums: Sums  # the float32 sums of the large batch in flight, in variables
+    stash: Stash  # the element in flight, on the host
+
+    def __init__(self, model: keras.Model, batch_size: int, *, pooled: bool,
+                 functions: FunctionCache, jit: bool) -> None:
+        self.model = model
+        self.batch_size = batch_size
+        self.pooled = pooled
+        self.pool: list = []  # the layers pooled, once the plan is known
+        self.replicas = Replicas(model.distribute_strategy)
+        self._functions = functions
+        self._jit = jit
+        self._template: Any = None  # the structure of a piece, for _unflatten
+        self.logs: Any = None  # a custom train_step's logs, in variables
+        # A custom train_step's metric variables as the last committed micro-step left
+        # them: its trackers count a micro-batch inside the step, before an error in the
+        # backward pass can stop it, so a redo restores them first (pull(resume=True)).
+        self._metric_copies: list = []
+        self.element_spec: Any = None
+        self.piece_spec: Any = None
+        self.rows = 0
+
+    def bind(self, element_spec: Any) -> None:
+        """Use elements of ``element_spec`` (another micro-batch size) from now on."""
+        model, replicas = self.model, self.replicas
+        x, y, w, valid = element_spec
+        if replicas.local > 1:
+            x, y, w, valid = without_replica_axis((x, y, w, valid))
+        self.element_spec = element_spec
+        self.piece_spec = (x, empty_to_none(y), empty_to_none(w), valid)
+        self.rows = int(valid.shape[0])
+        self.plan = step_plan(model, self.piece_spec[:3])
+        self.pool = [layer for layer, calls in self.plan.batch_norm_calls
+                     if calls] if self.pooled else []
+        if not model.optimizer.built:  # a custom step's model, built by its trace
+            with replicas.strategy.scope():
+                model.optimizer.build(model.trainable_variables)
+            check_trainable(model)
+        if self.plan.custom is not None and replicas.count > 1:
+            raise UnsupportedModelError(
+                f"Expected one replica for a model with its own train_step. Received: "
+                f"{type(model).__name__} under {type(replicas.strategy).__name__} with "
+                f"{replicas.count} replicas; autosplit splits a custom train_step on one "
+                "device only (yet).")
+        if self.plan.custom is not None and not self._metric_copies:
+            self._metric_copies = [
+                (v, tf.Variable(tf.convert_to_tensor(v), trainable=False))
+                for m in _keras.all_metrics(model) for v in m.variables]
+        if self.plan.custom is not None and self.logs is None:
+            # What the step returned for the last micro-batch: the large batch's logs.
+            self.logs = tf.nest.map_structure(
+                lambda s: tf.Variable(tf.zeros([d or 1 for d in s.shape.as_list()], s.dtype),
+                                      trainable=False, shape=tf.TensorShape(None)),
+                self.plan.custom.logs)
+        # Another input structure (sample weights or not) can change the loss groups,
+        # or what is stashed; compiled functions captured the old variables.
+        sums: Sums | None = getattr(self, "sums", None)  # None before the first bind
+        if sums is None or sums.groups != self.plan.groups:
+            self._functions.clear()
+            self.sums = Sums(model, self.plan, replicas.strategy, self.pool)
+        stash: Stash | None = getattr(self, "stash", None)
+        if stash is None or not stash.fits(element_spec):
+            self._functions.clear()
+            self.stash = Stash(element_spec)
+
+    # ------------------------------------------------------------ one micro-batch
+
+    def loss_scale(self) -> tf.Tensor:
+        """The factor the optimizer's loss scaling puts on gradients (1 without it)."""
+        return tf.cast(self.model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
+
+    def piece(self, x, y, w, valid) -> list:
+        """One piece's gradients and terms, flattened (None entries dropped): the
+        computation XLA compiles on its own."""
+        piece = compute_piece(self.model, self.plan, x, y, w, valid,
+                              batch_size=self.batch_size, scale=self.loss_scale(),
+                              pool=self.pool)
+        flat = tf.nest.flatten(piece)
+        self._template = (piece, [t is not None for t in flat])
+        return [t for t in flat if t is not None]
+
+    def _unflatten(self, values: list) -> Piece:
+        piece, present = self._template
+        it = iter(values)
+        flat = [next(it) if keep else None for keep in present]
+        return tf.nest.pack_sequence_as(piece, flat)
+
+    def _piece_function(self):
+        if not self._jit:
+            return self.piece
+        return self._functions.get(("piece", repr(self.piece_spec)), self.piece,
+                                   jit_compile=True)
+
+    def _compute(self, x, y, w, valid, full=False):
+        """Per replica: one piece, on its real rows alone where the plan asks for them
+        (``autosplit.step.piece.without_padding``; ``full``: all its rows are real)."""
+        strip = (self.plan.real_rows_only or bool(self.pool)) and not full
+        x, y, w, valid = without_padding(strip, x, empty_to_none(y), empty_to_none(w), valid)
+        return self._piece_function()(x, y, w, valid)
+
+    def _commit_sums(self, values, ready=None):
+        """Per replica: add one piece's gradients and loss terms to the sums.
+
+        ``ready`` exists once every local replica has its gradients: a strategy runs
+        replica functions in threads of their own, where the caller's control
+        dependencies do not reach, so the ordering travels as data.
+        """
+        with tf.control_dependencies([] if ready is None else [ready]):
+            return self.sums.add(self._unflatten(list(values)))
+
+    def _commit_metrics(self, values, ready=None, full=False):
+        """Per replica: update the compiled metrics from one piece (after ``ready``;
+        ``full``: all its rows are real)."""
+        piece = self._unflatten(list(values))
+        if self.plan.custom is not None:  # the step updated its own metrics
+            with tf.control_dependencies([] if ready is None else [ready]):
+                # After this piece's sums: the rows of the large batch so far, this one's
+                # included. A value computed from the batch is their running mean, weighed
+                # by rows (the first piece's value replaces the last large batch's, a NaN
+                # there included).
+                share = tf.cast(piece.rows, tf.float32) / tf.maximum(
+                    tf.cast(self.sums.rows.read_value(), tf.float32), 1.0)
+                first = share >= 1.0  # a large batch's first piece: no mean to carry
+                return after([
+                    v.assign(tf.where(first, tf.cast(t, v.dtype),
+                                      v + (tf.cast(t, v.dtype) - v) * tf.cast(share, v.dtype)))
+                    if averaged else v.assign(t)
+                    for v, t, averaged in zip(
+                        tf.nest.flatten(self.logs), tf.nest.flatten(piece.logs),
+                        self.plan.custom.averaged, strict=True)])
+        with tf.control_dependencies([] if ready is None else [ready]):
+            update_metrics(self.model, piece.y, piece.y_pred, piece.sample_weight, piece.valid,
+                           piece.masks, full=full)
+            return tf.constant(True)
+
+    def keep_metrics(self) -> tf.Tensor:
+        """Copy a custom step's metric variables as they stand (after a committed piece)."""
+        return after([copy.assign(tf.convert_to_tensor(v)) for v, copy in self._metric_copies])
+
+    def restore_metrics(self) -> tf.Tensor:
+        """Put back a custom step's metric variables as the last committed piece left them."""
+        return after([v.assign(copy.read_value()) for v, copy in self._metric_copies])
+
+    def micro_step(self, x, y, w, valid, end_row, *, full: bool = False) -> tf.Tensor:
+        """One micro-step on every local replica: compute, then (only once all of them
+        have their gradients) add to the sums and record that the rows up to
+        ``end_row`` of the element in flight are done, then update the metrics.
+
+        Every op depends on the one before: an out-of-memory error anywhere before the
+        record leaves the sums and the record as they were, one after it cannot undo it.
+        ``full``: every row of the micro-batch is real (``TrainStep.rebind``), so no
+        padding is dropped before the metrics or a model that needs its real rows alone.
+        """
+        replicas = self.replicas
+        if replicas.count == 1:
+            values = self._compute(x, y, w, valid, full)
+            with tf.control_dependencies([after(values)]):
+                summed = self._commit_sums(values)
+        else:
+            values = replicas.run(functools.partial(self._compute, full=full),
+                                  *replicas.split((x, y, w, valid)))
+            summed = replicas.done(replicas.run(self._commit_sums, values,
+                                                replicas.done(values)))
+        with tf.control_dependencies([summed]):
+            recorded = self.stash.record(end_row, self.rows)
+        if replicas.count == 1:
+            with tf.control_dependencies([recorded]):
+                committed = self._commit_metrics(values, full=full)
+            if not self._metric_copies:
+                return committed
+            with tf.control_dependencies([committed]):
+                return self.keep_metrics()
+        return replicas.done(replicas.run(functools.partial(self._commit_metrics, full=full),
+                                          values, recorded))
+
+    # ------------------------------------------------------------ the apply
+
+    def _apply_replica(self, ready=None):
+        """Per replica: all-reduce the scalar sums, combine, apply once, zero the sums.
+
+        ``ready``: a token of the loop's end (control dependencies of the caller do not
+        reach a strategy's replica threads); everything after reads the sums.
+        """
+        model = self.model
+        with tf.control_dependencies([] if ready is None else [ready]):
+            totals = read = self.sums.read()
+        local_rows = totals.rows
+        if self.replicas.count > 1:
+            totals = totals.summed_over_replicas(tf.distribute.get_replica_context())
+        loss, gradients, per_output = combine(model, self.plan, totals,
+                                              batch_size=self.batch_size,
+                                              scale=self.loss_scale(),
+                                              replicas=self.replicas.count)
+        pairs = [(g, v) for g, v in zip(gradients, model.trainable_variables, strict=True)
+                 if g is not None]
+        # One loss scale for the whole large batch: a LossScaleOptimizer unscales,
+        # checks the summed gradients once and skips the whole step on an overflow.
+        # Under a strategy Keras's optimizer all-reduces these gradients: once.
+        summed = after([loss] + [g for g, _ in pairs])
+        with tf.control_dependencies([summed]):
+            model.optimizer.apply_gradients(pairs)
+            # BatchNormalization's moving statistics: one update, pooled (keras_hooks/batchnorm.py).
+            pooled = [] if self.sums.pool is None else self.sums.pool.apply()
+        updates = [] if self.plan.custom is not None else update_loss_trackers(
+            model, loss, per_output, local_rows)
+        # The gradient sums are zeroed from their own values (Sums.zero): once the
+        # optimizer has written every variable (each read is ordered after its writes),
+        # so that those zeros never share the apply's peak with the optimizer's own
+        # temporaries.
+        applied = after([tf.convert_to_tensor(v) for _, v in pairs])
+        with tf.control_dependencies([after([summed, applied, *updates, *pooled])]):
+            self.sums.zero(read)
+        return loss
+
+    def apply(self, ready=None):
+        """Apply the summed large batch once (after ``ready``) and zero the sums; returns
+        the logs: the compiled metrics' results, or a custom step's last logs."""
+        loss = self.replicas.each(self._apply_replica, ready)
+        with tf.control_dependencies([after(tf.nest.flatten(self.replicas.results(loss)))]):
+            return self.logs_now()
+
+    def logs_now(self):
+        """The logs as they stand: the compiled metrics' results, or a custom step's
+        last logs."""
+        if self.plan.custom is not None:
+            return tf.nest.map_structure(lambda v: v.read_value(), self.logs)
+        return self.model.get_metrics_result()
+
+    def apply_if_any(self, ready):
+        """One replica: :meth:`apply` if the sums hold a real row (after ``ready``), else
+        nothing. Returns (applied, logs): an input that ended before the large batch
+        began leaves the optimizer untouched."""
+        with tf.control_dependencies([ready]):
+            any_rows = self.sums.rows.read_value() > 0
+        return tf.cond(any_rows, lambda: (tf.constant(True), self.apply()),
+                       lambda: (tf.constant(False), self.logs_now()))
+
+    def zero(self) -> tf.Tensor:
+        """Forget the sums of a partial large batch, on every replica."""
+        self.replicas.each(self.sums.zero)
+        return tf.constant(0)

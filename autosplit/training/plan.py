@@ -1,0 +1,115 @@
+"""The plan of a ``fit_large_batch`` call: the micro-batch size (given, or the probe's),
+the pipeline and the compiled step, and the seed of every epoch's shuffle."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+from typing import TYPE_CHECKING
+
+import keras
+import tensorflow as tf
+
+from autosplit.data.adapter import InputAdapter
+from autosplit.data.pipeline import MicroBatches
+from autosplit.data.split import Split, split_batch
+from autosplit.errors import BatchSizeError
+from autosplit.memory.host import bfc_enabled
+from autosplit.search.isolation import (
+    checked_micro_batch,
+    crash_prone_layers,
+    kernels_may_crash,
+)
+from autosplit.step.compiled import Compilation
+from autosplit.step.layout import Layout, layout
+from autosplit.step.train_step import TrainStep, step_for
+from autosplit.training.arguments import Args, warn_if_inexact
+
+if TYPE_CHECKING:
+    from autosplit.search.trials import ProbeResult
+
+__all__ = ["Plan", "plan_run"]
+
+
+@dataclasses.dataclass
+class Plan:
+    split: Split  # of this replica's share B / R
+    layout: Layout
+    pipeline: MicroBatches
+    step: TrainStep
+    probe: ProbeResult | None
+    reason: str
+    shuffle_seed: int | None = None  # every epoch's order (arrays); the same on every worker
+
+
+def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compile: bool | None,
+          memory_limit: int | str | None, headroom: float, cache: bool,
+          objective: str = "memory") -> Plan:
+    if (args.micro_batch_size is None or memory_limit is not None
+            or bfc_enabled(os.environ) or tf.config.list_logical_devices("GPU")):
+        # An earlier call's pipelines (their traced functions hold the arrays) and a
+        # dropped model's variables live in reference cycles until a collection: free
+        # them before the search measures memory, on an accelerator, and under
+        # TensorFlow's CPU cap (where host arrays count). On a plain CPU Python's own
+        # collector frees them, as after model.fit: a full collection costs 0.1-0.3 s
+        # in a process that has built a few models, a tenth of a short call.
+        gc.collect()
+    where = layout(model.distribute_strategy)
+    if args.batch_size % where.replicas:
+        raise BatchSizeError(
+            f"Expected `batch_size` to divide evenly across the {where.replicas} replicas "
+            f"of {type(model.distribute_strategy).__name__}. Received: "
+            f"batch_size={args.batch_size}. Use a multiple of {where.replicas}, e.g. "
+            f"{args.batch_size - args.batch_size % where.replicas or where.replicas}.")
+    probe_result = None
+    if args.micro_batch_size is None:
+        from autosplit.search.trials import search_micro_batch
+
+        probe_result = search_micro_batch(
+            model, adapter, args.batch_size, memory_limit=memory_limit, headroom=headroom,
+            cache=cache, jit_compile=jit_compile, verbose=args.verbose, objective=objective)
+        micro = probe_result.micro_batch_size
+        reason = probe_result.reason()
+    else:
+        micro = args.micro_batch_size
+        reason = "given"
+        if where.replicas == 1 and kernels_may_crash() and crash_prone_layers(model):
+            micro = checked_micro_batch(
+                model, adapter.sample(args.batch_size), args.batch_size, micro,
+                Compilation.of(model, jit_compile).jit_compile, args.on_oom)
+            if micro < args.micro_batch_size:
+                reason = (f"given {args.micro_batch_size}; a trial step in a child process "
+                          f"ran out of memory, so training starts at {micro}")
+    split = split_batch(args.batch_size // where.replicas, micro)
+    pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where)
+    step = step_for(model, pipeline, jit_compile=jit_compile, batch_norm=args.batch_norm)
+    warn_if_inexact(model, accumulation_steps=split.accumulation_steps, rows=step.rows,
+                    batch_size=args.batch_size, pooled=bool(step.update.pool),
+                    adds_losses=step.update.plan.forward_losses,
+                    per_batch_losses=step.update.plan.per_batch_ratios,
+                    sparse_gradients=step.update.plan.sparse_gradients,
+                    batch_norm_in_training=any(
+                        calls for _, calls in step.update.plan.batch_norm_calls))
+    return Plan(split, where, pipeline, step, probe_result, reason,
+                 _shuffle_seed(step, where, adapter))
+
+
+def _shuffle_seed(step: TrainStep, where: Layout, adapter: InputAdapter) -> int | None:
+    """The seed of every epoch's shuffle, for an input whose order is ours (arrays):
+    epoch e is ordered by (seed, e) alone (``MicroBatches.dataset``). None otherwise.
+
+    Drawn once, from TensorFlow's random state: ``keras.utils.set_random_seed`` (or
+    ``tf.random.set_seed``) makes a run reproducible, and a run that recovered from an
+    out-of-memory error (a pipeline built again, at a smaller size) goes on with the
+    orders of the run that did not. Each worker of a multi-worker job reads the whole
+    input and keeps its share of every large batch, so all of them use worker 0's draw
+    (one all-reduce shares it; exact in float32 below 2**24).
+    """
+    if not adapter.shuffles:
+        return None
+    drawn = int(tf.random.uniform((), 1, 2**24, dtype=tf.int64)) if where.worker == 0 else 0
+    if not where.multi_worker:
+        return drawn
+    _, seed = step.agree(True, float(drawn))
+    return int(seed)
