@@ -32,15 +32,12 @@ class ArrayInput(InputAdapter):
     rows: int  # arrays always know their length
     row_numbers = True  # rows_dataset yields row numbers; materialize gathers them
     # tf.data rewrites a pipeline when its first iterator is made, and to rewrite it
-    # serializes the graph, the arrays the gather captures included: 13 to 180 ms for
-    # 50 MB (benchmarks.overhead's CNN and MLP 784 data), 198 to 717 ms for 400 MB, in
-    # every call and every probe trial; without, 4 to 6 ms. Every stage here is
+    # serializes the graph, the arrays the gather captures included, in every call and
+    # every probe trial: a cost that grows with the data. Every stage here is
     # autosplit's (row numbers, the cut, the gather), and the one rewrite that did
     # anything for them, the gather run in parallel where tf.data autotunes (a GPU
-    # host), the pipeline asks for itself (MicroBatches._build).
-    # The epochs ran as fast without the rewrites (best of four, alternating: CNN
-    # 2.146 s both ways, MLP 784 1.310 s with, 1.320 s without; the calls 0.02 and
-    # 0.17 s shorter).
+    # host), the pipeline asks for itself (MicroBatches._build). Epochs run as fast
+    # without the rewrites (benchmarks.overhead).
     graph_rewrites = False
 
     def __init__(self, x: Any, y: Any, sample_weight: Any = None, *,

@@ -251,10 +251,9 @@ class DatasetInput(InputAdapter):
                 # element must have the same batch size in each component"): the
                 # pipeline's rebatch checks every batch, at no cost of ours. Not where
                 # the pipeline draws random numbers: an iterator more moves a seeded
-                # shuffle on, and training saw another order than model.fit's (0.20
-                # relative off after one epoch of shuffle(n, seed=5).batch(B)). Not
-                # where it ends in a batch(), whose parts stack the same examples: the
-                # look cost 7-25 ms a call, half of the adapter's set-up (MLP 128).
+                # shuffle on, and training would see another order than model.fit's.
+                # Not where it ends in a batch(), whose parts stack the same examples:
+                # the look would be half of the adapter's set-up, for nothing.
                 for first in dataset.take(1):
                     check_shared_rows(first if self._arity else (first,), f"`{name}`")
         if not self.batched and any(
@@ -273,8 +272,8 @@ class DatasetInput(InputAdapter):
                      epoch: int | tf.Variable = 0,
                      batch_size: int | None = None) -> tf.data.Dataset:
         if self.batched:
-            # No check of ours per batch: a map over every small batch cost 5-8% of an
-            # epoch (MLP 128 wide, batches of 32), and the pipeline's rebatch already
-            # refuses a batch whose parts do not share a row count.
+            # No check of ours per batch: a map over every small batch costs a share of
+            # every epoch, and the pipeline's rebatch already refuses a batch whose
+            # parts do not share a row count.
             return self.dataset
         return self.dataset.batch(EXAMPLE_CHUNK)

@@ -44,12 +44,9 @@ def host_autotune() -> bool:
     Autotuning grows buffers and in-flight elements as it goes. On a GPU they are host
     memory, outside the device memory the probe budgets. When the step runs on the
     CPU they are the same memory as the step's, and the probe's trials (which run with
-    autotuning off, see ``autosplit.search.runner.trial_dataset``) cannot see them. Measured on
-    the demo's MLP 128-1024-1024-10 at 2,048 rows, 32 steps per run, capped CPU
-    allocator: steps peaked at 72-73 MiB (median 65-66) with autotuning, climbing to
-    80 MiB in one run, against 66-68 MiB (median 63) without it and 61-70 MiB in the
-    trials. Epochs were no slower without it, on arrays, a dataset of examples and a
-    batched dataset, 128 and 784 features (2 cores).
+    autotuning off, see ``autosplit.search.runner.trial_dataset``) cannot see them: under
+    a CPU cap, steps then peak above what the trials measured, and epochs are no faster
+    with it.
     """
     return bool(tf.config.list_logical_devices("GPU"))
 
@@ -61,13 +58,12 @@ def _pad_rows(piece: Any, rows: int, *, row_numbers: bool = False, whole: bool =
     Data are gathered only when the piece is short (a gather would copy every
     micro-batch). Row numbers (an array input's pieces, materialized after this) are
     gathered always: that costs nothing, and a ``tf.cond`` in a ``tf.data`` map is
-    instantiated with every iterator (8 ms of 24 measured for an array input's
-    iterator, 4 ms of the pipeline's build).
+    instantiated with every iterator.
 
     ``whole``: every piece has ``rows`` rows (:meth:`MicroBatches.always_full`), so
-    nothing is padded and nothing branches (a map with a ``tf.cond`` per leaf took 41
-    ms to build and its first iterator 25, against 18 and 11 without); the static row
-    count is still checked (``tf.ensure_shape``), and ``valid`` is all ones.
+    nothing is padded and nothing branches (a ``tf.cond`` per leaf doubles the cost of
+    building the map and of its first iterator); the static row count is still checked
+    (``tf.ensure_shape``), and ``valid`` is all ones.
     """
     def fixed(t):  # the static row count (a gather or a cond keeps the other dimensions)
         return tf.ensure_shape(t, [rows, *t.shape[1:]])
@@ -103,8 +99,7 @@ def _element(*piece: Any, materialize, rows: int, row_numbers: bool, whole: bool
     """A cut piece of rows -> ``(x, y, sample_weight_or_(), valid)``, padded to ``rows``.
 
     Traced without autograph (``tf.data`` converts a map's function by default): its
-    branches are ``tf.cond`` already, and building the pipeline skips the conversion,
-    2 of 36 ms on the MLP 128 from arrays (medians of 20 builds, alternating).
+    branches are ``tf.cond`` already, and building the pipeline skips the conversion.
     """
     piece = piece[0] if len(piece) == 1 else piece
     padded, valid = _pad_rows(piece, rows, row_numbers=row_numbers, whole=whole)
@@ -119,11 +114,9 @@ def _pad_replicas_of(*element: Any, replicas: int) -> Any:
 def release(held: list[Any]) -> None:
     """Delete the iterators in ``held`` (their only references) on a thread of their own.
 
-    With tf.data's autotuning on (the default; it is worth ~10% on a dataset of examples
-    here), deleting an iterator waits for its optimisation thread: 0.55 to 0.65 s
-    measured on 2 CPU cores, at one epoch in four on average, against epochs of 0.65 s
-    (an MLP 128-1024-1024-10 at B=4096 on 16384 examples). Training need not wait for
-    that. The thread is no daemon: at exit the interpreter lets the deletion finish
+    With tf.data's autotuning on (the default), deleting an iterator waits for its
+    optimisation thread, at times as long as an epoch of a small model. Training need
+    not wait for that. The thread is no daemon: at exit the interpreter lets the deletion finish
     rather than tear TensorFlow down under it.
     """
     if any(it is not None for it in held):

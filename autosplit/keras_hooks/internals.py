@@ -95,9 +95,9 @@ def _build_compiled_from_output_spec(model: keras.Model, data_batch: tuple) -> b
     """``Trainer._symbolic_build`` for a built Functional or Sequential model whose
     compiled loss or metrics are not built yet: its output spec from the layers' shape
     inference (``model.compute_output_spec``, as the functional API made its outputs),
-    not from tracing its forward pass (an MLP 128-1024-1024-10: 1 ms against 14 to 20;
-    the CNN: 1.4 against 25 to 34). Then the same calls as Keras's. False, with nothing
-    changed, where Keras's own build is needed."""
+    not from tracing its forward pass, which costs ten to twenty times as much. Then the
+    same calls as Keras's. False, with nothing changed, where Keras's own build is
+    needed."""
     from keras.src import backend
     from keras.src.models.functional import Functional
     from keras.src.trainers.data_adapters.data_adapter_utils import (

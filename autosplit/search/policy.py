@@ -126,8 +126,8 @@ def search(batch_size: int, budget: int) -> Generator[Request, Trial, int | None
     (:func:`_secant`), else the size halfway between them in micro-batch
     count (rounded to the larger size) after an out-of-memory error, so a bad line
     costs one trial. Once the smallest failure ran out of memory, the line that
-    pointed there is not trusted past that halfway size either: each out-of-memory
-    trial costs ~10 s of the allocator's retries, an extra trial below it ~1-2 s.
+    pointed there is not trusted past that halfway size either: an out-of-memory
+    trial costs the allocator's retries, several times an extra trial below it.
     Trials may leave lasting allocations behind (kernel caches, scratch buffers). When
     the choice was not the last trial, its peak is moved to what the last trial left
     held (:func:`_still_fits`); only if that is over the budget, or not read, is the
@@ -249,8 +249,7 @@ def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: 
     A size below the crossing that leaves sizes to try above it (more than 5% larger,
     below ``hi``) costs a trial more when it fits, so the size whose fit ends the
     search is asked instead when it lies within 5% above the crossing, inside the
-    allocator's noise on two peaks: on the CLI's CNN at B = 4096, 256 rows after 179
-    fit and 274 ran over, where 241 was asked and then 256 (one trial, ~1.5 s, more).
+    allocator's noise on two peaks.
 
     >>> seen = [Trial(179, True, False, 158, 1.0), Trial(274, False, False, 248, 1.0)]
     >>> _secant(4096, 230, seen, 179, 274)  # the line meets 230 at 255.0 rows (k = 17: 241)
@@ -270,7 +269,7 @@ def _secant(batch_size: int, budget: int, trials: Sequence[Trial], lo: int, hi: 
     if not inside:
         return None
     # The largest the line says fits, as for the line's own guess: one too small costs
-    # a trial, one too large may run out of memory (10 s of the allocator's retries).
+    # a trial, one too large may run out of memory (the allocator's retries).
     under = [m for m in inside if m <= crossing]
     if not under:
         return min(inside)
@@ -290,12 +289,9 @@ def _close_enough(lo: int, hi: int) -> bool:
 def _still_fits(trials: Sequence[Trial], m: int, budget: int) -> bool:
     """Whether ``m``'s last trial, if it fit, would still fit with what the trials after
     it left held: its peak, less what was held when it began, plus what the last trial
-    left. False without those readings.
-
-    Measured on the CLI's CNN under 256 MiB at B = 4096, trials left 6-12 MiB held,
-    with no growth over eight trials, and 256 rows peaked at 172-174 MiB before and
-    after trials of 274 and 293 rows: measuring the choice again took a trial (~1.5 s)
-    to learn what these readings say.
+    left. False without those readings. What trials leave held (kernel caches, scratch
+    buffers) does not grow from one to the next, so these readings tell what measuring
+    the choice again would, without the trial.
 
     >>> seen = [Trial(256, True, False, 172, 1.0, held_before=12, held_after=8),
     ...         Trial(274, False, False, 248, 1.0, held_before=8, held_after=9)]

@@ -36,7 +36,7 @@ __all__ = ["TRIAL_SHUFFLE_SEED", "TrialRunner", "child_trials", "trial_dataset"]
 _TRIAL_STEPS = 2  # measured steps per trial, after one warm-up step
 _TRIAL_MICRO_BATCHES = 2  # per measured step: enough to reach the loop's steady peak
 # The warm-up step traces the step and makes its one-time allocations: one micro-batch
-# and the apply run every op the measured steps run (~0.1-0.2 s a trial on the CLI's CNN).
+# and the apply run every op the measured steps run, at a fraction of their cost.
 _WARM_UP_MICRO_BATCHES = 1
 # Trial pipelines shuffle (the same memory as training's) by a seed of their own: an
 # unseeded shuffle would take one of the op seeds `keras.utils.set_random_seed` fixes,
@@ -48,20 +48,13 @@ def trial_dataset(cut: MicroBatches) -> tf.data.Dataset:
     """The endless micro-batches a trial pulls from: training's pipeline at the trial's
     size, with ``tf.data``'s autotuning off.
 
-    A trial lasts one to three seconds, too short for autotuning to tune anything, and
-    its optimisation thread only took CPU from the step and made the trial's readings
-    noisy. Measured on the CLI's CNN at B = 4096 on 2 cores, four processes each way:
-
-    - deleting a trial's iterator waited for that thread, 1.2 s in a third of the
-      trials (0.001 s with autotuning off);
-    - the measured steps ran 5-15% faster;
-    - the peak at 64 rows read 71-97 MiB (72-76 off) and at 256 rows 164-191 MiB
-      (159-171 off).
-
-    Training on the CPU runs with autotuning off too, so the trials measure the
-    pipeline it runs; on a GPU training autotunes, in host memory the trials do not
-    budget (:func:`autosplit.data.pipeline.host_autotune`). Every size is timed the same
-    way, so ``objective="speed"`` compares like with like.
+    A trial lasts a few seconds, too short for autotuning to tune anything: its
+    optimisation thread only takes CPU from the step, deleting a trial's iterator waits
+    for it, and the buffers it grows make the peaks noisy. Training on the CPU runs with
+    autotuning off too, so the trials measure the pipeline it runs; on a GPU training
+    autotunes, in host memory the trials do not budget
+    (:func:`autosplit.data.pipeline.host_autotune`). Every size is timed the same way,
+    so ``objective="speed"`` compares like with like.
     """
     return cut.dataset(repeat=True, shuffle_seed=TRIAL_SHUFFLE_SEED, autotune=False)
 
@@ -71,8 +64,8 @@ class _Collector:
 
     A trial's dead pipeline and iterator may sit in reference cycles and hold buffers
     the next trial's peak would count, so every trial ends with ``gc.collect()``. In a
-    process that has traced a few models that scans a million objects: 0.1 to 0.4 s a
-    trial, measured on the CNN. What survives one collection is frozen
+    process that has traced a few models that scans a million objects, every trial.
+    What survives one collection is frozen
     (``gc.freeze``), so the next scans only the objects made since; :meth:`close` puts
     them back in the collector's care. A process that froze objects of its own keeps
     its freeze untouched and pays the full scan.
@@ -115,9 +108,8 @@ class TrialRunner:
 
         In one process a trial whose first measured step already peaked over the budget
         stops there: the peak is a maximum, so the second step could not bring it back
-        under, and it costs as much as a step near the cap (~0.5 s of a 2 s trial on the
-        CLI's CNN). Workers of a multi-worker job run every step: the steps agree in
-        collectives."""
+        under, and it costs as much as a step near the cap. Workers of a multi-worker
+        job run every step: the steps agree in collectives."""
         t0 = time.perf_counter()
         held_before = self.meter.current_bytes()
         iterator, failed, peak, speed, rows = None, m is None, None, None, 0

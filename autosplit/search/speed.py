@@ -44,12 +44,9 @@ def run_speed(batch_size: int, largest: int, trials: list[Trial],
     smaller size wins only by more than 5%. The size that leads (:func:`fastest`) is a
     challenger only: it and the reference are timed twice more, in turn and mirrored
     (A B B A, so a drift of the machine's speed weighs on both alike), and it is kept
-    only when it is more than 5% faster on those four timings alone. Its earlier
-    timing made it lead, so it is the likeliest to be high: counted in, it kept the
-    CNN's 196 rows as "8% faster" on timings of 1,378, 1,071 and 1,051 samples/s
-    against 256 rows' 1,118, 1,074, 1,076, 1,054 and 1,056. A challenger that falls
-    back competes no more, and the next size that leads is timed the same way (a CNN
-    run had kept 133 rows "7% faster" on its one timing after 147 fell back).
+    only when it is more than 5% faster on those four timings alone: its earlier
+    timing made it lead, so it is the likeliest to be high. A challenger that falls
+    back competes no more, and the next size that leads is timed the same way.
     """
     for m in speed_candidates(batch_size, largest, trials):
         trials.append(trial(m))
@@ -84,12 +81,11 @@ def fastest(largest: int, trials: Sequence[Trial], rejected: Collection[int] = (
     the largest that fits only when it is more than 5% faster; returns (size, why).
     Sizes in ``rejected`` (whose lead fell back when timed in turn) compete no more.
 
-    A size timed more than once counts its mean: one trial's two short steps moved by
-    up to 30% on a busy machine, and the best of several timings rewards the noise
-    (the CNN's 171 rows once timed 1,055 and then 753 samples/s). Only sizes that fit
-    in every trial compete (:func:`reliable_fits`): when ``largest`` fails once timed
-    again, the largest size that always fit takes its place (in one run the CNN's 342
-    rows fit at 225 of 230 MiB, then ran out of memory when timed again).
+    A size timed more than once counts its mean: a trial's two short steps move a lot
+    on a busy machine, and the best of several timings rewards the noise. Only sizes
+    that fit in every trial compete (:func:`reliable_fits`): when ``largest`` fails
+    once timed again (a size that fit just under the cap can), the largest size that
+    always fit takes its place.
 
     >>> t = [Trial(1024, True, False, 1, 1.0, 100.0), Trial(2048, True, False, 1, 1.0, 90.0)]
     >>> fastest(2048, t)

@@ -83,9 +83,8 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
 
     With ``counted`` the iterator holds ``count`` more elements (an input that knows its
     length, as every call of its large batches counts them): a plain ``get_next``,
-    without the optional and the ``tf.cond`` that let an input end anywhere. That
-    graph is smaller: 15 ms less to trace and 20 ms less to optimise on its first run
-    (MLP 128), paid by every call and every probe trial.
+    without the optional and the ``tf.cond`` that let an input end anywhere: a smaller
+    graph to trace and optimise, in every call and every probe trial.
 
     With ``marked`` the iterator runs on past each epoch, whose end is an element with
     no real row (``MicroBatches.dataset(marked=True)``): the loop stops there, as at the
@@ -129,8 +128,8 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
             has = optional.has_value()
             if marked:
                 # A small branch of its own reads the marker: the micro-step stays in one
-                # tf.cond, as unmarked (inside a second one it cost ~60 ms more to trace
-                # and optimise, MLP 128).
+                # tf.cond, as unmarked (inside a second one it would cost more to trace
+                # and optimise).
                 has = tf.cond(has, lambda: tf.logical_not(is_end_marker(optional.get_value())),
                               lambda: tf.constant(False))
 

@@ -30,11 +30,9 @@ def after(ops: list) -> tf.Tensor:
     Order many ops after many others through one token: ``tf.control_dependencies(ops)``
     gives every op made under it one control edge per entry of ``ops``, so ordering the
     optimizer's apply (some 15 ops a variable) after every variable's gradient grows
-    with the square of the variable count. Traced that way, the step of a Dense stack
-    of 202 variables held 622,527 control edges (8,418 through tokens), and a
-    ``fit_large_batch`` call of one large batch took 14.7 s against 7.3 s; on the
-    Transformer of ``benchmarks.memory_scaling`` (36 variables) TensorFlow's graph
-    optimiser met 22,342 edges against 5,755 and took ~100 ms longer.
+    with the square of the variable count, and so does the time TensorFlow's graph
+    optimiser spends on the step: on a model of a few hundred variables, the call's
+    first large batch would take twice as long.
     """
     with tf.control_dependencies(ops):
         return tf.constant(True)
@@ -56,10 +54,9 @@ class Sums:
     constant folding materialises when it instantiates the function, and under a tight
     cap that allocation can fail inside the folding pass, which does not survive it.
 
-    The sums used to be overwritten by a large batch's first commit instead, behind a
-    ``tf.cond`` on a flag: two branch functions of one assign a sum each, traced,
-    optimised and instantiated with every step, and run with every micro-batch (MLP
-    128, B = 512, m = 256: ~50 ms more to trace and ~40 ms more to the first run).
+    No branch overwrites the sums at a large batch's first commit: a ``tf.cond`` per
+    commit would be traced, optimised and instantiated with every step, and run with
+    every micro-batch.
     """
 
     def __init__(self, model: keras.Model, plan: LossPlan, strategy, pool: list | tuple = ()

@@ -102,13 +102,12 @@ class TrainStep:
         """Use elements of ``element_spec`` (another micro-batch size) from now on.
 
         ``full``: the pipeline's elements hold real rows only, never padding
-        (``MicroBatches.always_full``). Its whole elements then reach the metrics (and
-        a model that needs its real rows alone) as they are, where a ``tf.cond`` per
+        (``MicroBatches.always_full``). Its whole elements then reach the metrics (and a
+        model that needs its real rows alone) as they are, where a ``tf.cond`` per
         micro-batch would drop padding rows: a branch pair less to trace and optimise
-        with every step (the CNN with accuracy: ~40 ms a call) and to run with every
-        micro-batch. A redone element's rest, or an element cut into pieces after an
-        out-of-memory error, keeps the check (``autosplit.step.loop``). The default
-        assumes padding may come.
+        with every step and to run with every micro-batch. A redone element's rest, or
+        an element cut into pieces after an out-of-memory error, keeps the check
+        (``autosplit.step.loop``). The default assumes padding may come.
         """
         self.update.bind(element_spec)
         self.full = full

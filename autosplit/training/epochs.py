@@ -37,16 +37,15 @@ class Epochs:
         # Where every epoch's elements are known in advance, one iterator of the pipeline
         # repeated after the cut reads every epoch (each one restarts the cut, shuffled
         # by its own epoch's seed): making an iterator instantiates the pipeline's
-        # functions, 13 to 20 ms an epoch (benchmarks.step_costs). Not for several
-        # workers or a PyDataset's epoch hooks.
+        # functions every time (benchmarks.step_costs). Not for several workers or a
+        # PyDataset's epoch hooks.
         one_iterator = (args.steps_per_epoch is None and adapter.reiterable
                         and not adapter.epoch_hooks and not plan.layout.multi_worker)
         self.repeat = one_iterator and adapter.rows is not None
         # An input that does not know its length (a batched dataset, a dataset of unknown
         # cardinality) gets the same one iterator, with each epoch's end marked by an
-        # element of no real row: the step's loop stops there. A new iterator every
-        # epoch cost 12 ms, and its first large batch 5-10 ms more (MLP 128, B = 4096,
-        # batches of 32): 4% of an epoch of 4 large batches.
+        # element of no real row: the step's loop stops there, and no epoch pays for a
+        # new iterator and its slower first large batch.
         self.marked = (one_iterator and adapter.rows is None
                        and plan.pipeline.can_mark())
         plan.step.end_marker = self.marked

@@ -114,8 +114,8 @@ def shrink_micro_batch(failed: int, fits: Sequence[int] = ()) -> int:
     ``failed`` is 1); or the largest size below ``failed`` already known to fit, when
     that is larger. A known fit further down is not taken: the probe's small first
     trials fit, but the rest of the run would pay for each step at a fraction of the
-    speed (the demo's MLP runs 512 rows at 69% of 2048's samples/s), where half the
-    rows risks one more out-of-memory error, ~10 s of the allocator's retries.
+    speed, where half the rows risks one more out-of-memory error (seconds of the
+    allocator's retries, once).
 
     >>> shrink_micro_batch(512), shrink_micro_batch(100), shrink_micro_batch(5)
     (256, 48, 2)
