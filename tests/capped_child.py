@@ -64,12 +64,14 @@ def probe_then_check(folder):
     # runs ceil(4096 / k) rows each, so 2m itself may not be a size that exists).
     bigger = math.ceil(4096 / max(1, result.accumulation_steps // 2))
     report["bigger"] = bigger
-    try:
-        for _ in range(2):
-            train_on_large_batch(model, x, y, micro_batch_size=bigger)
-        report["bigger_fits"] = True
-    except tf.errors.ResourceExhaustedError:
-        report["bigger_fits"] = False
+    # In a child process (autosplit.search.isolation): with oneDNN on, a kernel that
+    # runs out of memory may end its process instead of raising.
+    from autosplit.search.isolation import IsolatedTrials
+
+    held = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    with IsolatedTrials(model, (x[:4096], y[:4096], None), 4096, budget=2**62,
+                        held_bytes=held, jit_compile=False, step_held=True) as trials:
+        report["bigger_fits"] = not trials.trial(bigger).oom
     write_result(report)
 
 

@@ -11,7 +11,8 @@ import tensorflow as tf
 
 import autosplit
 from autosplit.cli import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, main
-from autosplit.equivalence import BATCH_NORM, HINT, RANDOM, CheckReport, check
+from autosplit.culprits import BATCH_NORM, HINT, RANDOM, CheckReport
+from autosplit.equivalence import check
 from autosplit.errors import BatchSizeError, ModelNotReadyError
 
 rng = np.random.default_rng
