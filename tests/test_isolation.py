@@ -83,5 +83,5 @@ def test_under_a_real_cap_with_onednn_a_crashing_kernel_costs_one_trial(tmp_path
     assert report["iterations"] == 2
     # Not asserted: the weights against a run started at that size. Two runs of this
     # scenario measured 1.5e-5 relative where two reference runs differ by 1e-6; the
-    # cause is open (CHANGELOG-free note on issue 43), so the figure is reported only.
+    # cause is open (noted on issue 43), so the figure is reported only.
     print("relative error", report["error"], "noise", report["noise"])
