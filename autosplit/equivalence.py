@@ -47,7 +47,7 @@ from autosplit.culprits import (
 from autosplit.data.split import Split, split_batch
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import batch_data, overridden_steps
-from autosplit.keras_hooks.interception import intercept
+from autosplit.keras_hooks.interception import PLAIN, intercept
 from autosplit.step.compiled import run_once
 from autosplit.step.loss_plan import align_targets, forward_totals, loss_plan, step_plan
 from autosplit.step.piece import Totals, map_present
@@ -223,10 +223,11 @@ def _own_step(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> _Full:
     logged: dict[str, bool] = {}
 
     def run(x: Any, y: Any, sample_weight: Any) -> tuple[Any, ...]:
-        with intercept(model, None, 1) as seen:
+        with intercept(model, None, 1, static_rows=None, inputs=(x, y, sample_weight),
+                       plain=True) as seen:
             logs = model.train_step(batch_data(x, y, sample_weight))
         grads = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
-                 for g in seen.gradients]
+                 for g in seen.gradients.get(PLAIN, [None] * len(model.trainable_variables))]
         loss = logs.get("loss") if isinstance(logs, dict) else None
         logged["loss"] = loss is not None
         return (tf.constant(0.0) if loss is None

@@ -9,24 +9,20 @@ them. autosplit does the same thing inside its loop, exactly:
   ``model.train_step`` as ``model.fit`` passes a batch: ``x``, ``(x, y)`` or
   ``(x, y, sample_weight)``.
 - While the step runs, ``model.optimizer.apply_gradients`` (and ``apply``) records the
-  gradients instead of applying them. A step's loss is a mean over its examples, so a
-  micro-batch of n rows weighs n / B in the sum; autosplit's loop applies the sum once
-  per large batch (times B / N for a short last batch of N rows, as for compiled losses).
-  A step whose tape target has a row per example (keras-io's siamese triplet loss,
-  ``tape.gradient(per_triplet_loss, ...)``: TensorFlow takes the gradient of its sum)
-  adds its micro-batches' gradients unweighed, the sum over the batch's rows as in
-  ``model.fit`` (:func:`watch_targets`).
-- A metric tracker updated with one scalar and no sample weight (``Mean`` of the step's
-  loss: ``self.loss_tracker.update_state(loss)``) is given the weight n / B, so that
-  after a full large batch it holds what ``model.fit`` leaves after one step of B rows.
-  A count of the rows (a scalar from the batch's shape alone, :func:`counts_rows`)
-  adds up over the micro-batches instead.
-  Trackers updated per example (``y_true, y_pred``) or with their own weights add up
-  as they are.
-- The logs are what the step returned for the last micro-batch, read from the trackers
-  it updated: for a full large batch, ``model.fit``'s logs. A float scalar it computes
-  from the batch and returns as it is (a loss tensor, not a tracker's result:
-  :func:`from_batch`) is averaged over the micro-batches, weighed by rows.
+  gradients instead of applying them, and every ``tape.gradient`` is answered per group
+  of the terms of its target (``autosplit.keras_hooks.gradients``): a mean weighed by
+  the micro-batch's rows, a sum unweighed, a ratio of sums (a masked mean) by its own
+  divisor and divided once by the large batch's; autosplit's loop applies the groups'
+  sums once per large batch. A loss that needs the whole batch (``top_k`` of per-row
+  losses, a maximum over the batch) and a transform of the gradients before the apply
+  (``clip_by_global_norm``) are refused.
+- A metric tracker updated with one scalar (``self.loss_tracker.update_state(loss)``)
+  is weighed so that the micro-batches add up to one update of the large batch's value
+  (``interception.weighed_trackers``).
+- The logs are what the step returned, combined over the micro-batches as each value
+  combines (``target.log_kind``): a tracker's result as the last micro-batch left it,
+  a mean by rows, a ratio by its divisor, a sum, a maximum, a minimum. A value that
+  combines none of these ways is weighed by rows, with a warning.
 
 A step that applies gradients more than once, or through another optimizer (a GAN's
 two), has no exact split in one pass; nor has one that assigns variables of its own
@@ -37,7 +33,7 @@ anything changes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import keras
@@ -45,16 +41,13 @@ import numpy as np
 import tensorflow as tf
 
 from autosplit.errors import UnsupportedModelError, noted
-from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.batchnorm import calls_of, counted_all, pooled_layers, recording
-from autosplit.keras_hooks.interception import (
-    check_writes,
-    intercept,
-    watch_targets,
-    watch_writes,
-)
+from autosplit.keras_hooks.gradients import Reading
+from autosplit.keras_hooks.interception import check_writes, intercept, watch_writes
+from autosplit.keras_hooks.target import log_kind
 from autosplit.keras_hooks.traced import repeats_rows
 from autosplit.step.compiled import trace as trace_once
+from autosplit.warn import warn_user
 
 __all__ = ["CustomFacts", "batch_data", "custom_facts", "flat_logs", "from_batch",
            "has_custom_step", "metrics_or_last", "overridden_steps", "overrides_test_step",
@@ -90,36 +83,16 @@ class CustomFacts:
 
     has_grad: tuple[bool, ...]  # per model.trainable_variables: the step applies a gradient
     logs: Any  # tf.TensorSpec structure of what the step returns
-    # Per flat log: a float scalar computed from the batch itself (a loss tensor returned
-    # as it is), not read from a tracker: averaged over the large batch's rows.
-    averaged: tuple[bool, ...]
+    # Per flat log, how it combines over the micro-batches (target.log_kind): "last" (a
+    # tracker's result), "sum", "count" (a mean, by rows), "ratio" (by its divisor),
+    # "max", "min", "other" (by rows, warned).
+    log_kinds: tuple[str, ...]
     # a gradient it applies is tf.IndexedSlices (an Embedding's) that may name a row twice
     sparse_gradients: bool
     batch_norm_calls: tuple[tuple[Any, int], ...] = ()  # as LossPlan.batch_norm_calls
-    # Per model.trainable_variables: its gradient is of a target with a row per example
-    # (summed by tape.gradient): the micro-batches' gradients add up unweighed.
-    summed: tuple[bool, ...] = ()
-    # The loss it differentiates divides by a value of the batch (a mean over unmasked
-    # tokens): weighed as a mean, it is not the full batch's (warned when split).
-    ratio_loss: bool = False
-
-
-def _check_compiled_reduction(model: keras.Model, *, weighted: bool) -> None:
-    """A step's loss must be a mean over its rows for the n / B weighing: refuse a
-    compiled loss (built by the step's ``compute_loss``) that sums, or that divides by
-    the sample weights' sum when there are sample weights (its micro-batch means weigh
-    by weight, not rows). Unchecked, ``reduction="sum"`` ended 2.6 apart from model.fit."""
-    for flat in _keras.flat_losses(model):
-        reduction = getattr(flat.loss, "reduction", "sum_over_batch_size")
-        if reduction == "sum" or (reduction == "mean_with_sample_weight" and weighted):
-            raise UnsupportedModelError(
-                f"Expected the compiled loss of `{type(model).__name__}`, whose own "
-                "train_step autosplit runs once per micro-batch, to be a mean over the "
-                f"batch's examples. Received: reduction={reduction!r}"
-                f"{' with sample weights' if weighted else ''} ({type(flat.loss).__name__}): "
-                "each micro-batch's gradient is weighed by its share of the rows, exact "
-                "for a mean only. Compile with the default reduction "
-                "('sum_over_batch_size'), or train with model.fit.")
+    # The groups of the terms of the losses it differentiates (keras_hooks.gradients),
+    # replayed by every trace of the step that runs.
+    reading: Reading = field(default_factory=Reading)
 
 
 def flat_logs(result: dict[str, Any]) -> dict[str, Any]:
@@ -170,15 +143,14 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
 
     def trace(x, y, sample_weight):
         layers = pooled_layers(model)
-        with intercept(model, None, 1) as seen, watch_writes() as written, \
-                recording(layers) as records, \
-                watch_targets(model, tf.nest.flatten(x)[0].shape[0]) as targets:
+        rows = tf.nest.flatten(x)[0].shape[0]
+        with intercept(model, None, 1, static_rows=rows, inputs=(x, y, sample_weight)) as seen, \
+                watch_writes() as written, recording(layers) as records:
             logs = model.train_step(batch_data(x, y, sample_weight))
-        inputs = {t.op for t in tf.nest.flatten((x, y, sample_weight)) if t is not None}
-        averaged = tuple(from_batch(tf.convert_to_tensor(t), inputs)
-                         for t in tf.nest.flatten(logs))
-        facts.update(seen=seen, logs=logs, written=written, averaged=averaged,
-                     batch_norm_calls=calls_of(layers, records), targets=targets)
+            kinds = tuple(log_kind(t, rows, seen.split.stop)[0]
+                          for t in tf.nest.flatten(logs))
+        facts.update(seen=seen, logs=logs, written=written, log_kinds=kinds,
+                     batch_norm_calls=calls_of(layers, records))
         return tf.constant(0.0)
 
     # Our own refusal (a GAN's second optimizer) passes without the note on rows.
@@ -192,7 +164,6 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
         if not counted_all(model, facts["batch_norm_calls"]):
             trace_once(trace, *specs)  # the first trace built layers: count their calls
     check_writes(model, facts["written"])
-    _check_compiled_reduction(model, weighted=specs[2] is not None)
     seen = facts["seen"]
     if seen.calls == 0:
         raise UnsupportedModelError(
@@ -202,14 +173,27 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
     logs = tf.nest.map_structure(lambda t: tf.TensorSpec(tf.convert_to_tensor(t).shape,
                                                          tf.convert_to_tensor(t).dtype),
                                  facts["logs"])
-    return CustomFacts(has_grad=tuple(g is not None for g in seen.gradients), logs=logs,
-                       averaged=facts["averaged"],
+    gradients = [g for grads in seen.gradients.values() for g in grads]
+    other = [name for name, kind in zip(_log_names(facts["logs"]), facts["log_kinds"],
+                                        strict=True) if kind == "other"]
+    if other:
+        warn_user(
+            f"autosplit: `{type(model).__name__}.train_step` returns {', '.join(other)}, "
+            "computed from the batch in a way that does not combine over micro-batches (not "
+            "a mean, sum, ratio of sums, maximum or minimum over the rows); it is logged as "
+            "the micro-batches' values weighed by rows, which model.fit's need not equal.")
+    return CustomFacts(has_grad=seen.has_grad(), logs=logs, log_kinds=facts["log_kinds"],
                        sparse_gradients=any(isinstance(g, tf.IndexedSlices)
-                                            and repeats_rows(g) for g in seen.gradients),
+                                            and repeats_rows(g) for g in gradients),
                        batch_norm_calls=facts["batch_norm_calls"],
-                       summed=tuple(facts["targets"].summed.get(id(v), False)
-                                    for v in model.trainable_variables),
-                       ratio_loss=facts["targets"].ratio)
+                       reading=seen.split.reading())
+
+
+def _log_names(logs: Any) -> list[str]:
+    if isinstance(logs, dict):
+        return [f"{name}" for name, value in logs.items()
+                for _ in tf.nest.flatten(value)]
+    return [f"log {i}" for i, _ in enumerate(tf.nest.flatten(logs))]
 
 
 def from_batch(tensor: tf.Tensor, inputs: set) -> bool:

@@ -1,14 +1,15 @@
 """What a model's own ``train_step`` does, caught while it runs: its ``apply_gradients``
-recorded instead of applied (:func:`intercept`), the targets it differentiates
-(:func:`watch_targets`), the variables it assigns (:func:`watch_writes`), and its scalar
-trackers weighed by rows (:func:`weighed_trackers`). Each patch lasts for one call or one
-trace and is undone after it.
+recorded instead of applied (:func:`intercept`), its gradients answered per group of loss
+terms (``autosplit.keras_hooks.gradients``), the variables it assigns
+(:func:`watch_writes`), and its scalar trackers weighed as their values add up
+(:func:`weighed_trackers`). Each patch lasts for one call or one trace and is undone
+after it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -17,28 +18,30 @@ from tensorflow.python.ops import resource_variable_ops  # tf.Variable's classes
 
 from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
-from autosplit.keras_hooks.traced import counts_rows, row_reduction
+from autosplit.keras_hooks.gradients import PLAIN, Reading, Split, split_gradients
+from autosplit.keras_hooks.patches import class_patches, object_patches
+from autosplit.keras_hooks.target import COUNT, SUM, log_kind
+from autosplit.keras_hooks.traced import counts_rows
 
 __all__ = [
+    "PLAIN",
     "Intercepted",
-    "Targets",
     "check_writes",
     "intercept",
-    "watch_targets",
     "watch_writes",
     "weighed_trackers",
 ]
 
 
 class Intercepted:
-    """What one call of ``train_step`` tried to apply, per model trainable variable."""
+    """What one call of ``train_step`` tried to apply: per group of loss terms
+    (``Split``), per model trainable variable, the gradient the sums take."""
 
-    def __init__(self, model: keras.Model) -> None:
+    def __init__(self, model: keras.Model, split: Split) -> None:
         self.model = model
+        self.split = split
         self.calls = 0
-        # Sized when the step applies: a subclassed model the step's trace builds has
-        # no variables before its first call.
-        self.gradients: list = []
+        self.gradients: dict = {}  # group -> per trainable variable (None: none)
 
     def record(self, grads, variables) -> None:
         self.calls += 1
@@ -49,7 +52,6 @@ class Intercepted:
                 "than once. Its updates depend on each other within the batch, so they have "
                 "no exact split into micro-batches in one pass: train it with model.fit.")
         index = {id(v): i for i, v in enumerate(self.model.trainable_variables)}
-        self.gradients = [None] * len(index)
         for g, v in zip(grads, variables, strict=True):
             i = index.get(id(v))
             if i is None:
@@ -58,25 +60,28 @@ class Intercepted:
                     "to the model's trainable variables. Received: a gradient for "
                     f"{getattr(v, 'path', v.name)}, which is not one of them (frozen, or "
                     "not tracked by the model).")
-            self.gradients[i] = g
+            for group, part in self.split.resolve(g).items():
+                self.gradients.setdefault(group, [None] * len(index))[i] = part
+
+    def has_grad(self) -> tuple[bool, ...]:
+        n = len(self.model.trainable_variables)
+        return tuple(any(grads[i] is not None for grads in self.gradients.values())
+                     for i in range(n))
 
 
 @contextlib.contextmanager
-def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int
+def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int, *,
+              static_rows: int | None, inputs: Any, replay: Reading | None = None,
+              warn: Callable[[str], None] | None = None, plain: bool = False
               ) -> Iterator[Intercepted]:
-    """While ``train_step`` runs: its one ``apply_gradients`` is recorded, not applied,
-    and scalar tracker updates weigh ``rows / batch_size``. Python-side patches, active
-    while the step is traced (or run eagerly)."""
-    seen = Intercepted(model)
+    """While ``train_step`` runs on ``inputs``, a micro-batch of ``rows`` real rows (None:
+    a throwaway trace): its gradients are answered per group (``replay``: the groups the throwaway
+    trace read), its one ``apply_gradients`` is recorded, not applied, and scalar tracker
+    updates are weighed (:func:`weighed_trackers`). ``plain``: the gradients are
+    the step's own, unweighed, in the one group ``PLAIN`` (a full batch's reference;
+    nothing weighed). Python-side patches, active while the
+    step is traced (or run eagerly)."""
     optimizer = model.optimizer
-
-    def apply_gradients(grads_and_vars):
-        pairs = list(grads_and_vars)
-        seen.record([g for g, _ in pairs], [v for _, v in pairs])
-        return optimizer.iterations
-
-    def apply(grads, trainable_variables=None):
-        seen.record(list(grads), list(trainable_variables or model.trainable_variables))
 
     def foreign(self, *args, **kwargs):
         raise UnsupportedModelError(
@@ -89,139 +94,74 @@ def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int
     # Any other optimizer's apply_gradients or apply raises; model.optimizer's own
     # attributes shadow these class attributes.
     base = keras.optimizers.Optimizer
-    with (_object_patches([(optimizer, "apply_gradients", apply_gradients),
-                           (optimizer, "apply", apply)]),
-          weighed_trackers(model, rows, batch_size),
-          _class_patches([(base, "apply_gradients", foreign), (base, "apply", foreign)])):
-        yield seen
+    with split_gradients(model, rows, batch_size, static_rows, replay,
+                         inputs, plain) as split:
+        seen = Intercepted(model, split)
+
+        def apply_gradients(grads_and_vars):
+            pairs = list(grads_and_vars)
+            seen.record([g for g, _ in pairs], [v for _, v in pairs])
+            return optimizer.iterations
+
+        def apply(grads, trainable_variables=None):
+            seen.record(list(grads), list(trainable_variables or model.trainable_variables))
+
+        with (object_patches([(optimizer, "apply_gradients", apply_gradients),
+                              (optimizer, "apply", apply)]),
+              weighed_trackers(model, None if plain else rows, batch_size, static_rows,
+                               split.stop, warn),
+              class_patches([(base, "apply_gradients", foreign), (base, "apply", foreign)])):
+            yield seen
 
 
 @contextlib.contextmanager
-def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int | tf.Tensor
-                     ) -> Iterator[None]:
+def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int | tf.Tensor,
+                     static_rows: int | None = None, stop: Any = (),
+                     warn: Callable[[str], None] | None = None) -> Iterator[None]:
     """While a step runs on a micro-batch of ``rows`` rows: a metric of the model updated
-    with one scalar and no sample weight (``self.loss_tracker.update_state(loss)``) is
-    given the weight ``rows / batch_size``, so that a large batch's micro-batches add up
-    to one update of the whole batch's mean. A scalar computed from the batch's shape
-    alone (its row count: ``images_seen.update_state(ops.shape(x)[0])``,
-    :func:`counts_rows`) adds up over the micro-batches instead, to the large batch's
-    count. Updates per example, or with weights of their own, pass as they are.
-    ``rows`` None: no weighing (a throwaway trace)."""
+    with one scalar (``self.loss_tracker.update_state(loss)``), without a sample weight or
+    with the batch's row count as one (Keras's own train_step), is weighed so that a large
+    batch's micro-batches add up to one update of the whole batch's value:
+
+    - a mean over the rows (or a value that reads no batch) with the weight
+      ``rows / batch_size`` (the count as it is, where it was given one);
+    - a sum over the rows (``autosplit.keras_hooks.target``), or a count of the rows
+      computed from the batch's shape alone (:func:`counts_rows`), so that the parts add
+      up to the whole: a ``Sum`` metric adds it as it is;
+    - anything else (a ratio of sums, a maximum) weighed by rows, and ``warn`` is told.
+
+    Updates per example, or with weights of their own, pass as they are. ``rows`` None:
+    no weighing (a throwaway trace)."""
     def weighted(metric):
         original = metric.update_state
 
         def update_state(*args, **kwargs):
             values = args[0] if args else kwargs.get("values")
-            if (rows is not None and len(args) <= 1 and kwargs.keys() <= {"values"}
-                    and values is not None and tf.convert_to_tensor(values).shape.rank == 0):
-                share = tf.cast(rows, tf.float32) / tf.cast(batch_size, tf.float32)
-                values = tf.convert_to_tensor(values)
-                if not counts_rows(values):
-                    return original(values, sample_weight=share)
-                # A count of the rows adds up over the micro-batches: a Sum adds it as
-                # it is; a Mean adds it with the weight n / B of one step's share.
-                if isinstance(metric, keras.metrics.Sum):
-                    return original(values)
-                return original(tf.cast(values, tf.float32) / share, sample_weight=share)
-            return original(*args, **kwargs)
+            weight = args[1] if len(args) > 1 else kwargs.get("sample_weight")
+            counted = weight is not None and counts_rows(tf.convert_to_tensor(weight))
+            if (rows is None or len(args) > 2 or not kwargs.keys() <= {"values", "sample_weight"}
+                    or values is None or tf.convert_to_tensor(values).shape.rank != 0
+                    or (weight is not None and not counted)):
+                return original(*args, **kwargs)
+            values = tf.convert_to_tensor(values)
+            share = tf.cast(rows, tf.float32) / tf.cast(batch_size, tf.float32)
+            kind = "rows" if counts_rows(values) else log_kind(values, static_rows, stop)[0]
+            if kind not in ("rows", SUM, COUNT, "last") and warn is not None:
+                warn(f"{metric.name} ({kind})")
+            if kind not in ("rows", SUM):
+                return original(values, sample_weight=weight if counted else share)
+            # A sum (or count) adds up over the micro-batches: a Sum adds it as it is; a
+            # Mean adds it with the weight of one step's share.
+            if isinstance(metric, keras.metrics.Sum):
+                return original(values)
+            return original(tf.cast(values, tf.float32) / share,
+                            sample_weight=weight if counted else share)
 
         return update_state
 
-    with _object_patches([(m, "update_state", weighted(m)) for m in _keras.all_metrics(model)
-                          if isinstance(m, keras.metrics.Metric)]):
+    with object_patches([(m, "update_state", weighted(m)) for m in _keras.all_metrics(model)
+                         if isinstance(m, keras.metrics.Metric)]):
         yield
-
-
-@contextlib.contextmanager
-def _object_patches(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    """Set each ``(object, name, value)`` on the instance for the block (shadowing its
-    class's attribute), then remove it."""
-    for obj, name, value in patches:
-        object.__setattr__(obj, name, value)
-    try:
-        yield
-    finally:
-        for obj, name, _ in patches:
-            with contextlib.suppress(AttributeError):
-                object.__delattr__(obj, name)
-
-
-@contextlib.contextmanager
-def _class_patches(patches: list[tuple[type, str, Any]]) -> Iterator[None]:
-    """Set each ``(class, name, value)`` for the block, then put back what the class
-    itself had, or remove the attribute where it only inherited one."""
-    saved = [(cls, name, vars(cls).get(name)) for cls, name, _ in patches]
-    for cls, name, value in patches:
-        setattr(cls, name, value)
-    try:
-        yield
-    finally:
-        for cls, name, original in saved:
-            if original is None:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, original)
-
-
-class Targets:
-    """What :func:`watch_targets` saw: per model trainable variable (by id), whether its
-    gradient is of a sum over the rows; whether a target is a ratio over the batch."""
-
-    def __init__(self) -> None:
-        self.summed: dict[int, bool] = {}
-        self.ratio = False
-
-
-@contextlib.contextmanager
-def watch_targets(model: keras.Model, rows: int | None) -> Iterator[Targets]:
-    """While a ``train_step`` is traced on a batch of ``rows`` rows (None: unknown): per
-    model trainable variable (by id) that a ``tf.GradientTape.gradient`` call differentiates,
-    whether that call's target is a sum over the rows. ``tape.gradient`` sums a
-    non-scalar target, so a target with a row per example (rank 1 or more, its first
-    dimension the batch's or unknown) is one, as is a scalar ``Sum`` of per-row values
-    (``compute_loss`` returning ``ops.sum(loss)``,
-    :func:`autosplit.keras_hooks.traced.row_reduction`): their micro-batches' gradients
-    add up unweighed. Another scalar is taken for a mean; one that divides by a value of
-    the batch (a mean over unmasked tokens) is noted as a ratio, which no weighing of the
-    micro-batches reproduces.
-
-    Raises:
-        UnsupportedModelError: a variable differentiated both ways (no one weight fits).
-    """
-    targets = Targets()
-    trainable = {id(v) for v in model.trainable_variables}
-    original = tf.GradientTape.gradient
-
-    def summed(target) -> bool:
-        target = tf.convert_to_tensor(target)
-        shape = target.shape
-        if shape.rank == 0:
-            kind = row_reduction(target, rows=rows)
-            targets.ratio |= kind == "ratio"
-            return kind == "sum"
-        return shape.rank is not None and shape[0] in (None, rows)
-
-    def gradient(tape, target, sources, *args, **kwargs):
-        if any(id(v) in trainable for v in tf.nest.flatten(sources)):
-            flags = {summed(t) for t in tf.nest.flatten(target)}
-        for v in tf.nest.flatten(sources):
-            if id(v) in trainable:
-                seen = targets.summed
-                flags_of_v = flags | ({seen[id(v)]} if id(v) in seen else set())
-                if len(flags_of_v) > 1:
-                    raise UnsupportedModelError(
-                        f"Expected `{type(model).__name__}.train_step` to take the gradient "
-                        "of each variable from either a mean over the batch (a scalar) or "
-                        "a sum over it (a loss per example, which tape.gradient sums). "
-                        f"Received: both, for {getattr(v, 'path', v.name)}; no one weight "
-                        "per micro-batch splits that exactly. Reduce the per-example "
-                        "losses to their mean (or sum) before tape.gradient, or train it "
-                        "with model.fit.")
-                seen[id(v)] = flags_of_v.pop()
-        return original(tape, target, sources, *args, **kwargs)
-
-    with _class_patches([(tf.GradientTape, "gradient", gradient)]):
-        yield targets
 
 
 @contextlib.contextmanager
@@ -259,7 +199,7 @@ def watch_writes() -> Iterator[list]:
     for cls in (keras.Variable, resource_variable_ops.BaseResourceVariable,
                 resource_variable_ops.ResourceVariable):
         wraps += [(cls, name, watched) for name in ("assign", "assign_add", "assign_sub")]
-    with _class_patches([(cls, name, wrap(getattr(cls, name))) for cls, name, wrap in wraps]):
+    with class_patches([(cls, name, wrap(getattr(cls, name))) for cls, name, wrap in wraps]):
         yield written
 
 

@@ -18,7 +18,7 @@ the value is, which the graph a trace builds tells, before anything runs:
 The walks read ops and static values; they run nothing of the batch. A value that
 constants and static shapes alone compute, which ``tf.get_static_value`` does not fold
 (Keras's count of a loss's elements, a position embedding's indices), is computed once
-from the traced graph (``_evaluate``). AutoGraph must not convert them (they are called
+from the traced graph (:func:`evaluate`). AutoGraph must not convert them (they are called
 while a step is traced).
 """
 
@@ -30,12 +30,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["counts_rows", "repeats_rows", "row_reduction"]
+__all__ = ["counts_rows", "evaluate", "full_reduction_input", "mixes_rows", "repeats_rows",
+           "row_reduction"]
 
 _PASS_THROUGH = frozenset({"Identity", "Cast", "CheckNumerics"})
 _REDUCTIONS = {"Mean": "mean", "Sum": "sum"}
 # Ops that combine rows with one another (where axis 0 is the rows).
 _MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
+_TOP_K = frozenset({"TopKV2", "TopK"})  # tf.sort and argsort too
 _AXIS_REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax",
                               "ArgMin", "Cumsum", "Cumprod", "EuclideanNorm"})
 _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size"})
@@ -102,7 +104,7 @@ def _divides_by_its_count(op, walk: _Walk) -> bool:
     rows, or by the elements summed. Another constant only scales the sum."""
     if op.type not in ("RealDiv", "DivNoNan"):
         return False
-    divisor = _evaluate(op.inputs[1])
+    divisor = evaluate(op.inputs[1])
     dividend = op.inputs[0].op
     while (inner := _peeled(dividend)) is not None:  # an L2 penalty's 0.01 keeps a sum
         dividend = inner
@@ -132,9 +134,22 @@ def _full_reduction(op, walk: _Walk) -> str | None:
         return _combined(kinds) if "sum" not in kinds else None  # a mean of means
     if shape[0] not in (None, walk.rows):
         return None  # not the batch's rows
-    if walk.check_rows and _mixes_rows(reduced_input.op, walk.stop):
+    if walk.check_rows and mixes_rows(reduced_input.op, walk.stop) is not None:
         return None
     return _REDUCTIONS[op.type]
+
+
+def full_reduction_input(op, rows: int | None) -> Any:
+    """The input of ``op`` where it reduces every axis of per-row values (its rows
+    ``rows``, or any number where None; the other axes static), else None."""
+    reduced = op.inputs[0]
+    shape = reduced.shape
+    axes = tf.get_static_value(op.inputs[1]) if len(op.inputs) > 1 else None
+    if shape.rank is None or shape.rank < 1 or axes is None or None in shape[1:].as_list():
+        return None
+    if {int(a) % shape.rank for a in tf.nest.flatten(axes.tolist())} != set(range(shape.rank)):
+        return None
+    return reduced if rows is None or shape[0] in (None, rows) else None
 
 
 def _combined(kinds: list) -> str | None:
@@ -197,16 +212,17 @@ def _scaled_operand(op) -> Any:
     return None
 
 
-def _mixes_rows(top, stop: set) -> bool:
-    """Whether an op between ``stop`` (the sources' ops) and ``top`` combines rows: a
+def mixes_rows(top, stop: set) -> Any:
+    """The first op between ``stop`` (the sources' ops) and ``top`` combines rows: a
     product that contracts the rows or pairs them (``x @ transpose(x)``, a similarity
     matrix; ``transpose(z) @ z``, a cross-correlation), a reduction over axis 0 (or over
-    axes not known), a transpose that moves axis 0. A product with weights (a ``Dense``
+    axes not known), a transpose that moves axis 0, ``top_k`` or a sort of a vector of
+    per-row values; None where none does. A product with weights (a ``Dense``
     layer's ``x @ W``) or batched over axis 0 (attention) keeps rows apart, and so do
     shapes (``eye(batch_size)`` alone mixes nothing). BatchNormalization's moments
     (under a ``moments`` name scope) are left to its own warning and pooling."""
     batch = _BatchValues(stop)
-    return any(_combines_rows(op, batch) for op in _ancestors(top, stop))
+    return next((op for op in _ancestors(top, stop) if _combines_rows(op, batch)), None)
 
 
 class _BatchValues:
@@ -246,6 +262,8 @@ def _combines_rows(op, batch: _BatchValues) -> bool:
         rank = op.inputs[0].shape.rank
         return axes is None or rank is None or 0 in {int(a) % max(rank, 1)
                                                      for a in tf.nest.flatten(axes.tolist())}
+    if op.type in _TOP_K:
+        return op.inputs[0].shape.rank in (None, 1) and batch(op.inputs[0])
     if op.type == "Transpose":
         perm = tf.get_static_value(op.inputs[1])
         return batch(op.inputs[0]) and (perm is None or int(perm[0]) != 0)
@@ -304,11 +322,11 @@ def repeats_rows(gradient: tf.IndexedSlices) -> bool:
     computed from constants and static shapes alone (a position embedding over
     ``ops.arange(num_patches)``) are the same every step and are computed here, once.
     """
-    values = _evaluate(gradient.indices)
+    values = evaluate(gradient.indices)
     return values is None or np.unique(values).size < values.size
 
 
-def _evaluate(tensor) -> np.ndarray | None:
+def evaluate(tensor) -> np.ndarray | None:
     """``tensor``'s value where constants and static shapes alone compute it (None where
     the batch, a variable or a random draw reaches it): ``tf.get_static_value``, else
     the traced graph run up to it once, with its shape ops fed their static values."""

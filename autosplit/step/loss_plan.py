@@ -23,7 +23,7 @@ from autosplit.keras_hooks.custom_step import (
 from autosplit.keras_hooks.traced import repeats_rows, row_reduction
 from autosplit.step.compiled import trace as trace_once
 from autosplit.step.model_state import model_state
-from autosplit.step.reduction import COUNT, SUM, output_terms
+from autosplit.step.reduction import COUNT, SUM, WEIGHT, output_terms
 
 __all__ = [
     "COUNT_GROUP",
@@ -274,9 +274,11 @@ def step_plan(model: keras.Model, specs: tuple) -> LossPlan:
     cache = model_state(model).plans
     if key not in cache:
         facts = custom_facts(model, specs)
-        cache[key] = LossPlan(kinds=(), per_row=(), folded=(), forward_losses=False,
-                              has_grad=facts.has_grad, groups=(COUNT_GROUP,), weights=(),
-                              custom=facts, sparse_gradients=facts.sparse_gradients,
-                              per_batch_ratios=facts.ratio_loss,
+        ratios = facts.reading.ratios  # a ("deferred", r) group's denominators
+        cache[key] = LossPlan(kinds=(WEIGHT,) * ratios, per_row=(None,) * ratios,
+                              folded=(False,) * ratios, forward_losses=False,
+                              has_grad=facts.has_grad, groups=facts.reading.groups,
+                              weights=(1.0,) * ratios, custom=facts,
+                              sparse_gradients=facts.sparse_gradients,
                               batch_norm_calls=facts.batch_norm_calls)
     return cache[key]

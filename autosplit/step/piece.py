@@ -30,6 +30,8 @@ from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.batchnorm import recording
 from autosplit.keras_hooks.custom_step import CustomFacts, batch_data
 from autosplit.keras_hooks.interception import intercept
+from autosplit.keras_hooks.target import COUNT as COUNT_KIND
+from autosplit.keras_hooks.target import RATIO, log_kind
 from autosplit.step.loss_plan import (
     COUNT_GROUP,
     SUM_GROUP,
@@ -40,6 +42,7 @@ from autosplit.step.loss_plan import (
     weight_regularization,
 )
 from autosplit.step.reduction import COUNT, SUM, combined_loss
+from autosplit.warn import warn_user
 
 __all__ = [
     "Piece",
@@ -70,6 +73,7 @@ class Piece(NamedTuple):
     moments: Any = None  # per pooled BatchNormalization layer: its Moments on the piece
     sample_weight: Any = None  # the rows the piece ran on, for the metrics: their weights
     valid: Any = None  # and real-row marks (padding dropped where ``without_padding`` ran)
+    log_weights: Any = None  # per flat log of a custom step: its weight in a weighed mean
 
 
 def _dense_f32(g) -> tf.Tensor | None:
@@ -126,19 +130,43 @@ def _moments(pool, records) -> list | None:
 
 def _custom_piece(model, facts: CustomFacts, x, y, sample_weight, valid, *,
                   batch_size: int, pool) -> Piece:
-    """The model's own train_step on one micro-batch of real rows, its apply caught: the
-    gradients of its mean over n rows, weighed n / B, or of its sum over them (a
-    per-example tape target), unweighed (``autosplit.keras_hooks.custom_step``)."""
+    """The model's own train_step on one micro-batch of real rows, its apply caught and
+    its gradients answered per group of loss terms, each weighed as its group adds up
+    over the micro-batches (``autosplit.keras_hooks.gradients``)."""
     rows = tf.reduce_sum(valid)
-    with intercept(model, rows, batch_size) as seen, recording(pool) as records:
+    static_rows = tf.nest.flatten(x)[0].shape[0]
+    with intercept(model, rows, batch_size, static_rows=static_rows, replay=facts.reading,
+                   inputs=(x, y, sample_weight), warn=_untracked) as seen, \
+            recording(pool) as records:
         logs = model.train_step(batch_data(x, y, sample_weight))
-    share = rows / batch_size
-    # A gradient of a per-example target is a sum over the rows: added unweighed.
-    weights = [1.0 if summed else share for summed in facts.summed]
-    gradients = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32) * weight
-                 for g, weight in zip(seen.gradients, weights, strict=True)]
-    return Piece([gradients], [], [], forward_totals(), rows, None, None, None, logs,
-                 _moments(pool, records))
+        log_weights = [_log_weight(kind, t, rows, static_rows, seen.split.stop)
+                       for kind, t in zip(facts.log_kinds, tf.nest.flatten(logs), strict=True)]
+    none = [None] * len(model.trainable_variables)
+    gradients = [[_dense_f32(g) for g in seen.gradients.get(group, none)]
+                 for group in facts.reading.groups]
+    denominators = [tf.cast(seen.split.denominators[r], tf.float32)
+                    for r in range(facts.reading.ratios)]
+    return Piece(gradients, [tf.constant(0.0)] * len(denominators), denominators,
+                 forward_totals(), rows, None, None, None, logs, _moments(pool, records),
+                 log_weights=log_weights)
+
+
+def _log_weight(kind: str, value, rows, static_rows, stop) -> tf.Tensor:
+    """A logged value's weight in its running mean over the micro-batches: its divisor
+    for a ratio, the rows for a mean (or a value no rule combines), 1 otherwise."""
+    if kind == RATIO:
+        divisor = log_kind(value, static_rows, stop)[1]
+        if divisor is not None:
+            return tf.cast(divisor, tf.float32)
+    return tf.cast(rows, tf.float32) if kind in (COUNT_KIND, "other") else tf.constant(1.0)
+
+
+def _untracked(what: str) -> None:
+    warn_user(
+        f"autosplit: a custom train_step updates the tracker {what} with a value that is "
+        "not a mean or a sum over the batch's rows; it receives the micro-batches' values "
+        "weighed by rows, which is not exactly what model.fit would log. Return the value "
+        "from the step instead (logs combine ratios, maxima and minima exactly).")
 
 
 class Totals(NamedTuple):
@@ -172,13 +200,8 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
     variables = model.trainable_variables
     n = totals.rows
     correction = tf.math.divide_no_nan(tf.constant(float(batch_size)), n)
-    if plan.custom is not None:
-        # The step's own loss (regularisation included, if it adds it) is in its gradients.
-        # A sum over the rows (a per-example tape target) needs no correction.
-        (sums,) = totals.gradients
-        return tf.constant(0.0), [
-            None if g is None else tf.cast(g if summed else g * correction, v.dtype)
-            for g, v, summed in zip(sums, variables, plan.custom.summed, strict=True)], []
+    if plan.custom is not None:  # the step's own loss, regularisation included
+        return tf.constant(0.0), _combined_gradients(variables, plan, totals, correction), []
     with tf.GradientTape() as tape:
         # Counted once per large batch: each replica adds its 1/replicas share.
         regularization = weight_regularization(model) / replicas
@@ -186,6 +209,16 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
     loss, per_output = combined_loss(
         totals.numerators, totals.denominators, totals.forward, n, kinds=plan.kinds,
         weights=plan.weights, regularization=regularization * replicas)
+    regs = [None if g is None else _dense_f32(g) * scale for g in reg_grads]
+    gradients = _combined_gradients(variables, plan, totals, correction, regs or None)
+    return loss, gradients, per_output
+
+
+def _combined_gradients(variables, plan: LossPlan, totals: Totals, correction,
+                        extra: list | None = None) -> list:
+    """Per variable: its groups' gradient sums, each divided as its group divides (a
+    ``"count"`` group by the rows, a ``("deferred", j)`` by its denominator's sum), plus
+    ``extra`` (the weight regularisers' gradient), in the variable's dtype."""
     gradients = []
     for index, variable in enumerate(variables):
         parts = []
@@ -198,11 +231,10 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
             elif group != SUM_GROUP:
                 g = tf.math.divide_no_nan(g, totals.denominators[group[1]])
             parts.append(g)
-        reg = _dense_f32(reg_grads[index]) if reg_grads else None
-        if reg is not None:
-            parts.append(reg * scale)
+        if extra is not None and extra[index] is not None:
+            parts.append(extra[index])
         gradients.append(tf.cast(tf.add_n(parts), variable.dtype) if parts else None)
-    return loss, gradients, per_output
+    return gradients
 
 
 def update_loss_trackers(model, loss, per_output, rows) -> list:

@@ -79,6 +79,7 @@ class LargeBatchUpdate:
         self._jit = jit
         self._template: Any = None  # the structure of a piece, for _unflatten
         self.logs: Any = None  # a custom train_step's logs, in variables
+        self._log_weights: list = []  # and the weight each weighed mean has gathered
         # A custom train_step's metric variables as the last committed micro-step left
         # them: its trackers count a micro-batch inside the step, before an error in the
         # backward pass can stop it, so a redo restores them first (pull(resume=True)).
@@ -114,11 +115,14 @@ class LargeBatchUpdate:
                 (v, tf.Variable(tf.convert_to_tensor(v), trainable=False))
                 for m in _keras.all_metrics(model) for v in m.variables]
         if self.plan.custom is not None and self.logs is None:
-            # What the step returned for the last micro-batch: the large batch's logs.
+            # What the step returned, combined over the large batch's micro-batches so
+            # far, and the weight each weighed mean has gathered.
             self.logs = tf.nest.map_structure(
                 lambda s: tf.Variable(tf.zeros([d or 1 for d in s.shape.as_list()], s.dtype),
                                       trainable=False, shape=tf.TensorShape(None)),
                 self.plan.custom.logs)
+            self._log_weights = [tf.Variable(0.0, trainable=False)
+                                 for _ in tf.nest.flatten(self.logs)]
         # Another input structure (sample weights or not) can change the loss groups,
         # or what is stashed; compiled functions captured the old variables.
         sums: Sums | None = getattr(self, "sums", None)  # None before the first bind
@@ -181,24 +185,35 @@ class LargeBatchUpdate:
         piece = self._unflatten(list(values))
         if self.plan.custom is not None:  # the step updated its own metrics
             with tf.control_dependencies([] if ready is None else [ready]):
-                # After this piece's sums: the rows of the large batch so far, this one's
-                # included. A value computed from the batch is their running mean, weighed
-                # by rows (the first piece's value replaces the last large batch's, a NaN
-                # there included).
-                share = tf.cast(piece.rows, tf.float32) / tf.maximum(
-                    tf.cast(self.sums.rows.read_value(), tf.float32), 1.0)
-                first = share >= 1.0  # a large batch's first piece: no mean to carry
-                return after([
-                    v.assign(tf.where(first, tf.cast(t, v.dtype),
-                                      v + (tf.cast(t, v.dtype) - v) * tf.cast(share, v.dtype)))
-                    if averaged else v.assign(t)
-                    for v, t, averaged in zip(
-                        tf.nest.flatten(self.logs), tf.nest.flatten(piece.logs),
-                        self.plan.custom.averaged, strict=True)])
+                return self._combine_logs(piece)
         with tf.control_dependencies([] if ready is None else [ready]):
             update_metrics(self.model, piece.y, piece.y_pred, piece.sample_weight, piece.valid,
                            piece.masks, full=full)
             return tf.constant(True)
+
+    def _combine_logs(self, piece: Piece) -> tf.Tensor:
+        """A custom step's logs, combined over the large batch so far as each combines
+        (``CustomFacts.log_kinds``); a large batch's first piece replaces the last
+        one's values (a NaN there included). After this piece's sums are committed."""
+        first = tf.cast(self.sums.rows.read_value(), tf.float32) <= tf.cast(piece.rows,
+                                                                            tf.float32)
+        assert self.plan.custom is not None
+        ops = []
+        for v, total, t, weight, kind in zip(
+                tf.nest.flatten(self.logs), self._log_weights, tf.nest.flatten(piece.logs),
+                piece.log_weights, self.plan.custom.log_kinds, strict=True):
+            t = tf.cast(t, v.dtype)
+            if kind == "last":
+                ops.append(v.assign(t))
+                continue
+            if kind in ("sum", "max", "min"):
+                both = {"sum": tf.add, "max": tf.maximum, "min": tf.minimum}[kind](v, t)
+                ops.append(v.assign(tf.where(first, t, both)))
+                continue
+            gathered = tf.where(first, weight, total + weight)
+            share = tf.cast(tf.math.divide_no_nan(weight, gathered), v.dtype)
+            ops += [total.assign(gathered), v.assign(tf.where(first, t, v + (t - v) * share))]
+        return after(ops)
 
     def keep_metrics(self) -> tf.Tensor:
         """Copy a custom step's metric variables as they stand (after a committed piece)."""

@@ -1,0 +1,256 @@
+"""What a custom step differentiates, read term by term, so that the large batch's
+gradient comes exactly from its micro-batches' or the step is refused.
+
+A scalar handed to ``tape.gradient`` is read (:func:`read`) as a sum of terms, each a
+batch-independent factor times one of:
+
+- ``SUM``: a sum over the rows of per-row values (``reduce_sum(loss)``; a sum divided
+  by a constant, ``compute_average_loss(l, global_batch_size=B)``). Micro-batches'
+  gradients add up.
+- ``COUNT``: a mean over the rows, or over every element of per-row values of a static
+  shape (``reduce_mean``, a sum over the count of rows): weighed by each micro-batch's
+  rows, divided once by the large batch's.
+- ``RATIO``: a sum divided by a value of the batch that no weight reaches (a count of
+  real tokens, a sum of sample weights, ``reduce_mean(boolean_mask(l, m))``): each
+  micro-batch's gradient weighed by its own divisor, the sum divided once by the sum of
+  the divisors.
+- ``FIXED``: a term that reads no batch (a weight penalty,
+  ``scale_regularization_loss``): counted once per large batch, in the share of a term
+  beside it.
+
+Anything else (a maximum over the batch, ``top_k`` or a sort of per-row losses, a loss
+divided by a value the model computes, a product of two batch values, an op the reading
+does not know) has no exact split: :func:`read` raises :class:`Unreadable`, naming the
+op. A target with one value per row (``tape.gradient`` sums it) is one ``SUM`` term.
+
+The walk reads ops and static values only; it runs nothing of the batch. AutoGraph must
+not convert it (it is called while a step is traced).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+
+from autosplit.keras_hooks.traced import evaluate, full_reduction_input, mixes_rows
+
+__all__ = ["COUNT", "FIXED", "RATIO", "SUM", "Term", "Unreadable", "log_kind", "read"]
+
+SUM, COUNT, RATIO, FIXED = "sum", "count", "ratio", "fixed"
+
+_PASS_THROUGH = frozenset({"Identity", "Cast", "CheckNumerics", "StopGradient"})
+_DIVISIONS = frozenset({"RealDiv", "DivNoNan", "Div"})
+_EXTREMES = frozenset({"Max", "Min"})
+_SHAPES = frozenset({"Shape", "Size", "Rank"})
+
+
+class Term(NamedTuple):
+    """One term of a scalar: ``coefficient * tensor``, of ``kind``."""
+
+    tensor: Any
+    coefficient: Any  # a float, or a scalar tensor that reads no batch
+    kind: str
+    denominator: Any = None  # RATIO: the divisor (a scalar tensor of the batch)
+
+
+class Unreadable(Exception):
+    """A scalar whose split into micro-batches is not exact; ``op`` says where."""
+
+    def __init__(self, op: Any, why: str) -> None:
+        super().__init__(f"{why} (op {op.type!r}, {op.name!r})")
+        self.op, self.why = op, why
+
+
+class _Reader:
+    def __init__(self, rows: int | None, stop: set) -> None:
+        self.rows, self.stop = rows, stop
+
+
+@tf.autograph.experimental.do_not_convert
+def read(value: Any, rows: int | None = None, stop: Any = ()) -> list[Term]:
+    """The terms of ``value``, a target a step differentiates, in a graph being traced.
+
+    Args:
+        value: a scalar (or a tensor of one value per row) in a graph being traced.
+        rows: the batch's static row count, or None.
+        stop: ops whose outputs are per-row values the step computed (its layers'
+            outputs, its inputs): between them and ``value`` no op may mix rows.
+
+    Raises:
+        Unreadable: a part of ``value`` has no exact split into micro-batches.
+    """
+    value = tf.convert_to_tensor(value)
+    reader = _Reader(rows, set(stop))
+    if value.shape.rank != 0:
+        if value.shape.rank is None or value.shape[0] not in (None, rows):
+            raise Unreadable(value.op, "a target that is neither a scalar nor one value "
+                                       "per row")
+        return [Term(value, 1.0, SUM)]
+    terms: list[Term] = []
+    _read(value, 1.0, reader, terms)
+    return terms
+
+
+def log_kind(value: Any, rows: int | None = None, stop: Any = ()) -> tuple[str, Any]:
+    """How a logged scalar combines over the micro-batches, and its weight where it is a
+    weighed mean: ``("last", None)`` reads no batch (a tracker's ``result()``); ``SUM``;
+    ``COUNT`` (weighed by rows); ``RATIO`` (weighed by its divisor); ``"max"``,
+    ``"min"``; ``"other"``: none of these (weighed by rows, with a warning)."""
+    value = tf.convert_to_tensor(value)
+    if value.shape.rank != 0 or not value.dtype.is_floating or not _reads_batch(value, set(stop)):
+        return "last", None
+    op = _peel(value.op)
+    if op.type in _EXTREMES and full_reduction_input(op, rows) is not None:
+        return ("max" if op.type == "Max" else "min"), None
+    try:
+        terms = read(value, rows, stop)
+    except Unreadable:
+        return "other", None
+    varying = [t for t in terms if t.kind != FIXED]
+    kinds = {t.kind for t in varying}
+    if len(kinds) != 1 or (kinds == {SUM} and len(varying) < len(terms)):
+        return "other", None
+    (kind,) = kinds
+    if kind == RATIO:
+        divisors = {id(t.denominator) for t in varying}
+        return (RATIO, varying[0].denominator) if len(divisors) == 1 else ("other", None)
+    return kind, None
+
+
+def _peel(op) -> Any:
+    while op.type in _PASS_THROUGH:
+        op = op.inputs[0].op
+    return op
+
+
+def _times(coefficient: Any, factor: Any) -> Any:
+    if isinstance(coefficient, float) and coefficient == 1.0:
+        return factor
+    return coefficient * tf.cast(factor, tf.float32)
+
+
+def _read(tensor, coefficient, reader: _Reader, out: list) -> None:
+    op = tensor.op
+    kind = op.type
+    inputs = list(op.inputs)
+    if kind in _PASS_THROUGH or (kind in ("Sum", "Mean") and inputs[0].shape.rank == 0):
+        return _read(inputs[0], coefficient, reader, out)
+    if kind in ("AddV2", "Add", "AddN"):
+        for t in inputs:
+            _read(t, coefficient, reader, out)
+        return None
+    if kind == "Sub":
+        _read(inputs[0], coefficient, reader, out)
+        return _read(inputs[1], _times(coefficient, -1.0), reader, out)
+    if kind == "Neg":
+        return _read(inputs[0], _times(coefficient, -1.0), reader, out)
+    if kind in ("Sum", "Mean") and inputs[0].op.type == "Pack" and inputs[0].shape.rank == 1:
+        stacked = list(inputs[0].op.inputs)  # Keras's compute_loss: a stack of scalars
+        share = 1.0 if kind == "Sum" else 1.0 / len(stacked)
+        for t in stacked:
+            _read(t, _times(coefficient, share), reader, out)
+        return None
+    if not _reads_batch(tensor, reader.stop):
+        out.append(Term(tensor, coefficient, FIXED))
+        return None
+    if kind == "Mul":
+        for this, other in ((inputs[0], inputs[1]), (inputs[1], inputs[0])):
+            if not _reads_batch(other, reader.stop):
+                return _read(this, _times(coefficient, other), reader, out)
+        raise Unreadable(op, "a product of two values of the batch")
+    if kind in _DIVISIONS:
+        return _read_division(tensor, coefficient, reader, out)
+    if kind in ("Sum", "Mean"):
+        reduced = _rows_reduced(op, reader)
+        if kind == "Sum":
+            out.append(Term(tensor, coefficient, SUM))
+        elif reduced.shape.is_fully_defined() and reduced.shape[0] == reader.rows:
+            out.append(Term(tensor, coefficient, COUNT))
+        else:  # a mean over a count the batch decides (the unmasked tokens)
+            size = tf.cast(tf.size(reduced), tf.float32)
+            out.append(Term(tensor, coefficient, RATIO, size))
+        return None
+    if kind in _EXTREMES:
+        raise Unreadable(op, "a maximum or minimum over the batch")
+    raise Unreadable(op, "an operation the reading does not know how to split")
+
+
+def _read_division(tensor, coefficient, reader: _Reader, out: list) -> None:
+    op = tensor.op
+    numerator, divisor = op.inputs[0], op.inputs[1]
+    if not _reads_batch(divisor, reader.stop):
+        if _is_count_of(numerator, evaluate(divisor), reader):
+            out.append(Term(tensor, coefficient, COUNT))
+            return
+        return _read(numerator, _times(coefficient, 1.0 / tf.cast(divisor, tf.float32)),
+                     reader, out)
+    if _reads_variables(divisor):
+        raise Unreadable(op, "a division by a value the model computes from the batch "
+                             "(a per-batch normalisation of the loss)")
+    inner: list[Term] = []
+    _read(numerator, 1.0, reader, inner)
+    if any(t.kind not in (SUM, FIXED) for t in inner) or not any(t.kind == SUM for t in inner):
+        raise Unreadable(op, "a division of something other than a sum over the rows "
+                             "by a value of the batch")
+    out.append(Term(tensor, coefficient, RATIO, tf.cast(divisor, tf.float32)))
+    return None
+
+
+def _is_count_of(numerator, divisor, reader: _Reader) -> bool:
+    """Whether a static ``divisor`` counts the rows, or the elements, that
+    ``numerator`` (a sum over every axis, maybe scaled) sums."""
+    if divisor is None or divisor.ndim:
+        return False
+    op = _peel(numerator.op)
+    while op.type == "Mul" and any(evaluate(t) is not None for t in op.inputs):
+        op = _peel(next(t for t in op.inputs if evaluate(t) is None).op)
+    if op.type != "Sum":
+        return False
+    reduced = full_reduction_input(op, reader.rows)
+    if reduced is None or not reduced.shape.is_fully_defined():
+        return False
+    return float(divisor) in (float(reduced.shape[0]), float(reduced.shape.num_elements()))
+
+
+def _rows_reduced(op, reader: _Reader) -> Any:
+    """The per-row values a full ``Sum`` or ``Mean`` reduces, checked: no op between
+    them and the step's own values mixes rows."""
+    reduced = full_reduction_input(op, None)
+    if reduced is None:
+        raise Unreadable(op, "a reduction over some axes of the batch only, or over "
+                             "values whose shape is not known")
+    mixing = mixes_rows(reduced.op, reader.stop)
+    if mixing is not None:
+        raise Unreadable(mixing, "an operation that mixes the batch's rows (a sort, top_k, "
+                                 "a reduction or a product over the rows)")
+    return reduced
+
+
+def _ancestors(top, shapes: bool = True) -> Any:
+    """``top`` and the ops it is computed from; through a shape op's input where
+    ``shapes`` and that shape is dynamic (the batch's size reaches it, no value does)."""
+    seen, stack = set(), [top]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        yield op
+        if op.type in _SHAPES and (not shapes or tf.get_static_value(op.outputs[0]) is not None):
+            continue
+        stack.extend(t.op for t in op.inputs)
+
+
+def _reads_batch(tensor, batch: set) -> bool:
+    """Whether a value of the batch, or its dynamic shape, reaches ``tensor``: one of
+    ``batch``'s ops (the step's inputs, its layers' outputs); without them, a function
+    input or captured tensor that is not a variable's handle."""
+    if batch:
+        return any(op in batch for op in _ancestors(tensor.op))
+    return any(op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
+               for op in _ancestors(tensor.op))
+
+
+def _reads_variables(tensor) -> bool:
+    return any(op.type == "ReadVariableOp" for op in _ancestors(tensor.op, shapes=False))
