@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from common import relative_error
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import autosplit
 from autosplit.errors import UnsupportedModelError
@@ -171,3 +173,41 @@ def test_gradients_scaled_by_a_constant_or_added_up_before_the_apply_train_as_mo
     autosplit.fit_large_batch(candidate, x, y, batch_size=B, micro_batch_size=M, epochs=1,
                               shuffle=False, verbose=0)
     assert relative_error(reference.get_weights(), candidate.get_weights()) <= 1e-5
+
+
+# ---------------------------------------------------------------- generated steps
+
+PARTS = {**LOSSES, **{name: fn for name, (fn, _) in REFUSED.items()},
+         "penalty": lambda m, tok, mask, p, y: tf.add_n(m.losses)}
+TRANSFORMS = {None: None, "scaled": lambda g: [0.5 * t for t in g], **CLIPS}
+TRIED: dict[str, int] = {"trained": 0, "refused": 0}  # -s and a print show the split
+
+
+@settings(max_examples=16, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(parts=st.lists(st.tuples(st.sampled_from(sorted(PARTS)),
+                                st.sampled_from([1.0, -0.5, 2.0])), min_size=1, max_size=3),
+       transform=st.sampled_from(list(TRANSFORMS)))
+def test_a_generated_step_trains_as_model_fit_or_is_refused_before_anything_changes(
+        parts, transform):
+    # Never a third outcome: a step that trains differs from model.fit by rounding only.
+    def loss_fn(m, tok, mask, p, y):
+        return tf.add_n([c * PARTS[name](m, tok, mask, p, y) for name, c in parts])
+
+    x, y = data()
+    candidate = make(loss_fn, TRANSFORMS[transform])
+    before = [w.copy() for w in candidate.get_weights()]
+    try:
+        autosplit.fit_large_batch(candidate, x, y, batch_size=B, micro_batch_size=M,
+                                  epochs=1, shuffle=False, verbose=0)
+    except UnsupportedModelError:
+        TRIED["refused"] += 1
+        assert all(np.array_equal(a, b)
+                   for a, b in zip(before, candidate.get_weights(), strict=True))
+        assert int(candidate.optimizer.iterations) == 0
+        return
+    TRIED["trained"] += 1
+    reference = make(loss_fn, TRANSFORMS[transform])
+    reference.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert relative_error(reference.get_weights(), candidate.get_weights()) <= 1e-5
+    assert int(candidate.optimizer.iterations) == int(reference.optimizer.iterations)
