@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
-from common import labelled, relative_error, tensor_relative_error
+from common import labelled, relative_error
 
 import autosplit
 from autosplit.capped import write_result
@@ -132,11 +132,15 @@ def input_kinds(folder):
 
 def wide_cnn():
     """The convolutions, pooling and batch normalization whose oneDNN kernels end the
-    process when an allocation fails under the cap."""
+    process when an allocation fails under the cap. The convolution before the batch
+    normalization has no bias, as such blocks are written: the normalization subtracts
+    the batch's mean, so that bias's gradient nearly cancels and rounding moves it most
+    (the same run twice moved it 2e-5 to 5e-5 relative, oneDNN on; every other weight
+    less than 2e-6)."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((32, 32, 3)),
-        keras.layers.Conv2D(128, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(128, 3, padding="same", activation="relu", use_bias=False),
         keras.layers.BatchNormalization(),
         keras.layers.Conv2D(128, 3, padding="same", activation="relu"),
         keras.layers.MaxPooling2D(),
@@ -176,19 +180,13 @@ def cnn_under_the_cap(folder):
     report["warnings"] = [str(w.message) for w in caught if "trial step" in str(w.message)]
     report["fit"] = history.autosplit.to_dict()
     report["iterations"] = int(model.optimizer.iterations)
-    references = []
-    for _ in range(2):  # twice: what oneDNN's own run-to-run noise is here
-        reference = wide_cnn()
-        autosplit.keras_hooks.internals.symbolic_build(reference, (x[:8], y[:8], None))
-        reference.set_weights(before)
-        autosplit.fit_large_batch(reference, x, y, batch_size=512,
-                                  micro_batch_size=history.autosplit.micro_batch_size,
-                                  shuffle=False, verbose=0)
-        references.append(reference.get_weights())
-    report["error"] = relative_error(references[0], model.get_weights())
-    report["errors"] = [tensor_relative_error(a, b)
-                        for a, b in zip(references[0], model.get_weights(), strict=True)]
-    report["noise"] = relative_error(references[0], references[1])
+    reference = wide_cnn()
+    autosplit.keras_hooks.internals.symbolic_build(reference, (x[:8], y[:8], None))
+    reference.set_weights(before)
+    autosplit.fit_large_batch(reference, x, y, batch_size=512,
+                              micro_batch_size=history.autosplit.micro_batch_size,
+                              shuffle=False, verbose=0)
+    report["error"] = relative_error(reference.get_weights(), model.get_weights())
     write_result(report)
 
 

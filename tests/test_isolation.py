@@ -8,8 +8,6 @@ failure, and the test needs them to.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import keras
 import numpy as np
 import pytest
@@ -66,33 +64,28 @@ def test_a_crashed_trial_is_an_out_of_memory_one():
     assert autosplit.search.trials.format_trial(trial, 2**20).split()[2] == "crashed"
 
 
-# On an AMD EPYC host (TensorFlow 2.21, oneDNN on) the capped child itself ends with
-# SIGSEGV (returncode -11, nothing reported), outside the isolated trials: measured on
-# the commit before the custom-step reading too, so not caused by it. The cause is not
-# found yet; the test runs there and reports, and must pass on Intel.
-_AMD = Path("/proc/cpuinfo").exists() and "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
-
-
 @pytest.mark.slow
-@pytest.mark.xfail(_AMD, reason="on AMD the capped child ends with SIGSEGV outside the "
-                   "isolated trials (cause not found)", strict=False)
-def test_under_a_real_cap_with_onednn_a_crashing_kernel_costs_one_trial(tmp_path):
-    """A wide CNN under a 600 MiB cap. Its trial at 512 rows ends the child process in a
-    oneDNN kernel (SIGSEGV); the next trial runs in a new child. The probe ends with a
-    size, leaving the model as it was; fit_large_batch given 512 rows starts at a size
-    whose trial ran and trains for the same number of steps."""
+def test_under_a_real_cap_a_trial_that_ends_its_process_costs_one_trial(tmp_path):
+    """A wide CNN under a 600 MiB cap. Its trial at 512 rows runs out of memory in a child
+    process: with oneDNN on, its convolution ends the child (SIGSEGV); without oneDNN (the
+    default on x86 CPUs without AVX512_VNNI, AVX512_BF16 or AMX, as many AMD EPYC hosts
+    are), the kernel raises, and a step first run near the cap can still end the child in
+    TensorFlow's constant folding. Either way the process lives on, the probe ends with a
+    size, leaving the model as it was, and fit_large_batch given 512 rows starts at a size
+    whose trial ran and trains as a run given that size does (the CNN has no bias
+    before its batch normalization, whose gradient nearly cancels:
+    ``capped_child.wide_cnn``)."""
     report, _ = run_child("cnn", tmp_path, 600)
-    assert report["onednn"] and report["may_crash"], report
-    crashed, small = report["direct"]
-    assert crashed["crashed"] and crashed["oom"] and crashed["peak_bytes"] is None
+    assert report["may_crash"], report
+    too_big, small = report["direct"]
+    assert too_big["oom"] and not too_big["fits"] and too_big["peak_bytes"] is None
     assert small["fits"] and not small["crashed"]
     assert 1 <= report["probe"]["micro_batch_size"] < 512
     assert report["unchanged"]
     fit = report["fit"]
     assert fit["micro_batch_size"] < 512 and report["warnings"], report
-    assert "ended its process" in report["warnings"][0]
+    assert all(("ended its process" in w) != ("ran out of memory" in w)
+               for w in report["warnings"]), report["warnings"]
+    assert fit["oom_recoveries"] == [], fit  # the checked size ran here too
     assert report["iterations"] == 2
-    # Not asserted: the weights against a run started at that size. Two runs of this
-    # scenario measured 1.5e-5 relative where two reference runs differ by 1e-6; the
-    # cause is open (noted on issue 43), so the figure is reported only.
-    print("relative error", report["error"], "noise", report["noise"])
+    assert report["error"] <= 1e-5, report["error"]

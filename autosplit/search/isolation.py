@@ -2,10 +2,17 @@
 costs one trial and not the run.
 
 Under TensorFlow's CPU cap (``TF_CPU_ALLOCATOR_USE_BFC``) an allocation can fail, and
-TensorFlow's oneDNN kernels (``TF_ENABLE_ONEDNN_OPTS``, on by default on x86 Linux)
-do not all stop when one does: convolutions and batch normalization carry on
-with an unallocated output and end the process with SIGSEGV instead of raising
-``ResourceExhaustedError`` (TensorFlow 2.21; matrix products raise). The probe's
+TensorFlow does not always stop when one does; it then ends the process with SIGSEGV
+instead of raising ``ResourceExhaustedError`` (TensorFlow 2.21):
+
+- oneDNN's convolution and batch normalization kernels (``TF_ENABLE_ONEDNN_OPTS``) carry
+  on with an output they never got (matrix products raise);
+- with or without oneDNN, a ``tf.function``'s first run folds its constant subgraphs
+  (``ConstantFold``), and the copy of a folded constant (``tensor::DeepCopy``) writes
+  into an allocation that failed. A step traced for a new micro-batch size near the cap,
+  as after an out-of-memory error, can end the process there.
+
+The probe's
 trials are where such failures are expected, so there they run in a child process
 that loads a copy of the model (``model.save``) and a sample of the data, and runs the
 same trials (:func:`autosplit.search.runner.child_trials`) at the sizes the parent's search
@@ -45,15 +52,16 @@ def kernels_may_crash() -> bool:
 
     True on a machine without a GPU when TensorFlow's CPU allocator is capped
     (BFC with a limit, the only way to make a CPU run out of memory before the
-    operating system does) and TensorFlow's oneDNN kernels are on.
+    operating system does), whether or not oneDNN is on: TensorFlow's own set-up of a
+    function's first run (constant folding) crashes on a failed allocation too. oneDNN
+    is off by default on x86 CPUs without AVX512_VNNI, AVX512_BF16 or AMX (many AMD EPYC
+    hosts), and there a capped run crashed in ``tensor::DeepCopy`` under ``ConstantFold``.
     """
     import tensorflow as tf
 
     from autosplit.memory.host import is_tf_bfc_capped
 
-    if tf.config.list_logical_devices("GPU") or is_tf_bfc_capped() is None:
-        return False
-    return onednn_enabled()
+    return not tf.config.list_logical_devices("GPU") and is_tf_bfc_capped() is not None
 
 
 def onednn_enabled() -> bool:
@@ -219,7 +227,7 @@ def checked_micro_batch(model: Any, sample: tuple, batch_size: int, micro_batch_
             from autosplit.warn import warn_user
 
             warn_user(f"micro_batch_size={micro_batch_size} is not tried in a child process "
-                      f"first ({error}): under TensorFlow's CPU cap with oneDNN on, a kernel "
+                      f"first ({error}): under TensorFlow's CPU cap a kernel "
                       "that runs out of memory ends this process instead of raising.")
             return micro_batch_size
         with trials:

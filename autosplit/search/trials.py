@@ -97,7 +97,7 @@ def probe(
         isolate: run the trials in a child process (``autosplit.search.isolation``), where a
             kernel that crashes on an allocation failure costs one trial, not this
             process. ``None`` (default): where that can happen, on the CPU under
-            TensorFlow's cap with oneDNN on. Not under a ``tf.distribute`` strategy.
+            TensorFlow's cap. Not under a ``tf.distribute`` strategy.
 
     Returns:
         A ``ProbeResult`` with the chosen ``micro_batch_size`` and every trial.
@@ -291,8 +291,9 @@ def _isolated(model: keras.Model, data: InputAdapter, local_batch: int, budget: 
     except IsolationError as error:
         warn_user(
             f"The probe's trials run in this process: {error}. Under TensorFlow's CPU cap "
-            "with oneDNN on, a convolution or batch normalization kernel that "
-            "runs out of memory ends the process instead of raising. Make the model "
+            "a kernel that runs out of memory (oneDNN's convolution or batch "
+            "normalization, or a new step's constant folding) may end the process "
+            "instead of raising. Make the model "
             "loadable by keras.saving.load_model (register its custom objects with "
             "keras.saving.register_keras_serializable, in a module both processes "
             "import), or set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow starts.")
