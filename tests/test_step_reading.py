@@ -74,6 +74,7 @@ class Step(keras.Model):
 
     loss_fn = staticmethod(LOSSES["sum"])
     clip = None
+    tracker = None  # a keras.metrics.Mean updated with the loss, as the guides' steps do
 
     def train_step(self, data):
         x, y = data
@@ -86,16 +87,22 @@ class Step(keras.Model):
         if self.clip is not None:
             grads = self.clip(grads)
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
-        return {"step_loss": loss, "worst": tf.reduce_max(tf.reduce_mean(losses, 1))}
+        logs = {"step_loss": loss, "worst": tf.reduce_max(tf.reduce_mean(losses, 1))}
+        if self.tracker is not None:
+            self.tracker.update_state(loss)
+            logs["tracked"] = self.tracker.result()
+        return logs
 
 
-def make(loss_fn, clip=None):
+def make(loss_fn, clip=None, tracked=False):
     keras.utils.set_random_seed(3)
     inputs = keras.Input((T, 4))
     hidden = keras.layers.Dense(16, activation="relu",
                                 kernel_regularizer=keras.regularizers.L2(1e-3))(inputs)
     model = Step(inputs, keras.layers.Dense(5)(hidden))
     model.loss_fn, model.clip = staticmethod(loss_fn), clip
+    if tracked:
+        model.tracker = keras.metrics.Mean("tracked")
     model.compile(optimizer=keras.optimizers.SGD(0.1))
     return model
 
@@ -103,11 +110,6 @@ def make(loss_fn, clip=None):
 def data():
     r = np.random.default_rng(0)
     return r.normal(size=(N, T, 4)).astype("float32"), r.integers(0, 5, size=(N, T))
-
-
-# Losses of terms that combine differently (a sum beside a mean or a penalty): they
-# train exactly, but their value as a log is combined by rows, and a warning says so.
-MIXED_LOGS = {"mean_plus_sum", "tutorial_with_regularization"}
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -121,12 +123,27 @@ def test_a_step_s_loss_trains_and_logs_as_model_fit(name):
                                         epochs=2, shuffle=False, verbose=0)
     assert relative_error(reference.get_weights(), candidate.get_weights()) <= 1e-5
     assert int(candidate.optimizer.iterations) == int(reference.optimizer.iterations) == 4
-    named = [w for w in seen if "returns step_loss" in str(w.message)]
-    assert bool(named) == (name in MIXED_LOGS)
-    logs = ("worst",) if name in MIXED_LOGS else ("step_loss", "worst")
-    for log in logs:  # the last large batch's: a sum, a mean, a ratio, a maximum
+    assert not [w for w in seen if "returns step_loss" in str(w.message)]
+    # The last large batch's: a sum, a mean, a ratio, a maximum, and a sum of terms
+    # that combine differently (a mean beside a sum or a penalty), part by part.
+    for log in ("step_loss", "worst"):
         np.testing.assert_allclose(got.history[log], expected.history[log], rtol=1e-5,
                                    err_msg=log)
+
+
+# A tracker's update is weighed so that the micro-batches add up to one update with the
+# large batch's value: a sum, a mean, a penalty, and sums of them, part by part.
+@pytest.mark.parametrize("name", ["sum", "compute_average_loss", "mean_plus_sum",
+                                  "tutorial_with_regularization", "sum_over_a_constant"])
+def test_a_tracker_updated_with_the_loss_holds_model_fit_s_mean(name):
+    x, y = data()
+    reference, candidate = make(LOSSES[name], tracked=True), make(LOSSES[name], tracked=True)
+    expected = reference.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # exact, so nothing to warn of
+        got = autosplit.fit_large_batch(candidate, x, y, batch_size=B, micro_batch_size=M,
+                                        epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(got.history["tracked"], expected.history["tracked"], rtol=1e-5)
 
 
 def _refused(model, match):
@@ -198,8 +215,8 @@ def test_a_generated_step_trains_as_model_fit_or_is_refused_before_anything_chan
     candidate = make(loss_fn, TRANSFORMS[transform])
     before = [w.copy() for w in candidate.get_weights()]
     try:
-        autosplit.fit_large_batch(candidate, x, y, batch_size=B, micro_batch_size=M,
-                                  epochs=1, shuffle=False, verbose=0)
+        got = autosplit.fit_large_batch(candidate, x, y, batch_size=B, micro_batch_size=M,
+                                        epochs=1, shuffle=False, verbose=0)
     except UnsupportedModelError:
         TRIED["refused"] += 1
         assert all(np.array_equal(a, b)
@@ -208,6 +225,71 @@ def test_a_generated_step_trains_as_model_fit_or_is_refused_before_anything_chan
         return
     TRIED["trained"] += 1
     reference = make(loss_fn, TRANSFORMS[transform])
-    reference.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
     assert relative_error(reference.get_weights(), candidate.get_weights()) <= 1e-5
     assert int(candidate.optimizer.iterations) == int(reference.optimizer.iterations)
+    for log in ("step_loss", "worst"):  # every part of a trained step's loss combines
+        np.testing.assert_allclose(got.history[log], expected.history[log],
+                                   rtol=1e-5, atol=1e-6, err_msg=log)
+
+
+class Scheduled(Step):
+    """Logs the step count and a scheduled learning rate before and after its apply."""
+
+    def train_step(self, data):
+        before = {"lr_before": self.optimizer.learning_rate,
+                  "count_before": tf.cast(self.optimizer.iterations, tf.float32)}
+        logs = super().train_step(data)
+        return {**logs, **before, "lr_after": self.optimizer.learning_rate,
+                "count_after": tf.cast(self.optimizer.iterations, tf.float32)}
+
+
+def test_what_a_step_reads_after_its_apply_is_read_after_the_one_real_apply():
+    x, y = data()
+    models = []
+    for _ in range(2):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((T, 4))
+        model = Scheduled(inputs, keras.layers.Dense(5)(inputs))
+        model.loss_fn = staticmethod(LOSSES["masked_mean"])
+        model.compile(optimizer=keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)))
+        models.append(model)
+    reference, candidate = models
+    expected = reference.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    got = autosplit.fit_large_batch(candidate, x, y, batch_size=B, micro_batch_size=M,
+                                    epochs=2, shuffle=False, verbose=0)
+    assert expected.history["count_after"] == [2.0, 4.0]
+    np.testing.assert_allclose(expected.history["lr_after"], [0.025, 0.00625])  # a step on
+    for log in ("lr_before", "count_before", "lr_after", "count_after", "step_loss"):
+        np.testing.assert_allclose(got.history[log], expected.history[log], rtol=1e-6,
+                                   err_msg=log)
+    assert relative_error(reference.get_weights(), candidate.get_weights()) <= 1e-5
+
+
+class GradientNorm(Step):
+    """Logs the norm of its gradients, which only the large batch's summed gradient has."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            logits = self(x, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                y, logits, from_logits=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return {"loss": loss, "gradient_norm": tf.linalg.global_norm(grads)}
+
+
+def test_a_value_no_rule_combines_is_logged_by_rows_with_a_warning_naming_it():
+    # A norm of the gradients is not a sum, mean, ratio, maximum or minimum of the
+    # micro-batches' norms: the weights train exactly, the log is said to differ.
+    x, y = data()
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((T, 4))
+    model = GradientNorm(inputs, keras.layers.Dense(5)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    with pytest.warns(UserWarning, match="returns gradient_norm"):
+        got = autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M,
+                                        verbose=0)
+    assert np.all(np.isfinite(got.history["gradient_norm"]))

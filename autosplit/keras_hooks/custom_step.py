@@ -20,9 +20,10 @@ them. autosplit does the same thing inside its loop, exactly:
   is weighed so that the micro-batches add up to one update of the large batch's value
   (``interception.weighed_trackers``).
 - The logs are what the step returned, combined over the micro-batches as each value
-  combines (``target.log_kind``): a tracker's result as the last micro-batch left it,
-  a mean by rows, a ratio by its divisor, a sum, a maximum, a minimum. A value that
-  combines none of these ways is weighed by rows, with a warning.
+  combines (``target.log_parts``): a tracker's result as the last micro-batch left it,
+  a mean by rows, a ratio by its divisor, a sum, a maximum, a minimum, and a sum of
+  such terms (a mean plus a penalty on a sum) part by part. A value that combines none
+  of these ways is weighed by rows, with a warning.
 
 A step that applies gradients more than once, or through another optimizer (a GAN's
 two), has no exact split in one pass; nor has one that assigns variables of its own
@@ -44,7 +45,7 @@ from autosplit.errors import UnsupportedModelError, noted
 from autosplit.keras_hooks.batchnorm import calls_of, counted_all, pooled_layers, recording
 from autosplit.keras_hooks.gradients import Reading
 from autosplit.keras_hooks.interception import check_writes, intercept, watch_writes
-from autosplit.keras_hooks.target import log_kind
+from autosplit.keras_hooks.target import log_parts
 from autosplit.keras_hooks.traced import repeats_rows
 from autosplit.step.compiled import trace as trace_once
 from autosplit.warn import warn_user
@@ -83,16 +84,18 @@ class CustomFacts:
 
     has_grad: tuple[bool, ...]  # per model.trainable_variables: the step applies a gradient
     logs: Any  # tf.TensorSpec structure of what the step returns
-    # Per flat log, how it combines over the micro-batches (target.log_kind): "last" (a
-    # tracker's result), "sum", "count" (a mean, by rows), "ratio" (by its divisor),
-    # "max", "min", "other" (by rows, warned).
-    log_kinds: tuple[str, ...]
+    # Per flat log, how each of its parts combines over the micro-batches
+    # (target.log_parts): "last" (a tracker's result), "sum", "count" (a mean, by rows),
+    # "ratio" (by its divisor), "fixed", "max", "min", "other" (by rows, warned).
+    log_kinds: tuple[tuple[str, ...], ...]
     # a gradient it applies is tf.IndexedSlices (an Embedding's) that may name a row twice
     sparse_gradients: bool
     batch_norm_calls: tuple[tuple[Any, int], ...] = ()  # as LossPlan.batch_norm_calls
     # The groups of the terms of the losses it differentiates (keras_hooks.gradients),
     # replayed by every trace of the step that runs.
     reading: Reading = field(default_factory=Reading)
+    # per scalar tracker update, how its parts combine (interception.weighed_trackers)
+    tracker_kinds: tuple[tuple[str, ...], ...] = ()
 
 
 def flat_logs(result: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +150,7 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
         with intercept(model, None, 1, static_rows=rows, inputs=(x, y, sample_weight)) as seen, \
                 watch_writes() as written, recording(layers) as records:
             logs = model.train_step(batch_data(x, y, sample_weight))
-            kinds = tuple(log_kind(t, rows, seen.split.stop)[0]
+            kinds = tuple(tuple(part.kind for part in log_parts(t, rows, seen.split.stop))
                           for t in tf.nest.flatten(logs))
         facts.update(seen=seen, logs=logs, written=written, log_kinds=kinds,
                      batch_norm_calls=calls_of(layers, records))
@@ -175,7 +178,7 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
                                  facts["logs"])
     gradients = [g for grads in seen.gradients.values() for g in grads]
     other = [name for name, kind in zip(_log_names(facts["logs"]), facts["log_kinds"],
-                                        strict=True) if kind == "other"]
+                                        strict=True) if "other" in kind]
     if other:
         warn_user(
             f"autosplit: `{type(model).__name__}.train_step` returns {', '.join(other)}, "
@@ -186,13 +189,14 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
                        sparse_gradients=any(isinstance(g, tf.IndexedSlices)
                                             and repeats_rows(g) for g in gradients),
                        batch_norm_calls=facts["batch_norm_calls"],
-                       reading=seen.split.reading())
+                       reading=seen.split.reading(), tracker_kinds=tuple(seen.tracker_kinds))
 
 
 def _log_names(logs: Any) -> list[str]:
+    """A name per value of ``tf.nest.flatten(logs)``, in its order (a dict's sorted keys)."""
     if isinstance(logs, dict):
-        return [f"{name}" for name, value in logs.items()
-                for _ in tf.nest.flatten(value)]
+        return tf.nest.flatten({name: tf.nest.map_structure(lambda _, name=name: name, value)
+                                for name, value in logs.items()})
     return [f"log {i}" for i, _ in enumerate(tf.nest.flatten(logs))]
 
 

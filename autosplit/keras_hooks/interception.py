@@ -20,8 +20,8 @@ from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.gradients import PLAIN, Reading, Split, split_gradients
 from autosplit.keras_hooks.patches import class_patches, object_patches
-from autosplit.keras_hooks.target import COUNT, SUM, log_kind
-from autosplit.keras_hooks.traced import counts_rows
+from autosplit.keras_hooks.target import COUNT, FIXED, SUM, log_parts, replayed
+from autosplit.keras_hooks.traced import counts_rows, evaluate
 
 __all__ = [
     "PLAIN",
@@ -42,6 +42,9 @@ class Intercepted:
         self.split = split
         self.calls = 0
         self.gradients: dict = {}  # group -> per trainable variable (None: none)
+        # per scalar tracker update, in call order: how its parts combine (a throwaway
+        # trace's reading, of static rows, which later traces replay)
+        self.tracker_kinds: list[tuple[str, ...]] = []
 
     def record(self, grads, variables) -> None:
         self.calls += 1
@@ -72,12 +75,16 @@ class Intercepted:
 @contextlib.contextmanager
 def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int, *,
               static_rows: int | None, inputs: Any, replay: Reading | None = None,
+              trackers: tuple[tuple[str, ...], ...] = (),
               warn: Callable[[str], None] | None = None, plain: bool = False
               ) -> Iterator[Intercepted]:
     """While ``train_step`` runs on ``inputs``, a micro-batch of ``rows`` real rows (None:
     a throwaway trace): its gradients are answered per group (``replay``: the groups the throwaway
     trace read), its one ``apply_gradients`` is recorded, not applied, and scalar tracker
-    updates are weighed (:func:`weighed_trackers`). ``plain``: the gradients are
+    updates are weighed (:func:`weighed_trackers`; ``trackers``: how the throwaway trace
+    read each, ``Intercepted.tracker_kinds``). After that apply the step reads the
+    optimizer's step count (and a learning rate schedule of it) one step on, as after
+    the one real apply of the large batch. ``plain``: the gradients are
     the step's own, unweighed, in the one group ``PLAIN`` (a full batch's reference;
     nothing weighed). Python-side patches, active while the
     step is traced (or run eagerly)."""
@@ -94,30 +101,53 @@ def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int, *,
     # Any other optimizer's apply_gradients or apply raises; model.optimizer's own
     # attributes shadow these class attributes.
     base = keras.optimizers.Optimizer
+    count = vars(optimizer).get("_iterations")  # what Optimizer.iterations returns
     with split_gradients(model, rows, batch_size, static_rows, replay,
-                         inputs, plain) as split:
+                         inputs, plain) as split, _restored(optimizer, "_iterations"):
         seen = Intercepted(model, split)
+
+        def applied():
+            if count is not None and vars(optimizer).get("_iterations") is count:
+                object.__setattr__(optimizer, "_iterations", tf.convert_to_tensor(count) + 1)
 
         def apply_gradients(grads_and_vars):
             pairs = list(grads_and_vars)
             seen.record([g for g, _ in pairs], [v for _, v in pairs])
+            applied()
             return optimizer.iterations
 
         def apply(grads, trainable_variables=None):
             seen.record(list(grads), list(trainable_variables or model.trainable_variables))
+            applied()
 
         with (object_patches([(optimizer, "apply_gradients", apply_gradients),
                               (optimizer, "apply", apply)]),
               weighed_trackers(model, None if plain else rows, batch_size, static_rows,
-                               split.stop, warn),
+                               split.stop, warn, seen.tracker_kinds, trackers),
               class_patches([(base, "apply_gradients", foreign), (base, "apply", foreign)])):
             yield seen
+
+
+def _is(value: Any, number: int) -> bool:
+    return value is not None and value.ndim == 0 and float(value) == number
+
+
+@contextlib.contextmanager
+def _restored(obj: Any, name: str) -> Iterator[None]:
+    """Put ``obj``'s own attribute ``name`` back as it was after the block."""
+    saved = vars(obj).get(name)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            object.__setattr__(obj, name, saved)
 
 
 @contextlib.contextmanager
 def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int | tf.Tensor,
                      static_rows: int | None = None, stop: Any = (),
-                     warn: Callable[[str], None] | None = None) -> Iterator[None]:
+                     warn: Callable[[str], None] | None = None,
+                     record: list | None = None, replay: tuple = ()) -> Iterator[None]:
     """While a step runs on a micro-batch of ``rows`` rows: a metric of the model updated
     with one scalar (``self.loss_tracker.update_state(loss)``), without a sample weight or
     with the batch's row count as one (Keras's own train_step), is weighed so that a large
@@ -128,33 +158,54 @@ def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int
     - a sum over the rows (``autosplit.keras_hooks.target``), or a count of the rows
       computed from the batch's shape alone (:func:`counts_rows`), so that the parts add
       up to the whole: a ``Sum`` metric adds it as it is;
+    - a sum of such terms (a mean plus a penalty, a mean plus a sum), each part as
+      itself;
     - anything else (a ratio of sums, a maximum) weighed by rows, and ``warn`` is told.
 
     Updates per example, or with weights of their own, pass as they are. ``rows`` None:
-    no weighing (a throwaway trace)."""
+    no weighing (a throwaway trace): each update's kinds are appended to ``record``.
+    ``replay``: those kinds, by call order, read where the rows were static: a mean over
+    the rows reads as a ratio of their dynamic count in a later trace, and is a mean."""
+    calls = [0]
+
     def weighted(metric):
         original = metric.update_state
 
         def update_state(*args, **kwargs):
             values = args[0] if args else kwargs.get("values")
             weight = args[1] if len(args) > 1 else kwargs.get("sample_weight")
-            counted = weight is not None and counts_rows(tf.convert_to_tensor(weight))
-            if (rows is None or len(args) > 2 or not kwargs.keys() <= {"values", "sample_weight"}
+            counted = weight is not None and (
+                counts_rows(tf.convert_to_tensor(weight))  # the row count, from a shape
+                or (static_rows is not None and _is(evaluate(tf.convert_to_tensor(weight)),
+                                                     static_rows)))
+            if (len(args) > 2 or not kwargs.keys() <= {"values", "sample_weight"}
                     or values is None or tf.convert_to_tensor(values).shape.rank != 0
                     or (weight is not None and not counted)):
                 return original(*args, **kwargs)
             values = tf.convert_to_tensor(values)
+            parts = ([] if counts_rows(values) else log_parts(values, static_rows, stop))
+            call, calls[0] = calls[0], calls[0] + 1
+            if rows is None:
+                if record is not None:
+                    record.append(tuple(p.kind for p in parts))
+                return original(*args, **kwargs)
             share = tf.cast(rows, tf.float32) / tf.cast(batch_size, tf.float32)
-            kind = "rows" if counts_rows(values) else log_kind(values, static_rows, stop)[0]
-            if kind not in ("rows", SUM, COUNT, "last") and warn is not None:
-                warn(f"{metric.name} ({kind})")
-            if kind not in ("rows", SUM):
+            if call < len(replay):
+                parts = replayed(parts, replay[call]) or parts
+            kinds = {p.kind for p in parts}
+            if not kinds <= {SUM, COUNT, FIXED, "last"}:
+                if warn is not None:
+                    warn(f"{metric.name} ({', '.join(sorted(kinds))})")
                 return original(values, sample_weight=weight if counted else share)
-            # A sum (or count) adds up over the micro-batches: a Sum adds it as it is; a
-            # Mean adds it with the weight of one step's share.
-            if isinstance(metric, keras.metrics.Sum):
-                return original(values)
-            return original(tf.cast(values, tf.float32) / share,
+            if kinds <= {SUM} and isinstance(metric, keras.metrics.Sum):
+                return original(values)  # a sum adds up as it is
+            # A sum (or a count) adds up over the micro-batches, a mean weighs by rows:
+            # each micro-batch adds its share of the whole batch's value.
+            summed = [tf.cast(p.value, tf.float32) for p in parts if p.kind == SUM]
+            if not parts:
+                summed = [tf.cast(values, tf.float32)]
+            rest = [tf.cast(p.value, tf.float32) for p in parts if p.kind != SUM]
+            return original(tf.add_n([s / share for s in summed] + rest),
                             sample_weight=weight if counted else share)
 
         return update_state

@@ -35,7 +35,8 @@ import tensorflow as tf
 
 from autosplit.keras_hooks.traced import evaluate, full_reduction_input, mixes_rows
 
-__all__ = ["COUNT", "FIXED", "RATIO", "SUM", "Term", "Unreadable", "log_kind", "read"]
+__all__ = ["COUNT", "FIXED", "RATIO", "SUM", "LogPart", "Term", "Unreadable", "log_parts",
+           "read", "replayed"]
 
 SUM, COUNT, RATIO, FIXED = "sum", "count", "ratio", "fixed"
 
@@ -92,30 +93,55 @@ def read(value: Any, rows: int | None = None, stop: Any = ()) -> list[Term]:
     return terms
 
 
-def log_kind(value: Any, rows: int | None = None, stop: Any = ()) -> tuple[str, Any]:
-    """How a logged scalar combines over the micro-batches, and its weight where it is a
-    weighed mean: ``("last", None)`` reads no batch (a tracker's ``result()``); ``SUM``;
-    ``COUNT`` (weighed by rows); ``RATIO`` (weighed by its divisor); ``"max"``,
-    ``"min"``; ``"other"``: none of these (weighed by rows, with a warning)."""
+class LogPart(NamedTuple):
+    """One part of a logged scalar: ``value`` combines over the micro-batches as ``kind``
+    says; ``divisor`` is a ``RATIO`` part's (a scalar tensor of the batch)."""
+
+    kind: str
+    value: Any
+    divisor: Any = None
+
+
+def log_parts(value: Any, rows: int | None = None, stop: Any = ()) -> list[LogPart]:
+    """How a logged value combines over the micro-batches, as parts that add up to it.
+
+    One part ``"last"`` where it reads no batch (a tracker's ``result()``), or is not a
+    floating scalar; ``"max"`` or ``"min"`` for a maximum or minimum over the batch;
+    ``"other"`` where no rule combines it (weighed by rows, with a warning). Otherwise
+    its terms (:func:`read`) grouped by how they combine, in the order met: a ``SUM``
+    adds up, a ``COUNT`` is weighed by rows, a ``RATIO`` by its divisor (one part per
+    divisor), ``FIXED`` is the same for every micro-batch. ``mean + 1e-3 * sum`` is two
+    parts, each combined as itself, then added.
+    """
     value = tf.convert_to_tensor(value)
     if value.shape.rank != 0 or not value.dtype.is_floating or not _reads_batch(value, set(stop)):
-        return "last", None
+        return [LogPart("last", value)]
     op = _peel(value.op)
     if op.type in _EXTREMES and full_reduction_input(op, rows) is not None:
-        return ("max" if op.type == "Max" else "min"), None
+        return [LogPart("max" if op.type == "Max" else "min", value)]
     try:
         terms = read(value, rows, stop)
     except Unreadable:
-        return "other", None
-    varying = [t for t in terms if t.kind != FIXED]
-    kinds = {t.kind for t in varying}
-    if len(kinds) != 1 or (kinds == {SUM} and len(varying) < len(terms)):
-        return "other", None
-    (kind,) = kinds
-    if kind == RATIO:
-        divisors = {id(t.denominator) for t in varying}
-        return (RATIO, varying[0].denominator) if len(divisors) == 1 else ("other", None)
-    return kind, None
+        return [LogPart("other", value)]
+    groups: dict[Any, list[Term]] = {}
+    for t in terms:
+        groups.setdefault((t.kind, id(t.denominator) if t.kind == RATIO else None), []).append(t)
+    return [LogPart(kind, tf.add_n([_times(t.coefficient, t.tensor) for t in group]),
+                    group[0].denominator)
+            for (kind, _), group in groups.items()]
+
+
+def replayed(parts: list[LogPart], kinds: tuple[str, ...]) -> list[LogPart] | None:
+    """``parts`` of a value read in a trace of dynamic rows, as a trace of static rows read
+    the same value (``kinds``); None where they do not match. With the rows dynamic, a
+    mean over them reads as a ratio of their count, one part per count: where the static
+    reading found no ratio, those are means, and one part."""
+    if RATIO not in kinds:
+        merged: dict[str, list] = {}
+        for p in parts:
+            merged.setdefault(COUNT if p.kind == RATIO else p.kind, []).append(p.value)
+        parts = [LogPart(kind, tf.add_n(values)) for kind, values in merged.items()]
+    return parts if tuple(p.kind for p in parts) == tuple(kinds) else None
 
 
 def _peel(op) -> Any:

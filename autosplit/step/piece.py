@@ -26,12 +26,13 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
+from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.batchnorm import recording
 from autosplit.keras_hooks.custom_step import CustomFacts, batch_data
 from autosplit.keras_hooks.interception import intercept
 from autosplit.keras_hooks.target import COUNT as COUNT_KIND
-from autosplit.keras_hooks.target import RATIO, log_kind
+from autosplit.keras_hooks.target import RATIO, log_parts, replayed
 from autosplit.step.loss_plan import (
     COUNT_GROUP,
     SUM_GROUP,
@@ -73,7 +74,8 @@ class Piece(NamedTuple):
     moments: Any = None  # per pooled BatchNormalization layer: its Moments on the piece
     sample_weight: Any = None  # the rows the piece ran on, for the metrics: their weights
     valid: Any = None  # and real-row marks (padding dropped where ``without_padding`` ran)
-    log_weights: Any = None  # per flat log of a custom step: its weight in a weighed mean
+    # per flat log of a custom step: its parts, each (value, weight in a weighed mean)
+    log_parts: Any = None
 
 
 def _dense_f32(g) -> tf.Tensor | None:
@@ -136,11 +138,12 @@ def _custom_piece(model, facts: CustomFacts, x, y, sample_weight, valid, *,
     rows = tf.reduce_sum(valid)
     static_rows = tf.nest.flatten(x)[0].shape[0]
     with intercept(model, rows, batch_size, static_rows=static_rows, replay=facts.reading,
+                   trackers=facts.tracker_kinds,
                    inputs=(x, y, sample_weight), warn=_untracked) as seen, \
             recording(pool) as records:
         logs = model.train_step(batch_data(x, y, sample_weight))
-        log_weights = [_log_weight(kind, t, rows, static_rows, seen.split.stop)
-                       for kind, t in zip(facts.log_kinds, tf.nest.flatten(logs), strict=True)]
+        parts = [_log_parts(t, kinds, rows, static_rows, seen.split.stop)
+                 for kinds, t in zip(facts.log_kinds, tf.nest.flatten(logs), strict=True)]
     none = [None] * len(model.trainable_variables)
     gradients = [[_dense_f32(g) for g in seen.gradients.get(group, none)]
                  for group in facts.reading.groups]
@@ -148,17 +151,25 @@ def _custom_piece(model, facts: CustomFacts, x, y, sample_weight, valid, *,
                     for r in range(facts.reading.ratios)]
     return Piece(gradients, [tf.constant(0.0)] * len(denominators), denominators,
                  forward_totals(), rows, None, None, None, logs, _moments(pool, records),
-                 log_weights=log_weights)
+                 log_parts=parts)
 
 
-def _log_weight(kind: str, value, rows, static_rows, stop) -> tf.Tensor:
-    """A logged value's weight in its running mean over the micro-batches: its divisor
-    for a ratio, the rows for a mean (or a value no rule combines), 1 otherwise."""
-    if kind == RATIO:
-        divisor = log_kind(value, static_rows, stop)[1]
-        if divisor is not None:
-            return tf.cast(divisor, tf.float32)
-    return tf.cast(rows, tf.float32) if kind in (COUNT_KIND, "other") else tf.constant(1.0)
+def _log_parts(value, kinds: tuple[str, ...], rows, static_rows, stop) -> list:
+    """A logged value's parts, each as ``(value, weight)``: its weight in its running
+    mean over the micro-batches is its divisor for a ratio, the rows for a mean (or a
+    value no rule combines), 1 otherwise. The parts are those the throwaway trace read
+    (``kinds``; ``target.replayed``)."""
+    read = log_parts(value, static_rows, stop)
+    parts = replayed(read, kinds)
+    if parts is None:
+        raise UnsupportedModelError(
+            f"Expected a value the train_step returns to read the same in every trace. "
+            f"Received: {kinds} on a micro-batch of static rows and "
+            f"{tuple(p.kind for p in read)} on one of any rows. Return it from a "
+            "tracker (a keras.metrics.Mean updated with it) instead.")
+    return [(p.value, tf.cast(p.divisor, tf.float32) if p.kind == RATIO else
+             tf.cast(rows, tf.float32) if p.kind in (COUNT_KIND, "other") else
+             tf.constant(1.0)) for p in parts]
 
 
 def _untracked(what: str) -> None:

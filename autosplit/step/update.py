@@ -79,7 +79,8 @@ class LargeBatchUpdate:
         self._jit = jit
         self._template: Any = None  # the structure of a piece, for _unflatten
         self.logs: Any = None  # a custom train_step's logs, in variables
-        self._log_weights: list = []  # and the weight each weighed mean has gathered
+        # per flat log, per part: its value so far and the weight its mean has gathered
+        self._log_parts: list = []
         # A custom train_step's metric variables as the last committed micro-step left
         # them: its trackers count a micro-batch inside the step, before an error in the
         # backward pass can stop it, so a redo restores them first (pull(resume=True)).
@@ -121,8 +122,9 @@ class LargeBatchUpdate:
                 lambda s: tf.Variable(tf.zeros([d or 1 for d in s.shape.as_list()], s.dtype),
                                       trainable=False, shape=tf.TensorShape(None)),
                 self.plan.custom.logs)
-            self._log_weights = [tf.Variable(0.0, trainable=False)
-                                 for _ in tf.nest.flatten(self.logs)]
+            self._log_parts = [[(tf.Variable(0.0, trainable=False),
+                                 tf.Variable(0.0, trainable=False)) for _ in kinds]
+                               for kinds in self.plan.custom.log_kinds]
         # Another input structure (sample weights or not) can change the loss groups,
         # or what is stashed; compiled functions captured the old variables.
         sums: Sums | None = getattr(self, "sums", None)  # None before the first bind
@@ -199,20 +201,28 @@ class LargeBatchUpdate:
                                                                             tf.float32)
         assert self.plan.custom is not None
         ops = []
-        for v, total, t, weight, kind in zip(
-                tf.nest.flatten(self.logs), self._log_weights, tf.nest.flatten(piece.logs),
-                piece.log_weights, self.plan.custom.log_kinds, strict=True):
-            t = tf.cast(t, v.dtype)
-            if kind == "last":
-                ops.append(v.assign(t))
+        for v, state, parts, kinds in zip(
+                tf.nest.flatten(self.logs), self._log_parts, piece.log_parts,
+                self.plan.custom.log_kinds, strict=True):
+            if kinds == ("last",):
+                ops.append(v.assign(tf.cast(parts[0][0], v.dtype)))
                 continue
-            if kind in ("sum", "max", "min"):
-                both = {"sum": tf.add, "max": tf.maximum, "min": tf.minimum}[kind](v, t)
-                ops.append(v.assign(tf.where(first, t, both)))
-                continue
-            gathered = tf.where(first, weight, total + weight)
-            share = tf.cast(tf.math.divide_no_nan(weight, gathered), v.dtype)
-            ops += [total.assign(gathered), v.assign(tf.where(first, t, v + (t - v) * share))]
+            values = []
+            for (so_far, gathered), (t, weight), kind in zip(state, parts, kinds, strict=True):
+                t = tf.cast(t, tf.float32)
+                if kind in ("last", "fixed"):
+                    value = t
+                elif kind in ("sum", "max", "min"):
+                    both = {"sum": tf.add, "max": tf.maximum, "min": tf.minimum}[kind](so_far, t)
+                    value = tf.where(first, t, both)
+                else:  # a weighed mean: by rows, or by a ratio's divisor
+                    total = tf.where(first, weight, gathered + weight)
+                    share = tf.math.divide_no_nan(weight, total)
+                    value = tf.where(first, t, so_far + (t - so_far) * share)
+                    ops.append(gathered.assign(total))
+                ops.append(so_far.assign(value))
+                values.append(value)
+            ops.append(v.assign(tf.cast(tf.add_n(values), v.dtype)))
         return after(ops)
 
     def keep_metrics(self) -> tf.Tensor:
