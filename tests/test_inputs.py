@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from common import relative_error
 from conftest import assert_weights_close
 
 import autosplit
@@ -885,4 +886,64 @@ def test_padded_batches_of_varying_length_are_cut_across_their_batches(m):
     got = autosplit.fit_large_batch(candidate, dataset(16), batch_size=B, micro_batch_size=m,
                                     epochs=2, verbose=0)
     assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+    np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
+
+
+def _per_token(pooled):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None,), dtype="int32")
+    hidden = keras.layers.Embedding(30, 8)(inputs)  # no mask: padding is read
+    if pooled:  # one value per sequence, a mean over its padding too
+        return keras.Model(inputs, keras.layers.Dense(1)(
+            keras.layers.GlobalAveragePooling1D()(hidden)))
+    return keras.Model(inputs, keras.layers.Dense(30)(hidden))  # one value per token
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["sample_weight_mask", "no_mask"])
+def test_every_micro_batch_is_padded_to_its_large_batch_s_longest_row(pooled):
+    # Keras's sum_over_batch_size over per-token losses masked by sample_weight divides
+    # by the large batch's rows x its longest row, and a model without a mask reads the
+    # padding: both equal model.fit on padded_batch(B) only when each micro-batch is
+    # padded as the large batch is (padded to its own longest row, the embedding trained
+    # 3.4e-2 and 5.4e-2 relative off). The input comes in padded batches of 16 rows,
+    # four to a large batch.
+    r = np.random.default_rng(0)
+    seqs = [r.integers(1, 30, int(np.clip(r.lognormal(np.log(10), 0.6), 3, 60)))
+            .astype("int32") for _ in range(150)]
+
+    def dataset(batch):
+        def rows():
+            for s in seqs:
+                if pooled:
+                    yield s, np.float32(s.sum() % 2)
+                else:
+                    yield s[:-1], s[1:], np.ones(len(s) - 1, "float32")
+        spec = ((tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.float32)) if pooled
+                else (tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32),
+                      tf.TensorSpec([None], tf.float32)))
+        ds = tf.data.Dataset.from_generator(rows, output_signature=spec)
+        # batch B in one pass, so that model.fit's large batches are the same rows
+        return ds.padded_batch(B) if batch == B else ds.padded_batch(batch)
+
+    def model():
+        net = _per_token(pooled)
+        net.compile(keras.optimizers.SGD(0.5), keras.losses.BinaryCrossentropy(
+            from_logits=True) if pooled else keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        return net
+
+    reference, candidate = model(), model()
+    expected = reference.fit(dataset(B), epochs=2, verbose=0)
+    got = autosplit.fit_large_batch(candidate, dataset(B // 4), batch_size=B,
+                                    micro_batch_size=B // 3, epochs=2, verbose=0)
+    bound = 1e-5
+    if pooled:
+        # The padding token's embedding row gathers the gradient of every padded
+        # position, a long sum whose order moves it: model.fit itself, each large
+        # batch's rows reversed, moved the embedding 1.5e-5 (autosplit 1.7e-5).
+        reordered = model()
+        reordered.fit(dataset(B).map(lambda x, y: (x[::-1], y[::-1])), epochs=2, verbose=0)
+        noise = relative_error(reference.get_weights(), reordered.get_weights())
+        bound = max(bound, 3 * noise)
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), bound)
     np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)

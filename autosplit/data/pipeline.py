@@ -163,32 +163,52 @@ def varying_shapes(element_spec: Any) -> bool:
 
 
 def _padded_cut(ds: tf.data.Dataset, sizes: list[int]) -> tf.data.Dataset:
-    """``ds.rebatch(sizes)`` for batches whose shapes differ beyond the row count: the
-    rows of each piece are padded to the longest among them, with zeros (``""`` for
-    strings), as ``padded_batch`` pads by default.
+    """``ds.rebatch(sizes)`` for batches whose shapes differ beyond the row count: every
+    piece of a large batch is padded to the longest row of that large batch, with zeros
+    (``""`` for strings), as ``padded_batch(B)`` pads the large batch by default.
+
+    Each micro-batch then holds its rows exactly as ``model.fit`` on the large batch
+    sees them, so every denominator that counts padded cells (Keras's
+    ``sum_over_batch_size`` over a per-token loss masked by ``sample_weight``, a custom
+    step's ``tf.size``) and every model that reads its padding (a pooling without a
+    mask) is the large batch's. Padding a piece only to its own longest row would change
+    those.
 
     ``rebatch`` copies slices of its input batches into each piece and stops with
     "source and dst shapes are not compatible" when a piece spans two ``padded_batch``
     batches padded to different lengths. Here the batches are unbatched, each row is
-    numbered, and ``group_by_window`` gathers the rows of each piece of the repeating
-    pattern and pads them together (one window at a time: the rows come in order).
+    numbered, and ``group_by_window`` gathers the rows of each large batch (the rows
+    come in order); a first pass over them finds the longest row, a second pads each
+    row to it and cuts the pieces, so no more than a piece is ever stacked.
     """
-    period, count = sum(sizes), len(sizes)
-    ends = tf.constant([sum(sizes[:j + 1]) for j in range(count)], tf.int64)
-    table = tf.constant(sizes, tf.int64)
+    period = sum(sizes)
 
-    def piece(index, *_):
-        within = tf.searchsorted(ends, tf.reshape(index % period, [1]), side="right")[0]
-        return index // period * count + tf.cast(within, tf.int64)
+    def strip(_, *row):
+        return row[0] if len(row) == 1 else row
 
-    def rows_of(key):
-        return tf.gather(table, key % count)
+    plain = tf.data.Options()  # a window has no graph to optimise (TensorFlow warns)
+    plain.experimental_optimization.apply_default_optimizations = False
 
-    def padded(key, window):
-        return window.map(lambda _, *row: row[0] if len(row) == 1 else row).padded_batch(
-            rows_of(key))
+    def longest(rows: tf.data.Dataset) -> Any:
+        start = tf.nest.map_structure(lambda spec: tf.zeros([spec.shape.rank], tf.int64),
+                                      rows.element_spec)
+        return rows.with_options(plain).reduce(start, lambda most, row: tf.nest.map_structure(
+            lambda m, t: tf.maximum(m, tf.shape(t, out_type=tf.int64)), most, row))
 
-    return ds.unbatch().enumerate().group_by_window(piece, padded, window_size_func=rows_of)
+    def pad(row, shape):
+        gap = shape - tf.shape(row, out_type=tf.int64)
+        return tf.pad(row, tf.stack([tf.zeros_like(gap), gap], axis=1),
+                      constant_values=tf.zeros([], row.dtype))
+
+    def large_batch(_, window):
+        rows = window.map(strip)
+        shapes = longest(rows)
+        padded = rows.map(lambda *row: tf.nest.map_structure(
+            pad, row[0] if len(row) == 1 else row, shapes))
+        return padded.batch(1).rebatch(sizes if len(sizes) > 1 else sizes[0])
+
+    return ds.unbatch().enumerate().group_by_window(lambda index, *_: index // period,
+                                                    large_batch, window_size=period)
 
 
 def _markable(element_spec: Any) -> bool:
