@@ -363,9 +363,12 @@ def test_ragged_parts_are_refused_up_front():
                                   micro_batch_size=8, verbose=0)
 
 
-def test_variable_length_examples_from_a_generator_are_refused_before_any_change():
-    # from_generator is a flat_map over from_tensors of an id: that from_tensors made its
-    # examples look like batches, and Keras's own "Invalid `batch_sizes`" came instead.
+def test_variable_length_examples_are_padded_per_large_batch_as_padded_batch_pads():
+    # Examples of varying length (from_generator, unbatched): autosplit pads them itself,
+    # each large batch to its longest row, so that a model that reads its padding (a
+    # pooling without a mask) trains as model.fit on padded_batch(B) of the same examples.
+    # from_generator is a flat_map over from_tensors of an id: that from_tensors once made
+    # its examples look like batches.
     def examples():
         rng = np.random.default_rng(0)
         for i in range(40):
@@ -373,17 +376,49 @@ def test_variable_length_examples_from_a_generator_are_refused_before_any_change
 
     dataset = tf.data.Dataset.from_generator(examples, output_signature=(
         tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.int32)))
-    model = keras.Sequential([keras.Input((None,)), keras.layers.Reshape((-1, 1)),
-                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
-    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    with pytest.raises(DatasetError, match=r"examples of a fixed shape.*padded_batch"):
-        autosplit.fit_large_batch(model, dataset, batch_size=16, micro_batch_size=8,
-                                  verbose=0)
-    assert int(model.optimizer.iterations) == 0
-    # Padded into batches, as the message says, they train.
-    history = autosplit.fit_large_batch(model, dataset.padded_batch(8), batch_size=16,
-                                        micro_batch_size=8, verbose=0)
-    assert int(model.optimizer.iterations) == 3 and history.autosplit.micro_batch_size == 8
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((None,)), keras.layers.Reshape((-1, 1)),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        return model
+
+    reference, candidate = make(), make()
+    expected = reference.fit(dataset.padded_batch(16), epochs=2, verbose=0)
+    got = autosplit.fit_large_batch(candidate, dataset, batch_size=16, micro_batch_size=6,
+                                    epochs=2, verbose=0)
+    assert int(candidate.optimizer.iterations) == 6
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
+    np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["list", "object_array", "ragged"])
+def test_sequences_given_as_a_list_or_ragged_are_padded_per_large_batch(kind):
+    # model.fit takes such sequences only padded; autosplit pads each large batch to its
+    # longest row: the reference is model.fit on padded_batch(B) of the same examples.
+    r = np.random.default_rng(1)
+    seqs = [r.integers(1, 30, r.integers(2, 25)).astype("int32") for _ in range(100)]
+    labels = np.array([s[0] % 2 for s in seqs], "float32")
+    x = {"list": lambda: seqs, "object_array": lambda: np.array(seqs + [[1]], object)[:-1],
+         "ragged": lambda: tf.ragged.constant(seqs)}[kind]()
+    padded = tf.data.Dataset.from_generator(
+        lambda: zip(seqs, labels, strict=True), output_signature=(
+            tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.float32))).padded_batch(32)
+    reference, reordered, candidate = _per_token(True), _per_token(True), _per_token(True)
+    for net in (reference, reordered, candidate):
+        net.compile(keras.optimizers.SGD(0.5), keras.losses.BinaryCrossentropy(from_logits=True))
+    expected = reference.fit(padded, epochs=2, verbose=0)
+    got = autosplit.fit_large_batch(candidate, x, labels, batch_size=32, micro_batch_size=12,
+                                    epochs=2, shuffle=False, verbose=0)
+    assert int(candidate.optimizer.iterations) == 8
+    # The padding token's embedding row gathers every padded position's gradient (see
+    # above): bounded by 3x what reversing each large batch's rows moves model.fit.
+    reordered.fit(padded.map(lambda x, y: (x[::-1], y[::-1])), epochs=2, verbose=0)
+    noise = relative_error(reference.get_weights(), reordered.get_weights())
+    assert_weights_close(reference.get_weights(), candidate.get_weights(), max(1e-5, 3 * noise))
+    np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
 
 
 def test_a_cache_file_is_not_counted_through(tmp_path):

@@ -43,6 +43,7 @@ __all__ = [
     "check_shared_rows",
     "class_weight_fn",
     "leading_rows",
+    "varying_shapes",
 ]
 
 HINT = ("Pass arrays (x, y[, sample_weight]), a tf.data.Dataset of (x, y[, sample_weight]) "
@@ -76,6 +77,14 @@ def check_shared_rows(parts: tuple, what: str) -> None:
             f"(one row per example). Received: rows {counts}. Inputs whose parts do not "
             "share a row count (a merged graph of atoms and bonds, say) cannot be split "
             "into micro-batches by rows: train them with model.fit.")
+
+
+def varying_shapes(element_spec: Any) -> bool:
+    """Whether batches of ``element_spec`` may differ beyond their row count (a
+    ``padded_batch`` of sequences of varying length: a dimension after the rows of
+    unknown size)."""
+    return any(isinstance(leaf, tf.TensorSpec) and leaf.shape.rank is not None
+               and None in leaf.shape.as_list()[1:] for leaf in tf.nest.flatten(element_spec))
 
 
 class InputAdapter:
@@ -144,7 +153,8 @@ class InputAdapter:
 
     def sample(self, n: int) -> tuple:
         """Up to ``n`` leading examples as ``(x, y, sample_weight_or_None)`` tensors."""
-        ds = self.rows_dataset().unbatch().take(n).batch(n)
+        ds = self.rows_dataset().unbatch().take(n)
+        ds = ds.padded_batch(n) if varying_shapes(ds.batch(1).element_spec) else ds.batch(n)
         for batch in ds:
             return self.materialize(batch)
         raise DatasetError(f"Expected a non-empty {self.kind}. Received: one with no example.")

@@ -256,14 +256,10 @@ class DatasetInput(InputAdapter):
                 # the look would be half of the adapter's set-up, for nothing.
                 for first in dataset.take(1):
                     check_shared_rows(first if self._arity else (first,), f"`{name}`")
-        if not self.batched and any(
-                None in s.shape.as_list() for s in tf.nest.flatten(spec) if s.shape.rank):
-            raise DatasetError(
-                f"Expected `{name}` examples of a fixed shape. Received: element_spec={spec}. "
-                "Pad the examples first (e.g. `.padded_batch(32)`: autosplit rebatches "
-                "batched datasets) so every micro-batch has one shape. If the elements are "
-                "batches already (a generator or a map yielding whole batches, to a model "
-                "that declares no Input), append `.unbatch().padded_batch(32)`.")
+        # Examples of varying shape (sequences of varying length) are padded per large
+        # batch by the pipeline (``autosplit.data.pipeline``), as padded_batch(B) pads.
+        self._varying = not self.batched and any(
+            None in s.shape.as_list() for s in tf.nest.flatten(spec) if s.shape.rank)
 
     def own_batch_rows(self) -> int | None:
         return batch_rows(self.dataset) if self.batched else None
@@ -276,4 +272,6 @@ class DatasetInput(InputAdapter):
             # every epoch, and the pipeline's rebatch already refuses a batch whose
             # parts do not share a row count.
             return self.dataset
+        if self._varying:  # one row each, padded to nothing: the cut pads them together
+            return self.dataset.padded_batch(1)
         return self.dataset.batch(EXAMPLE_CHUNK)

@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from autosplit.data.adapter import HOST, InputAdapter
+from autosplit.data.adapter import HOST, InputAdapter, varying_shapes
 from autosplit.data.split import Piece, piece_pattern
 from autosplit.step.layout import ALONE, Layout
 
@@ -152,14 +152,6 @@ def skip_to_end_marker(iterator: Any) -> int:
             break
         dropped += 1
     return dropped
-
-
-def varying_shapes(element_spec: Any) -> bool:
-    """Whether batches of ``element_spec`` may differ beyond their row count (a
-    ``padded_batch`` of sequences of varying length: a dimension after the rows of
-    unknown size)."""
-    return any(isinstance(leaf, tf.TensorSpec) and leaf.shape.rank is not None
-               and None in leaf.shape.as_list()[1:] for leaf in tf.nest.flatten(element_spec))
 
 
 def _padded_cut(ds: tf.data.Dataset, sizes: list[int]) -> tf.data.Dataset:
