@@ -401,7 +401,7 @@ def test_sequences_given_as_a_list_or_ragged_are_padded_per_large_batch(kind):
     r = np.random.default_rng(1)
     seqs = [r.integers(1, 30, r.integers(2, 25)).astype("int32") for _ in range(100)]
     labels = np.array([s[0] % 2 for s in seqs], "float32")
-    x = {"list": lambda: seqs, "object_array": lambda: np.array(seqs + [[1]], object)[:-1],
+    x = {"list": lambda: seqs, "object_array": lambda: np.array([*seqs, [1]], object)[:-1],
          "ragged": lambda: tf.ragged.constant(seqs)}[kind]()
     padded = tf.data.Dataset.from_generator(
         lambda: zip(seqs, labels, strict=True), output_signature=(

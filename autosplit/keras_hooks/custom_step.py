@@ -45,7 +45,7 @@ from autosplit.errors import UnsupportedModelError, noted
 from autosplit.keras_hooks.batchnorm import calls_of, counted_all, pooled_layers, recording
 from autosplit.keras_hooks.gradients import Reading
 from autosplit.keras_hooks.interception import check_writes, intercept, watch_writes
-from autosplit.keras_hooks.target import log_parts
+from autosplit.keras_hooks.target import gradient_norm, log_parts
 from autosplit.keras_hooks.traced import repeats_rows
 from autosplit.step.compiled import trace as trace_once
 from autosplit.warn import warn_user
@@ -86,8 +86,9 @@ class CustomFacts:
     logs: Any  # tf.TensorSpec structure of what the step returns
     # Per flat log, how each of its parts combines over the micro-batches
     # (target.log_parts): "last" (a tracker's result), "sum", "count" (a mean, by rows),
-    # "ratio" (by its divisor), "fixed", "max", "min", "other" (by rows, warned).
-    log_kinds: tuple[tuple[str, ...], ...]
+    # "ratio" (by its divisor), "fixed", "max", "min", "other" (by rows, warned); or
+    # ("gradient_norm", variable indices): the norm of the large batch's gradients.
+    log_kinds: tuple[tuple, ...]
     # a gradient it applies is tf.IndexedSlices (an Embedding's) that may name a row twice
     sparse_gradients: bool
     batch_norm_calls: tuple[tuple[Any, int], ...] = ()  # as LossPlan.batch_norm_calls
@@ -150,8 +151,7 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
         with intercept(model, None, 1, static_rows=rows, inputs=(x, y, sample_weight)) as seen, \
                 watch_writes() as written, recording(layers) as records:
             logs = model.train_step(batch_data(x, y, sample_weight))
-            kinds = tuple(tuple(part.kind for part in log_parts(t, rows, seen.split.stop))
-                          for t in tf.nest.flatten(logs))
+            kinds = tuple(_log_kinds(t, rows, seen) for t in tf.nest.flatten(logs))
         facts.update(seen=seen, logs=logs, written=written, log_kinds=kinds,
                      batch_norm_calls=calls_of(layers, records))
         return tf.constant(0.0)
@@ -190,6 +190,18 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
                                             and repeats_rows(g) for g in gradients),
                        batch_norm_calls=facts["batch_norm_calls"],
                        reading=seen.split.reading(), tracker_kinds=tuple(seen.tracker_kinds))
+
+
+def _log_kinds(value: Any, rows: int | None, seen: Any) -> tuple:
+    """How a logged value's parts combine (``target.log_parts``), or, for a norm of the
+    gradients the step applies, ``("gradient_norm", variable indices)``: it is the norm
+    of the large batch's gradients, computed once they are summed."""
+    kinds = tuple(part.kind for part in log_parts(value, rows, seen.split.stop))
+    if kinds == ("other",):
+        norm = gradient_norm(value, seen.applied)
+        if norm is not None:
+            return ("gradient_norm", norm)
+    return kinds
 
 
 def _log_names(logs: Any) -> list[str]:

@@ -45,6 +45,7 @@ class Intercepted:
         # per scalar tracker update, in call order: how its parts combine (a throwaway
         # trace's reading, of static rows, which later traces replay)
         self.tracker_kinds: list[tuple[str, ...]] = []
+        self.applied: list[tuple[Any, int]] = []  # (gradient as applied, variable index)
 
     def record(self, grads, variables) -> None:
         self.calls += 1
@@ -63,6 +64,8 @@ class Intercepted:
                     "to the model's trainable variables. Received: a gradient for "
                     f"{getattr(v, 'path', v.name)}, which is not one of them (frozen, or "
                     "not tracked by the model).")
+            if g is not None:
+                self.applied.append((g, i))
             for group, part in self.split.resolve(g).items():
                 self.gradients.setdefault(group, [None] * len(index))[i] = part
 

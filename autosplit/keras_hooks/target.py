@@ -35,8 +35,8 @@ import tensorflow as tf
 
 from autosplit.keras_hooks.traced import evaluate, full_reduction_input, mixes_rows
 
-__all__ = ["COUNT", "FIXED", "RATIO", "SUM", "LogPart", "Term", "Unreadable", "log_parts",
-           "read", "replayed"]
+__all__ = ["COUNT", "FIXED", "RATIO", "SUM", "LogPart", "Term", "Unreadable",
+           "gradient_norm", "log_parts", "read", "replayed"]
 
 SUM, COUNT, RATIO, FIXED = "sum", "count", "ratio", "fixed"
 
@@ -129,6 +129,35 @@ def log_parts(value: Any, rows: int | None = None, stop: Any = ()) -> list[LogPa
     return [LogPart(kind, tf.add_n([_times(t.coefficient, t.tensor) for t in group]),
                     group[0].denominator)
             for (kind, _), group in groups.items()]
+
+
+def gradient_norm(value: Any, applied: list[tuple[Any, int]]) -> tuple[int, ...] | None:
+    """The indices of the variables whose gradients ``value`` is the norm of, where it is
+    one: ``tf.linalg.global_norm`` (or ``clip_by_global_norm``'s norm) of gradients the
+    step applies, or ``tf.norm`` of one. ``applied``: ``(gradient, variable index)`` as
+    the step handed them to ``apply_gradients``. None for anything else."""
+    by_op = {_peel(g.op): i for g, i in applied if hasattr(g, "op")}
+    op = _peel(tf.convert_to_tensor(value).op)
+    if op.type == "Squeeze":
+        op = _peel(op.inputs[0].op)
+    if op.type != "Sqrt":
+        return None
+    inner = _peel(op.inputs[0].op)
+    if inner.type == "Sum":  # tf.norm: sqrt(sum(g * g))
+        square = _peel(inner.inputs[0].op)
+        if square.type == "Mul" and square.inputs[0] is square.inputs[1]:
+            index = by_op.get(_peel(square.inputs[0].op))
+            return None if index is None else (index,)
+        return None
+    if inner.type != "Mul":  # global_norm: sqrt(sum(stack(l2_loss(g))) * 2)
+        return None
+    total = next((_peel(t.op) for t in inner.inputs if _peel(t.op).type == "Sum"), None)
+    if total is None or _peel(total.inputs[0].op).type != "Pack":
+        return None
+    losses = [_peel(t.op) for t in _peel(total.inputs[0].op).inputs]
+    indices = [by_op.get(_peel(loss.inputs[0].op)) if loss.type == "L2Loss" else None
+               for loss in losses]
+    return None if None in indices else tuple(indices)  # type: ignore[arg-type]
 
 
 def replayed(parts: list[LogPart], kinds: tuple[str, ...]) -> list[LogPart] | None:

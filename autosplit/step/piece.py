@@ -159,6 +159,8 @@ def _log_parts(value, kinds: tuple[str, ...], rows, static_rows, stop) -> list:
     mean over the micro-batches is its divisor for a ratio, the rows for a mean (or a
     value no rule combines), 1 otherwise. The parts are those the throwaway trace read
     (``kinds``; ``target.replayed``)."""
+    if kinds[0] == "gradient_norm":  # computed from the summed gradients (update.py)
+        return [(value, tf.constant(1.0))]
     read = log_parts(value, static_rows, stop)
     parts = replayed(read, kinds)
     if parts is None:

@@ -43,6 +43,7 @@ from autosplit.step.piece import (
 from autosplit.step.replicas import Replicas, without_replica_axis
 from autosplit.step.sums import Stash, Sums, after
 from autosplit.training.arguments import check_trainable
+from autosplit.warn import warn_user
 
 __all__ = ["LargeBatchUpdate"]
 
@@ -125,6 +126,11 @@ class LargeBatchUpdate:
             self._log_parts = [[(tf.Variable(0.0, trainable=False),
                                  tf.Variable(0.0, trainable=False)) for _ in kinds]
                                for kinds in self.plan.custom.log_kinds]
+            if self.replicas.count > 1 and any(
+                    kinds[0] == "gradient_norm" for kinds in self.plan.custom.log_kinds):
+                warn_user("autosplit: the train_step returns a norm of its gradients; under "
+                          f"{self.replicas.count} replicas it is logged as the last "
+                          "micro-batch's on one replica, not the large batch's.")
         # Another input structure (sample weights or not) can change the loss groups,
         # or what is stashed; compiled functions captured the old variables.
         sums: Sums | None = getattr(self, "sums", None)  # None before the first bind
@@ -204,7 +210,7 @@ class LargeBatchUpdate:
         for v, state, parts, kinds in zip(
                 tf.nest.flatten(self.logs), self._log_parts, piece.log_parts,
                 self.plan.custom.log_kinds, strict=True):
-            if kinds == ("last",):
+            if kinds == ("last",) or kinds[0] == "gradient_norm":
                 ops.append(v.assign(tf.cast(parts[0][0], v.dtype)))
                 continue
             values = []
@@ -285,6 +291,7 @@ class LargeBatchUpdate:
                                               replicas=self.replicas.count)
         pairs = [(g, v) for g, v in zip(gradients, model.trainable_variables, strict=True)
                  if g is not None]
+        norms = self._gradient_norms(gradients)
         # One loss scale for the whole large batch: a LossScaleOptimizer unscales,
         # checks the summed gradients once and skips the whole step on an overflow.
         # Under a strategy Keras's optimizer all-reduces these gradients: once.
@@ -302,7 +309,18 @@ class LargeBatchUpdate:
         applied = after([tf.convert_to_tensor(v) for _, v in pairs])
         with tf.control_dependencies([after([summed, applied, *updates, *pooled])]):
             self.sums.zero(read)
-        return loss
+        with tf.control_dependencies(norms):
+            return tf.identity(loss)
+
+    def _gradient_norms(self, gradients: list) -> list:
+        """A custom step's logs of the norm of its gradients, as the large batch's
+        (``CustomFacts.log_kinds``): one replica only (``bind`` warns otherwise)."""
+        if self.plan.custom is None or self.replicas.count > 1:
+            return []
+        return [v.assign(tf.cast(tf.linalg.global_norm([gradients[i] for i in kinds[1]]),
+                                 v.dtype))
+                for v, kinds in zip(tf.nest.flatten(self.logs), self.plan.custom.log_kinds,
+                                    strict=True) if kinds[0] == "gradient_norm"]
 
     def apply(self, ready=None):
         """Apply the summed large batch once (after ``ready``) and zero the sums; returns
