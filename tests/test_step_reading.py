@@ -131,10 +131,13 @@ def test_a_step_s_loss_trains_and_logs_as_model_fit(name):
                                    err_msg=log)
 
 
-# A tracker's update is weighed so that the micro-batches add up to one update with the
-# large batch's value: a sum, a mean, a penalty, and sums of them, part by part.
+# A tracker's update adds up to one update with the large batch's value: a sum, a mean,
+# a penalty, and sums of them, weighed part by part; a ratio of sums (a masked or
+# weighted mean) by putting the tracker back and updating it with the value so far.
 @pytest.mark.parametrize("name", ["sum", "compute_average_loss", "mean_plus_sum",
-                                  "tutorial_with_regularization", "sum_over_a_constant"])
+                                  "tutorial_with_regularization", "sum_over_a_constant",
+                                  "masked_mean", "boolean_mask_mean", "weighted_mean",
+                                  "masked_mean_plus_penalty"])
 def test_a_tracker_updated_with_the_loss_holds_model_fit_s_mean(name):
     x, y = data()
     reference, candidate = make(LOSSES[name], tracked=True), make(LOSSES[name], tracked=True)

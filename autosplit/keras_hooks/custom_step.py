@@ -34,6 +34,8 @@ anything changes.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,9 +44,11 @@ import numpy as np
 import tensorflow as tf
 
 from autosplit.errors import UnsupportedModelError, noted
+from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.batchnorm import calls_of, counted_all, pooled_layers, recording
 from autosplit.keras_hooks.gradients import Reading
 from autosplit.keras_hooks.interception import check_writes, intercept, watch_writes
+from autosplit.keras_hooks.patches import object_patches
 from autosplit.keras_hooks.target import gradient_norm, log_parts
 from autosplit.keras_hooks.traced import repeats_rows
 from autosplit.step.compiled import trace as trace_once
@@ -87,7 +91,8 @@ class CustomFacts:
     # Per flat log, how each of its parts combines over the micro-batches
     # (target.log_parts): "last" (a tracker's result), "sum", "count" (a mean, by rows),
     # "ratio" (by its divisor), "fixed", "max", "min", "other" (by rows, warned); or
-    # ("gradient_norm", variable indices): the norm of the large batch's gradients.
+    # ("gradient_norm", variable indices): the norm of the large batch's gradients; or
+    # ("result", metric index): a tracker's result(), read after the piece's updates.
     log_kinds: tuple[tuple, ...]
     # a gradient it applies is tf.IndexedSlices (an Embedding's) that may name a row twice
     sparse_gradients: bool
@@ -95,8 +100,9 @@ class CustomFacts:
     # The groups of the terms of the losses it differentiates (keras_hooks.gradients),
     # replayed by every trace of the step that runs.
     reading: Reading = field(default_factory=Reading)
-    # per scalar tracker update, how its parts combine (interception.weighed_trackers)
-    tracker_kinds: tuple[tuple[str, ...], ...] = ()
+    # per scalar tracker update, how its parts combine and its metric's index in
+    # internals.all_metrics (interception.weighed_trackers)
+    tracker_kinds: tuple[tuple[tuple[str, ...], int], ...] = ()
 
 
 def flat_logs(result: dict[str, Any]) -> dict[str, Any]:
@@ -149,9 +155,11 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
         layers = pooled_layers(model)
         rows = tf.nest.flatten(x)[0].shape[0]
         with intercept(model, None, 1, static_rows=rows, inputs=(x, y, sample_weight)) as seen, \
-                watch_writes() as written, recording(layers) as records:
+                watch_writes() as written, recording(layers) as records, \
+                read_results(model) as results:
             logs = model.train_step(batch_data(x, y, sample_weight))
-            kinds = tuple(_log_kinds(t, rows, seen) for t in tf.nest.flatten(logs))
+            kinds = tuple(("result", results[id(t)]) if id(t) in results
+                          else _log_kinds(t, rows, seen) for t in tf.nest.flatten(logs))
         facts.update(seen=seen, logs=logs, written=written, log_kinds=kinds,
                      batch_norm_calls=calls_of(layers, records))
         return tf.constant(0.0)
@@ -190,6 +198,27 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
                                             and repeats_rows(g) for g in gradients),
                        batch_norm_calls=facts["batch_norm_calls"],
                        reading=seen.split.reading(), tracker_kinds=tuple(seen.tracker_kinds))
+
+
+@contextlib.contextmanager
+def read_results(model: keras.Model) -> Iterator[dict]:
+    """While a step is traced: ``id`` of each tensor a metric's ``result()`` returns ->
+    that metric's index in ``internals.all_metrics(model)``. The step's log of it is
+    read from the metric after the large batch's updates (a deferred one included)."""
+    results: dict = {}
+    metrics = _keras.all_metrics(model)
+
+    def recorder(index, original):
+        def result(*args, **kwargs):
+            value = original(*args, **kwargs)
+            if isinstance(value, tf.Tensor):
+                results[id(value)] = index
+            return value
+        return result
+
+    with object_patches([(m, "result", recorder(i, m.result)) for i, m in enumerate(metrics)
+                         if isinstance(m, keras.metrics.Metric)]):
+        yield results
 
 
 def _log_kinds(value: Any, rows: int | None, seen: Any) -> tuple:

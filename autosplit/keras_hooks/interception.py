@@ -20,7 +20,7 @@ from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.gradients import PLAIN, Reading, Split, split_gradients
 from autosplit.keras_hooks.patches import class_patches, object_patches
-from autosplit.keras_hooks.target import COUNT, FIXED, SUM, log_parts, replayed
+from autosplit.keras_hooks.target import COUNT, FIXED, RATIO, SUM, log_parts, replayed
 from autosplit.keras_hooks.traced import counts_rows, evaluate
 
 __all__ = [
@@ -43,9 +43,11 @@ class Intercepted:
         self.calls = 0
         self.gradients: dict = {}  # group -> per trainable variable (None: none)
         # per scalar tracker update, in call order: how its parts combine (a throwaway
-        # trace's reading, of static rows, which later traces replay)
-        self.tracker_kinds: list[tuple[str, ...]] = []
+        # trace's reading, of static rows, which later traces replay) and the index of
+        # its metric in internals.all_metrics(model)
+        self.tracker_kinds: list[tuple[tuple[str, ...], int]] = []
         self.applied: list[tuple[Any, int]] = []  # (gradient as applied, variable index)
+        self.deferred: list = []  # tracker updates the update makes (weighed_trackers)
 
     def record(self, grads, variables) -> None:
         self.calls += 1
@@ -78,7 +80,7 @@ class Intercepted:
 @contextlib.contextmanager
 def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int, *,
               static_rows: int | None, inputs: Any, replay: Reading | None = None,
-              trackers: tuple[tuple[str, ...], ...] = (),
+              trackers: tuple = (),
               warn: Callable[[str], None] | None = None, plain: bool = False
               ) -> Iterator[Intercepted]:
     """While ``train_step`` runs on ``inputs``, a micro-batch of ``rows`` real rows (None:
@@ -126,7 +128,8 @@ def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int, *,
         with (object_patches([(optimizer, "apply_gradients", apply_gradients),
                               (optimizer, "apply", apply)]),
               weighed_trackers(model, None if plain else rows, batch_size, static_rows,
-                               split.stop, warn, seen.tracker_kinds, trackers),
+                               split.stop, warn, seen.tracker_kinds, trackers,
+                               None if plain else seen.deferred),
               class_patches([(base, "apply_gradients", foreign), (base, "apply", foreign)])):
             yield seen
 
@@ -150,7 +153,8 @@ def _restored(obj: Any, name: str) -> Iterator[None]:
 def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int | tf.Tensor,
                      static_rows: int | None = None, stop: Any = (),
                      warn: Callable[[str], None] | None = None,
-                     record: list | None = None, replay: tuple = ()) -> Iterator[None]:
+                     record: list | None = None, replay: tuple = (),
+                     deferred: list | None = None) -> Iterator[None]:
     """While a step runs on a micro-batch of ``rows`` rows: a metric of the model updated
     with one scalar (``self.loss_tracker.update_state(loss)``), without a sample weight or
     with the batch's row count as one (Keras's own train_step), is weighed so that a large
@@ -163,13 +167,20 @@ def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int
       up to the whole: a ``Sum`` metric adds it as it is;
     - a sum of such terms (a mean plus a penalty, a mean plus a sum), each part as
       itself;
-    - anything else (a ratio of sums, a maximum) weighed by rows, and ``warn`` is told.
+    - a value with a ratio, a maximum or a minimum among its parts (a masked mean) is
+      not updated here: its parts go to ``deferred`` as ``([(value, weight)], count)``
+      (the weight in a part's running mean; the row count it was given, or None), and
+      the update puts the metric back as the large batch found it and updates it once
+      with the value combined so far (``LargeBatchUpdate._combine_trackers``);
+    - anything else weighed by rows, and ``warn`` is told.
 
     Updates per example, or with weights of their own, pass as they are. ``rows`` None:
-    no weighing (a throwaway trace): each update's kinds are appended to ``record``.
-    ``replay``: those kinds, by call order, read where the rows were static: a mean over
-    the rows reads as a ratio of their dynamic count in a later trace, and is a mean."""
+    no weighing (a throwaway trace): each update's ``(kinds, metric index)`` is appended
+    to ``record``. ``replay``: those, by call order, read where the rows were static: a
+    mean over the rows reads as a ratio of their dynamic count in a later trace, and is
+    a mean."""
     calls = [0]
+    metrics = _keras.all_metrics(model)
 
     def weighted(metric):
         original = metric.update_state
@@ -190,11 +201,15 @@ def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int
             call, calls[0] = calls[0], calls[0] + 1
             if rows is None:
                 if record is not None:
-                    record.append(tuple(p.kind for p in parts))
+                    record.append((tuple(p.kind for p in parts),
+                                   next(i for i, m in enumerate(metrics) if m is metric)))
                 return original(*args, **kwargs)
             share = tf.cast(rows, tf.float32) / tf.cast(batch_size, tf.float32)
             if call < len(replay):
-                parts = replayed(parts, replay[call]) or parts
+                if deferred is not None and defers(replay[call][0]):
+                    return _defer(deferred, replayed(parts, replay[call][0]), rows,
+                                  weight if counted else None, metric)
+                parts = replayed(parts, replay[call][0]) or parts
             kinds = {p.kind for p in parts}
             if not kinds <= {SUM, COUNT, FIXED, "last"}:
                 if warn is not None:
@@ -216,6 +231,27 @@ def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int
     with object_patches([(m, "update_state", weighted(m)) for m in _keras.all_metrics(model)
                          if isinstance(m, keras.metrics.Metric)]):
         yield
+
+
+def defers(kinds: tuple[str, ...]) -> bool:
+    """Whether a tracker update of parts ``kinds`` waits for the large batch's value
+    (:func:`weighed_trackers`): a ratio, a maximum or a minimum, beside parts that
+    combine."""
+    return bool(set(kinds) & {RATIO, "max", "min"}) and set(kinds) <= {
+        SUM, COUNT, FIXED, RATIO, "max", "min", "last"}
+
+
+def _defer(deferred: list, parts: list | None, rows: Any, count: Any, metric: Any) -> None:
+    if parts is None:
+        raise UnsupportedModelError(
+            f"Expected the value the train_step gives the tracker {metric.name} to read "
+            "the same in every trace. Received: another reading on a micro-batch of any "
+            "rows than on one of static rows. Return the value from the step instead.")
+    deferred.append(([(tf.cast(p.value, tf.float32),
+                       tf.cast(p.divisor, tf.float32) if p.kind == RATIO else
+                       tf.cast(rows, tf.float32) if p.kind == COUNT else tf.constant(1.0))
+                      for p in parts],
+                     None if count is None else tf.cast(count, tf.float32)))
 
 
 @contextlib.contextmanager

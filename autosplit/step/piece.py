@@ -76,6 +76,9 @@ class Piece(NamedTuple):
     valid: Any = None  # and real-row marks (padding dropped where ``without_padding`` ran)
     # per flat log of a custom step: its parts, each (value, weight in a weighed mean)
     log_parts: Any = None
+    # per deferred tracker update of a custom step (interception.weighed_trackers):
+    # ([(value, weight)] per part, the row count it was given or None)
+    tracker_parts: Any = None
 
 
 def _dense_f32(g) -> tf.Tensor | None:
@@ -151,7 +154,7 @@ def _custom_piece(model, facts: CustomFacts, x, y, sample_weight, valid, *,
                     for r in range(facts.reading.ratios)]
     return Piece(gradients, [tf.constant(0.0)] * len(denominators), denominators,
                  forward_totals(), rows, None, None, None, logs, _moments(pool, records),
-                 log_parts=parts)
+                 log_parts=parts, tracker_parts=list(seen.deferred))
 
 
 def _log_parts(value, kinds: tuple[str, ...], rows, static_rows, stop) -> list:
@@ -159,7 +162,7 @@ def _log_parts(value, kinds: tuple[str, ...], rows, static_rows, stop) -> list:
     mean over the micro-batches is its divisor for a ratio, the rows for a mean (or a
     value no rule combines), 1 otherwise. The parts are those the throwaway trace read
     (``kinds``; ``target.replayed``)."""
-    if kinds[0] == "gradient_norm":  # computed from the summed gradients (update.py)
+    if kinds[0] in ("gradient_norm", "result"):  # computed in update.py
         return [(value, tf.constant(1.0))]
     read = log_parts(value, static_rows, stop)
     parts = replayed(read, kinds)

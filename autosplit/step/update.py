@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
+from autosplit.keras_hooks.interception import defers
 from autosplit.step.compiled import FunctionCache
 from autosplit.step.loss_plan import LossPlan, step_plan
 from autosplit.step.piece import (
@@ -46,6 +47,28 @@ from autosplit.training.arguments import check_trainable
 from autosplit.warn import warn_user
 
 __all__ = ["LargeBatchUpdate"]
+
+
+def _combined(state: list, parts: list, kinds: tuple, first: tf.Tensor) -> tuple:
+    """A logged value combined over the micro-batches of a large batch so far, part by
+    part (``target.log_parts``): ``state`` per part (its value so far, the weight its mean
+    has gathered), ``parts`` this piece's ``(value, weight)``. Returns (value, assigns)."""
+    ops, values = [], []
+    for (so_far, gathered), (t, weight), kind in zip(state, parts, kinds, strict=True):
+        t = tf.cast(t, tf.float32)
+        if kind in ("last", "fixed"):
+            value = t
+        elif kind in ("sum", "max", "min"):
+            both = {"sum": tf.add, "max": tf.maximum, "min": tf.minimum}[kind](so_far, t)
+            value = tf.where(first, t, both)
+        else:  # a weighed mean: by rows, or by a ratio's divisor
+            total = tf.where(first, weight, gathered + weight)
+            share = tf.math.divide_no_nan(weight, total)
+            value = tf.where(first, t, so_far + (t - so_far) * share)
+            ops.append(gathered.assign(total))
+        ops.append(so_far.assign(value))
+        values.append(value)
+    return tf.add_n(values), ops
 
 
 class LargeBatchUpdate:
@@ -82,6 +105,7 @@ class LargeBatchUpdate:
         self.logs: Any = None  # a custom train_step's logs, in variables
         # per flat log, per part: its value so far and the weight its mean has gathered
         self._log_parts: list = []
+        self._trackers: list = []  # a custom step's deferred tracker updates' state
         # A custom train_step's metric variables as the last committed micro-step left
         # them: its trackers count a micro-batch inside the step, before an error in the
         # backward pass can stop it, so a redo restores them first (pull(resume=True)).
@@ -126,6 +150,15 @@ class LargeBatchUpdate:
             self._log_parts = [[(tf.Variable(0.0, trainable=False),
                                  tf.Variable(0.0, trainable=False)) for _ in kinds]
                                for kinds in self.plan.custom.log_kinds]
+            # per deferred tracker update: its parts' running values and weights, the
+            # row count gathered, and its metric's variables as the large batch found them
+            self._trackers = [
+                (kinds, _keras.all_metrics(self.model)[index],
+                 [(tf.Variable(0.0, trainable=False), tf.Variable(0.0, trainable=False))
+                  for _ in kinds], tf.Variable(0.0, trainable=False),
+                 [tf.Variable(tf.convert_to_tensor(v), trainable=False)
+                  for v in _keras.all_metrics(self.model)[index].variables])
+                for kinds, index in self.plan.custom.tracker_kinds if defers(kinds)]
             if self.replicas.count > 1 and any(
                     kinds[0] == "gradient_norm" for kinds in self.plan.custom.log_kinds):
                 warn_user("autosplit: the train_step returns a norm of its gradients; under "
@@ -206,30 +239,45 @@ class LargeBatchUpdate:
         first = tf.cast(self.sums.rows.read_value(), tf.float32) <= tf.cast(piece.rows,
                                                                             tf.float32)
         assert self.plan.custom is not None
-        ops = []
+        tracked = after(self._combine_trackers(piece, first))
+        ops = [tracked]
+        metrics = _keras.all_metrics(self.model)
         for v, state, parts, kinds in zip(
                 tf.nest.flatten(self.logs), self._log_parts, piece.log_parts,
                 self.plan.custom.log_kinds, strict=True):
+            if kinds[0] == "result":  # as the trackers stand now, deferred updates made
+                with tf.control_dependencies([tracked]):
+                    ops.append(v.assign(tf.cast(metrics[kinds[1]].result(), v.dtype)))
+                continue
             if kinds == ("last",) or kinds[0] == "gradient_norm":
                 ops.append(v.assign(tf.cast(parts[0][0], v.dtype)))
                 continue
-            values = []
-            for (so_far, gathered), (t, weight), kind in zip(state, parts, kinds, strict=True):
-                t = tf.cast(t, tf.float32)
-                if kind in ("last", "fixed"):
-                    value = t
-                elif kind in ("sum", "max", "min"):
-                    both = {"sum": tf.add, "max": tf.maximum, "min": tf.minimum}[kind](so_far, t)
-                    value = tf.where(first, t, both)
-                else:  # a weighed mean: by rows, or by a ratio's divisor
-                    total = tf.where(first, weight, gathered + weight)
-                    share = tf.math.divide_no_nan(weight, total)
-                    value = tf.where(first, t, so_far + (t - so_far) * share)
-                    ops.append(gathered.assign(total))
-                ops.append(so_far.assign(value))
-                values.append(value)
-            ops.append(v.assign(tf.cast(tf.add_n(values), v.dtype)))
+            value, assigns = _combined(state, parts, kinds, first)
+            ops += [*assigns, v.assign(tf.cast(value, v.dtype))]
         return after(ops)
+
+    def _combine_trackers(self, piece: Piece, first: tf.Tensor) -> list:
+        """A custom step's deferred tracker updates (a masked mean given to a ``Mean``):
+        each metric is put back as the large batch found it and updated once with the
+        value combined over its micro-batches so far, with the row count gathered, so
+        that after the last one it holds one update with the large batch's value."""
+        ops = []
+        for (kinds, metric, state, count, kept), (parts, given) in zip(
+                self._trackers, piece.tracker_parts, strict=True):
+            value, assigns = _combined(state, parts, kinds, first)
+            now = [tf.convert_to_tensor(v) for v in metric.variables]
+            start = [tf.where(first, n, k.read_value()) for n, k in zip(now, kept, strict=True)]
+            weight = None
+            if given is not None:
+                weight = tf.where(first, given, count + given)
+                assigns.append(count.assign(weight))
+            restored = [k.assign(s) for k, s in zip(kept, start, strict=True)] + [
+                v.assign(s) for v, s in zip(metric.variables, start, strict=True)]
+            with tf.control_dependencies([after(assigns + restored)]):
+                metric.update_state(value, sample_weight=weight)
+                # read after the update (a tf.function orders a variable's reads and writes)
+                ops.append(after([tf.convert_to_tensor(v) for v in metric.variables]))
+        return ops
 
     def keep_metrics(self) -> tf.Tensor:
         """Copy a custom step's metric variables as they stand (after a committed piece)."""
