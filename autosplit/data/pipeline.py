@@ -171,7 +171,8 @@ def _padded_cut(ds: tf.data.Dataset, sizes: list[int]) -> tf.data.Dataset:
     batches padded to different lengths. Here the batches are unbatched, each row is
     numbered, and ``group_by_window`` gathers the rows of each large batch (the rows
     come in order); a first pass over them finds the longest row, a second pads each
-    row to it and cuts the pieces, so no more than a piece is ever stacked.
+    row to it and cuts the pieces. The host holds the large batch's rows, one by one
+    (its longest row is known only after the last), and stacks no more than a piece.
     """
     period = sum(sizes)
 
