@@ -421,6 +421,25 @@ def test_sequences_given_as_a_list_or_ragged_are_padded_per_large_batch(kind):
     np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
 
 
+def test_the_probe_runs_its_trials_on_variable_length_examples_padded():
+    # The probe's sample of such rows is padded to its longest (adapter.sample), as the
+    # pipeline pads a large batch; its trials run, and training starts at the size found.
+    r = np.random.default_rng(2)
+    seqs = [r.normal(size=int(r.integers(3, 30))).astype("float32") for _ in range(48)]
+    labels = np.array([i % 3 for i in range(48)], "int32")
+    model = keras.Sequential([keras.Input((None,)), keras.layers.Reshape((-1, 1)),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    before = [w.copy() for w in model.get_weights()]
+    result = autosplit.probe(model, seqs, labels, batch_size=16, cache=False)
+    assert 1 <= result.micro_batch_size <= 16 and result.trials
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+    history = autosplit.fit_large_batch(model, seqs, labels, batch_size=16, verbose=0)
+    assert history.autosplit.micro_batch_size == result.micro_batch_size
+    assert int(model.optimizer.iterations) == 3
+
+
 def test_a_cache_file_is_not_counted_through(tmp_path):
     # A cache file replays what it was written from: a stale one holds other rows
     # (150 here, behind a pipeline of 100), which a count would have cut short.
