@@ -128,8 +128,8 @@ def intercept(model: keras.Model, rows: tf.Tensor | None, batch_size: int, *,
         with (object_patches([(optimizer, "apply_gradients", apply_gradients),
                               (optimizer, "apply", apply)]),
               weighed_trackers(model, None if plain else rows, batch_size, static_rows,
-                               split.stop, warn, seen.tracker_kinds, trackers,
-                               None if plain else seen.deferred),
+                               split.stop, warn, None if plain else seen.tracker_kinds,
+                               trackers, None if plain else seen.deferred),
               class_patches([(base, "apply_gradients", foreign), (base, "apply", foreign)])):
             yield seen
 
@@ -186,6 +186,8 @@ def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int
         original = metric.update_state
 
         def update_state(*args, **kwargs):
+            if rows is None and record is None:  # a full batch's reference: read nothing
+                return original(*args, **kwargs)
             values = args[0] if args else kwargs.get("values")
             weight = args[1] if len(args) > 1 else kwargs.get("sample_weight")
             counted = weight is not None and (
@@ -199,10 +201,9 @@ def weighed_trackers(model: keras.Model, rows: tf.Tensor | None, batch_size: int
             values = tf.convert_to_tensor(values)
             parts = ([] if counts_rows(values) else log_parts(values, static_rows, stop))
             call, calls[0] = calls[0], calls[0] + 1
-            if rows is None:
-                if record is not None:
-                    record.append((tuple(p.kind for p in parts),
-                                   next(i for i, m in enumerate(metrics) if m is metric)))
+            if rows is None and record is not None:  # a throwaway trace: read, not weighed
+                record.append((tuple(p.kind for p in parts),
+                               next(i for i, m in enumerate(metrics) if m is metric)))
                 return original(*args, **kwargs)
             share = tf.cast(rows, tf.float32) / tf.cast(batch_size, tf.float32)
             if call < len(replay):
@@ -247,10 +248,7 @@ def _defer(deferred: list, parts: list | None, rows: Any, count: Any, metric: An
             f"Expected the value the train_step gives the tracker {metric.name} to read "
             "the same in every trace. Received: another reading on a micro-batch of any "
             "rows than on one of static rows. Return the value from the step instead.")
-    deferred.append(([(tf.cast(p.value, tf.float32),
-                       tf.cast(p.divisor, tf.float32) if p.kind == RATIO else
-                       tf.cast(rows, tf.float32) if p.kind == COUNT else tf.constant(1.0))
-                      for p in parts],
+    deferred.append(([(tf.cast(p.value, tf.float32), p.weight(rows)) for p in parts],
                      None if count is None else tf.cast(count, tf.float32)))
 
 

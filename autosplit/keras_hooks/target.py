@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from autosplit.keras_hooks.traced import evaluate, full_reduction_input, mixes_rows
+from autosplit.keras_hooks.traced import ancestors, evaluate, full_reduction_input, mixes_rows
 
 __all__ = ["COUNT", "FIXED", "RATIO", "SUM", "LogPart", "Term", "Unreadable",
            "gradient_norm", "log_parts", "read", "replayed"]
@@ -100,6 +100,14 @@ class LogPart(NamedTuple):
     kind: str
     value: Any
     divisor: Any = None
+
+    def weight(self, rows: Any) -> tf.Tensor:
+        """This part's weight in its running mean over the micro-batches: its divisor for
+        a ratio, the micro-batch's ``rows`` for a mean (or a value no rule combines), 1
+        otherwise (a sum, a maximum: they do not average)."""
+        if self.kind == RATIO:
+            return tf.cast(self.divisor, tf.float32)
+        return tf.cast(rows, tf.float32) if self.kind in (COUNT, "other") else tf.constant(1.0)
 
 
 def log_parts(value: Any, rows: int | None = None, stop: Any = ()) -> list[LogPart]:
@@ -282,30 +290,21 @@ def _rows_reduced(op, reader: _Reader) -> Any:
     return reduced
 
 
-def _ancestors(top, shapes: bool = True) -> Any:
-    """``top`` and the ops it is computed from; through a shape op's input where
-    ``shapes`` and that shape is dynamic (the batch's size reaches it, no value does)."""
-    seen, stack = set(), [top]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        yield op
-        if op.type in _SHAPES and (not shapes or tf.get_static_value(op.outputs[0]) is not None):
-            continue
-        stack.extend(t.op for t in op.inputs)
-
-
 def _reads_batch(tensor, batch: set) -> bool:
     """Whether a value of the batch, or its dynamic shape, reaches ``tensor``: one of
     ``batch``'s ops (the step's inputs, its layers' outputs); without them, a function
     input or captured tensor that is not a variable's handle."""
     if batch:
-        return any(op in batch for op in _ancestors(tensor.op))
+        return any(op in batch for op in _walk(tensor.op))
     return any(op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
-               for op in _ancestors(tensor.op))
+               for op in _walk(tensor.op))
 
 
 def _reads_variables(tensor) -> bool:
-    return any(op.type == "ReadVariableOp" for op in _ancestors(tensor.op, shapes=False))
+    return any(op.type == "ReadVariableOp" for op in ancestors(tensor.op, shape_ops=_SHAPES))
+
+
+def _walk(top) -> Any:
+    """``top`` and the ops it is computed from, through a shape op whose shape is
+    dynamic: the batch's size reaches it, no value does."""
+    return ancestors(top, shape_ops=_SHAPES, dynamic_shapes=True)

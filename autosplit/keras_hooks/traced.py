@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["counts_rows", "evaluate", "full_reduction_input", "mixes_rows", "repeats_rows",
-           "row_reduction"]
+__all__ = ["ancestors", "counts_rows", "evaluate", "full_reduction_input", "mixes_rows",
+           "repeats_rows", "row_reduction"]
 
 _PASS_THROUGH = frozenset({"Identity", "Cast", "CheckNumerics"})
 _REDUCTIONS = {"Mean": "mean", "Sum": "sum"}
@@ -171,12 +171,15 @@ def _reads_batch(top) -> bool:
     """Whether a value of the batch reaches ``top``: a function input or captured tensor
     (a ``Placeholder`` that is not a variable's handle), not through a shape alone."""
     return any(op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
-               for op in _ancestors(top))
+               for op in ancestors(top))
 
 
-def _ancestors(top, stop: frozenset | set = frozenset()) -> Iterator[Any]:
+def ancestors(top, stop: frozenset | set = frozenset(), *,
+              shape_ops: frozenset = _SHAPE_OPS, dynamic_shapes: bool = False) -> Iterator[Any]:
     """``top`` and every op it is computed from, once each, depth first; not through
-    a shape op's input (its values do not reach the output), nor ``stop``'s ops."""
+    ``stop``'s ops, nor through a shape op's input (its values do not reach the
+    output), unless ``dynamic_shapes`` and that shape is not static (the batch's size
+    reaches it)."""
     seen, stack = set(), [top]
     while stack:
         op = stack.pop()
@@ -184,7 +187,8 @@ def _ancestors(top, stop: frozenset | set = frozenset()) -> Iterator[Any]:
             continue
         seen.add(op)
         yield op
-        if op.type not in _SHAPE_OPS:
+        if op.type not in shape_ops or (
+                dynamic_shapes and tf.get_static_value(op.outputs[0]) is None):
             stack.extend(t.op for t in op.inputs)
 
 
@@ -222,7 +226,7 @@ def mixes_rows(top, stop: set) -> Any:
     shapes (``eye(batch_size)`` alone mixes nothing). BatchNormalization's moments
     (under a ``moments`` name scope) are left to its own warning and pooling."""
     batch = _BatchValues(stop)
-    return next((op for op in _ancestors(top, stop) if _combines_rows(op, batch)), None)
+    return next((op for op in ancestors(top, stop) if _combines_rows(op, batch)), None)
 
 
 class _BatchValues:
@@ -306,7 +310,7 @@ def counts_rows(tensor: Any) -> bool:
     if tf.executing_eagerly() or not hasattr(tensor, "op"):
         return False
     shapes = False
-    for op in _ancestors(tensor.op):
+    for op in ancestors(tensor.op):
         if op.type == "Placeholder":
             return False
         shapes |= op.type in _SHAPE_OPS  # its input's values do not reach the output
@@ -334,7 +338,7 @@ def evaluate(tensor) -> np.ndarray | None:
     if value is not None:
         return np.asarray(value)
     feeds = {}
-    for op in _ancestors(tensor.op):
+    for op in ancestors(tensor.op):
         if op.type in _SHAPE_OPS:
             shape = tf.get_static_value(op.outputs[0])
             if shape is None:

@@ -31,8 +31,7 @@ from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.batchnorm import recording
 from autosplit.keras_hooks.custom_step import CustomFacts, batch_data
 from autosplit.keras_hooks.interception import intercept
-from autosplit.keras_hooks.target import COUNT as COUNT_KIND
-from autosplit.keras_hooks.target import RATIO, log_parts, replayed
+from autosplit.keras_hooks.target import log_parts, replayed
 from autosplit.step.loss_plan import (
     COUNT_GROUP,
     SUM_GROUP,
@@ -158,10 +157,9 @@ def _custom_piece(model, facts: CustomFacts, x, y, sample_weight, valid, *,
 
 
 def _log_parts(value, kinds: tuple[str, ...], rows, static_rows, stop) -> list:
-    """A logged value's parts, each as ``(value, weight)``: its weight in its running
-    mean over the micro-batches is its divisor for a ratio, the rows for a mean (or a
-    value no rule combines), 1 otherwise. The parts are those the throwaway trace read
-    (``kinds``; ``target.replayed``)."""
+    """A logged value's parts, each as ``(value, weight in its running mean)``
+    (``target.LogPart.weight``): those the throwaway trace read (``kinds``;
+    ``target.replayed``)."""
     if kinds[0] in ("gradient_norm", "result"):  # computed in update.py
         return [(value, tf.constant(1.0))]
     read = log_parts(value, static_rows, stop)
@@ -172,9 +170,7 @@ def _log_parts(value, kinds: tuple[str, ...], rows, static_rows, stop) -> list:
             f"Received: {kinds} on a micro-batch of static rows and "
             f"{tuple(p.kind for p in read)} on one of any rows. Return it from a "
             "tracker (a keras.metrics.Mean updated with it) instead.")
-    return [(p.value, tf.cast(p.divisor, tf.float32) if p.kind == RATIO else
-             tf.cast(rows, tf.float32) if p.kind in (COUNT_KIND, "other") else
-             tf.constant(1.0)) for p in parts]
+    return [(p.value, p.weight(rows)) for p in parts]
 
 
 def _untracked(what: str) -> None:

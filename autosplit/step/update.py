@@ -152,12 +152,13 @@ class LargeBatchUpdate:
                                for kinds in self.plan.custom.log_kinds]
             # per deferred tracker update: its parts' running values and weights, the
             # row count gathered, and its metric's variables as the large batch found them
+            metrics = _keras.all_metrics(self.model)
             self._trackers = [
-                (kinds, _keras.all_metrics(self.model)[index],
+                (kinds, metrics[index],
                  [(tf.Variable(0.0, trainable=False), tf.Variable(0.0, trainable=False))
                   for _ in kinds], tf.Variable(0.0, trainable=False),
                  [tf.Variable(tf.convert_to_tensor(v), trainable=False)
-                  for v in _keras.all_metrics(self.model)[index].variables])
+                  for v in metrics[index].variables])
                 for kinds, index in self.plan.custom.tracker_kinds if defers(kinds)]
             if self.replicas.count > 1 and any(
                     kinds[0] == "gradient_norm" for kinds in self.plan.custom.log_kinds):
