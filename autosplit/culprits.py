@@ -83,6 +83,9 @@ class CheckReport:
     per_variable: tuple[VariableDifference, ...]
     culprits: tuple[Culprit, ...]
     hint: str | None  # set when not exact and no culprit explains it
+    # a batch of padded sequences: whether the model ignores padding (fit_large_batch
+    # then cuts by length) and why; None for a batch without rows padded at their end
+    padding: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -122,6 +125,8 @@ class CheckReport:
         if ranked and not self.exact:
             lines.append("largest differences")
             lines += [f"  {v.relative_difference:9.2e}  {v.path}" for v in ranked]
+        if self.padding:
+            lines.append(f"padding     {self.padding}")
         if self.hint:
             lines.append(f"hint        {self.hint}")
         return "\n".join(lines)

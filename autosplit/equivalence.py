@@ -44,12 +44,14 @@ from autosplit.culprits import (
     static_culprits,
     unreduced_culprits,
 )
+from autosplit.data.lengths import real_lengths
 from autosplit.data.split import Split, split_batch
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import batch_data, overridden_steps
 from autosplit.keras_hooks.interception import PLAIN, intercept
 from autosplit.step.compiled import run_once
 from autosplit.step.loss_plan import align_targets, forward_totals, loss_plan, step_plan
+from autosplit.step.padding import check_padding
 from autosplit.step.piece import Totals, map_present
 from autosplit.step.reduction import combined_loss, output_terms
 from autosplit.step.snapshot import Snapshot
@@ -138,7 +140,34 @@ def check(
         loss_full=None if full.loss is None else float(full.loss),
         loss_split=None if own else float(split_loss), decomposes=decomposes,
         loss_decomposition_difference=decomposition, per_variable=tuple(per_variable),
-        culprits=tuple(culprits), hint=None if exact or explains else HINT)
+        culprits=tuple(culprits), hint=None if exact or explains else HINT,
+        padding=_padding(model, x, y, sample_weight))
+
+
+def _padding(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> str | None:
+    """For a batch of padded sequences (an input of rank 2 or more some of whose rows
+    end in zeros along their second axis), what ``fit_large_batch``'s check of padding
+    finds (``autosplit.step.padding``); None for other batches. The inputs as long as
+    that one along their second axis count as its length."""
+    data = (x, y, sample_weight)
+    ranked = [t for t in tree.flatten(x) if t.shape.rank >= 2]
+    if not ranked or not any(int(n) < int(ranked[0].shape[1])
+                             for n in real_lengths([ranked[0]]).numpy()):
+        return None
+    width = ranked[0].shape[1]
+
+    def spec_of(t):
+        if t.shape.rank < 2:
+            return tf.TensorSpec([None, *t.shape[1:]], t.dtype)
+        return tf.TensorSpec([None, None if t.shape[1] == width else t.shape[1],
+                              *t.shape[2:]], t.dtype)
+
+    spec = tree.map_structure(lambda t: None if t is None else spec_of(t), data)
+    sample = tree.map_structure(lambda t: None if t is None else t[:16], data)
+    found = check_padding(model, sample, tuple(() if s is None else s for s in spec))
+    if found.ignores_padding:
+        return f"ignored: fit_large_batch cuts by length ({found.reason})"
+    return f"read: fit_large_batch pads to each large batch's longest row ({found.reason})"
 
 
 # ---------------------------------------------------------------- pieces

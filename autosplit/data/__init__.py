@@ -1,4 +1,4 @@
 """The input side: every Keras input kind as rows (``inputs``), the balanced cut of a large
-batch (``split``), the host ``tf.data`` pipeline of micro-batches (``pipeline``),
-keras_hub preprocessing (``hub``).
+batch (``split``), the host ``tf.data`` pipeline of micro-batches (``pipeline``) and its
+cut of sequences by length (``lengths``), keras_hub preprocessing (``hub``).
 """

@@ -258,6 +258,7 @@ class DatasetInput(InputAdapter):
                     check_shared_rows(first if self._arity else (first,), f"`{name}`")
         # Examples of varying shape (sequences of varying length) are padded per large
         # batch by the pipeline (``autosplit.data.pipeline``), as padded_batch(B) pads.
+        self.own_lengths = not self.batched
         self._varying = not self.batched and any(
             None in s.shape.as_list() for s in tf.nest.flatten(spec) if s.shape.rank)
 

@@ -27,6 +27,7 @@ from typing import Any
 import tensorflow as tf
 
 from autosplit.data.adapter import HOST, InputAdapter, varying_shapes
+from autosplit.data.lengths import Trimmed, cut_by_length, row_length, sorts_by_length
 from autosplit.data.split import Piece, piece_pattern
 from autosplit.step.layout import ALONE, Layout
 
@@ -107,6 +108,15 @@ def _element(*piece: Any, materialize, rows: int, row_numbers: bool, whole: bool
     return x, (() if y is None else y), (() if w is None else w), valid
 
 
+@tf.autograph.experimental.do_not_convert
+def _trimmed_element(piece: Any, stretch: tf.Tensor, *, materialize, rows: int) -> tuple:
+    """:func:`_element` of a piece cut by length (``lengths.cut_by_length``): its inputs
+    as a :class:`Trimmed` with their stretch."""
+    (padded, stretch), valid = _pad_rows((piece, stretch), rows)
+    x, y, w = materialize(padded)
+    return Trimmed(x, stretch), (() if y is None else y), (() if w is None else w), valid
+
+
 def _pad_replicas_of(*element: Any, replicas: int) -> Any:
     return _pad_replicas(element, replicas)
 
@@ -154,7 +164,8 @@ def skip_to_end_marker(iterator: Any) -> int:
     return dropped
 
 
-def _padded_cut(ds: tf.data.Dataset, sizes: list[int]) -> tf.data.Dataset:
+def _padded_cut(ds: tf.data.Dataset, sizes: list[int], *, own_lengths: bool
+                ) -> tf.data.Dataset:
     """``ds.rebatch(sizes)`` for batches whose shapes differ beyond the row count: every
     piece of a large batch is padded to the longest row of that large batch, with zeros
     (``""`` for strings), as ``padded_batch(B)`` pads the large batch by default.
@@ -173,8 +184,16 @@ def _padded_cut(ds: tf.data.Dataset, sizes: list[int]) -> tf.data.Dataset:
     come in order); a first pass over them finds the longest row, a second pads each
     row to it and cuts the pieces. The host holds the large batch's rows, one by one
     (its longest row is known only after the last), and stacks no more than a piece.
+
+    Without ``own_lengths`` (rows padded by the user's ``padded_batch``, whose batches
+    may hold rows of the next large batch), rows that vary along one length count as
+    long as they are without trailing zeros (``lengths.row_length``), so a large batch
+    is as long as ``padded_batch(B)`` of the same rows makes it.
     """
     period = sum(sizes)
+    row_spec = ds.element_spec
+    trim = not own_lengths and sorts_by_length(row_spec)
+    varying = [s.shape.rank >= 2 and s.shape[1] is None for s in tf.nest.flatten(row_spec)]
 
     def strip(_, *row):
         return row[0] if len(row) == 1 else row
@@ -182,13 +201,23 @@ def _padded_cut(ds: tf.data.Dataset, sizes: list[int]) -> tf.data.Dataset:
     plain = tf.data.Options()  # a window has no graph to optimise (TensorFlow warns)
     plain.experimental_optimization.apply_default_optimizations = False
 
+    def shape_of(row):
+        shapes = [tf.shape(t, out_type=tf.int64) for t in tf.nest.flatten(row)]
+        if trim:  # the length axis as long as the row is without its trailing zeros
+            length = row_length(row, varying)
+            shapes = [tf.tensor_scatter_nd_update(s, [[0]], [length]) if v else s
+                      for s, v in zip(shapes, varying, strict=True)]
+        return tf.nest.pack_sequence_as(row, shapes)
+
     def longest(rows: tf.data.Dataset) -> Any:
         start = tf.nest.map_structure(lambda spec: tf.zeros([spec.shape.rank], tf.int64),
                                       rows.element_spec)
         return rows.with_options(plain).reduce(start, lambda most, row: tf.nest.map_structure(
-            lambda m, t: tf.maximum(m, tf.shape(t, out_type=tf.int64)), most, row))
+            tf.maximum, most, shape_of(row)))
 
     def pad(row, shape):
+        if trim and row.shape.rank:
+            row = row[:shape[0]]
         gap = shape - tf.shape(row, out_type=tf.int64)
         return tf.pad(row, tf.stack([tf.zeros_like(gap), gap], axis=1),
                       constant_values=tf.zeros([], row.dtype))
@@ -231,11 +260,17 @@ class MicroBatches:
         batch_size: B, the global large batch.
         rows: rows per micro-batch on this worker.
         where: the ``tf.distribute`` layout of this process (``autosplit.step.layout``).
+        by_length: None: cut each large batch as its rows come. A number: sort each
+            large batch's rows by length and pad each micro-batch to its own longest
+            row rounded up to a multiple of that number (``autosplit.data.lengths``), for
+            a model that ignores padding; its inputs then come as ``lengths.Trimmed``.
     """
 
     def __init__(self, adapter: InputAdapter, batch_size: int, rows: int,
-                 where: Layout = ALONE) -> None:
+                 where: Layout = ALONE, *, by_length: int | None = None) -> None:
         self.adapter = adapter
+        self.by_length = by_length
+        self.where = where
         self.batch_size = batch_size
         self.rows = rows
         self.local_replicas = local_replicas = where.local_replicas
@@ -347,11 +382,15 @@ class MicroBatches:
             ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed, epoch=epoch,
                                            batch_size=self.batch_size)
             sizes = [p.rows for p in self.pattern]
-            if varying_shapes(ds.element_spec):
-                ds = _padded_cut(ds, sizes)
+            keep = [p.keep for p in self.pattern]
+            if self.by_length is not None:
+                ds = cut_by_length(ds, self.pattern, own_lengths=self.adapter.own_lengths,
+                                   multiple=self.by_length)
+                keep = [True]
+            elif varying_shapes(ds.element_spec):
+                ds = _padded_cut(ds, sizes, own_lengths=self.adapter.own_lengths)
             else:
                 ds = ds.rebatch(sizes if len(sizes) > 1 else sizes[0])
-            keep = [p.keep for p in self.pattern]
             if not all(keep):
                 table = tf.constant(keep)
                 period = len(keep)
@@ -366,11 +405,14 @@ class MicroBatches:
             # Functions that hold the adapter, not this object: a dataset kept in
             # self._cuts must not point back at self (a cycle would keep the input's
             # arrays alive until the next garbage collection).
-            ds = ds.map(functools.partial(_element, materialize=self.adapter.materialize,
-                                          rows=self.rows,
-                                          row_numbers=self.adapter.row_numbers,
-                                          whole=self.always_full()),
-                        **(_IN_PARALLEL if parallel else {}))
+            if self.by_length is not None:
+                element = functools.partial(_trimmed_element,
+                                            materialize=self.adapter.materialize, rows=self.rows)
+            else:
+                element = functools.partial(_element, materialize=self.adapter.materialize,
+                                            rows=self.rows, row_numbers=self.adapter.row_numbers,
+                                            whole=self.always_full())
+            ds = ds.map(element, **(_IN_PARALLEL if parallel else {}))
             replicas = self.local_replicas
             if replicas > 1:
                 ds = ds.batch(replicas).map(functools.partial(_pad_replicas_of,

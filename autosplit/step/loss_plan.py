@@ -119,8 +119,9 @@ def _n_weight_regularizers(model: keras.Model) -> int:
     return sum(1 for v in model.trainable_variables if getattr(v, "regularizer", None))
 
 
-def forward(model, x, y, sample_weight, valid, *, training=True):
-    """One micro-batch forward pass: targets, predictions, loss terms, forward losses."""
+def forward(model, x, y, sample_weight, valid, *, training=True, stretch=None):
+    """One micro-batch forward pass: targets, predictions, loss terms, forward losses
+    (``stretch``: ``reduction.output_terms``'s)."""
     y_pred = model(x, training=training) if _keras.call_has_training_arg(model) else model(x)
     y = align_targets(model, y, y_pred)
     terms = []
@@ -130,7 +131,7 @@ def forward(model, x, y, sample_weight, valid, *, training=True):
         s_w = sample_weight
         if sample_weight is not None and keras.tree.is_nested(sample_weight):
             s_w = _keras.resolve_path(flat.path, sample_weight)
-        terms.append(output_terms(flat.loss, y_t, y_p, s_w, valid))
+        terms.append(output_terms(flat.loss, y_t, y_p, s_w, valid, stretch))
     losses = list(model.losses)
     in_call = losses[: len(losses) - _n_weight_regularizers(model)]
     return y, y_pred, terms, [tf.cast(loss, tf.float32) for loss in in_call]

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
+from autosplit.data.lengths import Trimmed, inputs_of
 from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.batchnorm import recording
@@ -78,6 +79,7 @@ class Piece(NamedTuple):
     # per deferred tracker update of a custom step (interception.weighed_trackers):
     # ([(value, weight)] per part, the row count it was given or None)
     tracker_parts: Any = None
+    stretch: Any = None  # a micro-batch cut by length: lengths.Trimmed.stretch, a scalar
 
 
 def _dense_f32(g) -> tf.Tensor | None:
@@ -90,12 +92,14 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
                   scale, pool: list | tuple = ()) -> Piece:
     """Forward and backward of one micro-batch; changes no variable but the model's own
     (BatchNormalization statistics, seed generators; a custom step's metric trackers)."""
+    stretch = x.stretch[0] if isinstance(x, Trimmed) else None
+    x = inputs_of(x)
     if plan.custom is not None:
         return _custom_piece(model, plan.custom, x, y, sample_weight, valid,
                              batch_size=batch_size, pool=pool)
     variables = model.trainable_variables
     with recording(pool) as records, tf.GradientTape(persistent=len(plan.groups) > 1) as tape:
-        y, y_pred, terms, in_call = forward(model, x, y, sample_weight, valid)
+        y, y_pred, terms, in_call = forward(model, x, y, sample_weight, valid, stretch=stretch)
         rows = tf.reduce_sum(valid)
         in_call_mean, in_call_sum = forward_parts(in_call, plan.forward_summed)
         objectives = []
@@ -121,7 +125,7 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
     masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
     return Piece(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
                  forward_totals(in_call_mean, in_call_sum, rows), rows, y, y_pred, masks, None,
-                 _moments(pool, records), sample_weight, valid)
+                 _moments(pool, records), sample_weight, valid, stretch=stretch)
 
 
 def _moments(pool, records) -> list | None:
@@ -260,7 +264,7 @@ def update_loss_trackers(model, loss, per_output, rows) -> list:
 
 
 def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
-                   full: bool = False) -> None:
+                   full: bool = False, stretch=None) -> None:
     """Update the compiled metrics from one micro-batch's real rows, as ``model.fit``
     updates them from a batch: ``sample_weight`` as given (None without one).
 
@@ -270,6 +274,12 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
     targets raised; the Keras guide's ``CategoricalTruePositives`` counted m times).
     ``full``: the caller knows every row is real; the rows pass as they are, with their
     static shapes, and no ``tf.cond`` checks for padding.
+
+    ``stretch``: a micro-batch cut by length (``autosplit.data.lengths.Trimmed``). A
+    Keras metric averages each row's values over its length before it weighs rows, so
+    a row padded to ``P`` weighs ``L / P`` times what it weighs in the large batch of
+    length ``L``: the metrics of an output with a length axis get weights divided by
+    the stretch (``autosplit.step.padding`` checks that this gives the large batch's).
     """
     unweighted, weighted, flatten = _keras.metric_lists(model)
     if not unweighted and not weighted:
@@ -286,7 +296,7 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
     y_flat, p_flat = flatten(y), flatten(y_pred)
     for mls, y_t, y_p in zip(unweighted, y_flat, p_flat, strict=False):
         if mls:
-            mls.update_state(y_t, y_p)
+            mls.update_state(y_t, y_p, **_shrunk(None, y_p, stretch))
     if sample_weight is not None:
         sw_flat = flatten(sample_weight)
         if len(sw_flat) < len(y_flat):
@@ -295,7 +305,20 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
         sw_flat = [None] * len(y_flat)
     for mls, y_t, y_p, s_w in zip(weighted, y_flat, p_flat, sw_flat, strict=False):
         if mls:
-            mls.update_state(y_t, y_p, sample_weight=s_w)
+            mls.update_state(y_t, y_p, **(_shrunk(s_w, y_p, stretch) or {"sample_weight": s_w}))
+
+
+def _shrunk(sample_weight, y_pred, stretch) -> dict:
+    """``update_metrics``'s weights for one output: ``sample_weight`` (ones if None)
+    over ``stretch`` where the output has a length axis; else nothing to add."""
+    rank = y_pred.shape.rank
+    if stretch is None or rank is None or rank < 2 or y_pred.shape[1] is not None:
+        return {}
+    shrink = 1.0 / tf.cast(stretch, tf.float32)
+    if sample_weight is None:
+        # (rows, 1): a Keras mask of (rows, length) multiplies it
+        return {"sample_weight": tf.fill([tf.shape(y_pred)[0], 1], shrink)}
+    return {"sample_weight": tf.cast(sample_weight, tf.float32) * shrink}
 
 
 def real_rows(structure: Any, valid: tf.Tensor) -> Any:

@@ -83,7 +83,8 @@ def check_reduction(loss: object) -> str:
     return reduction
 
 
-def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_valid) -> LossTerms:
+def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_valid,
+                 stretch=None) -> LossTerms:
     """The numerator and denominator of ``loss(y_true, y_pred, sample_weight)``.
 
     Args:
@@ -92,6 +93,10 @@ def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_val
         y_pred: model outputs for the micro-batch (possibly carrying a Keras mask).
         sample_weight: the user's sample weights for the micro-batch, or None.
         row_valid: float tensor (m,): 1.0 for real examples, 0.0 for padding.
+        stretch: for a micro-batch padded short of its large batch's length
+            (``autosplit.data.lengths.Trimmed``), the large batch's length over its own:
+            a denominator that counts every loss element along a length counts the
+            large batch's.
 
     Returns:
         ``LossTerms``; the full-batch Keras loss is ``sum(numerators) / sum(denominators)``
@@ -151,6 +156,8 @@ def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_val
         return LossTerms(numerator, tf.cast(denominator, tf.float32), True, COUNT, per_row,
                          per_example, row_mean)
     denominator = tf.reduce_sum(tf.ones_like(values) * row_weight(row_valid, values))
+    if stretch is not None and None in values.shape.as_list()[1:]:
+        denominator = denominator * tf.cast(stretch, denominator.dtype)
     return LossTerms(numerator, tf.cast(denominator, tf.float32), False, COUNT, per_row,
                      per_example, row_mean)
 

@@ -27,6 +27,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from autosplit.data.lengths import inputs_of
 from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.interception import defers
@@ -123,7 +124,7 @@ class LargeBatchUpdate:
         self.element_spec = element_spec
         self.piece_spec = (x, empty_to_none(y), empty_to_none(w), valid)
         self.rows = int(valid.shape[0])
-        self.plan = step_plan(model, self.piece_spec[:3])
+        self.plan = step_plan(model, (inputs_of(x), *self.piece_spec[1:3]))
         self.pool = [layer for layer, calls in self.plan.batch_norm_calls
                      if calls] if self.pooled else []
         if not model.optimizer.built:  # a custom step's model, built by its trace
@@ -230,7 +231,7 @@ class LargeBatchUpdate:
                 return self._combine_logs(piece)
         with tf.control_dependencies([] if ready is None else [ready]):
             update_metrics(self.model, piece.y, piece.y_pred, piece.sample_weight, piece.valid,
-                           piece.masks, full=full)
+                           piece.masks, full=full, stretch=piece.stretch)
             return tf.constant(True)
 
     def _combine_logs(self, piece: Piece) -> tf.Tensor:

@@ -248,6 +248,7 @@ class Args:
     validation_split: float
     on_oom: str
     batch_norm: str
+    by_length: bool | None = None  # None: "auto"
 
 
 def validate_fit(model: Any, given: dict[str, Any]) -> Args:
@@ -260,6 +261,7 @@ def validate_fit(model: Any, given: dict[str, Any]) -> Args:
     check_choice("on_oom", given["on_oom"], ("recover", "raise"))
     check_choice("batch_norm", given["batch_norm"], MODES)
     check_choice("objective", given["objective"], OBJECTIVES)
+    check_choice("by_length", given["by_length"], ("auto", True, False))
     if given["shuffle"] not in (True, False, "batch"):
         raise ArgumentError(f"Expected `shuffle` to be True, False or 'batch'. Received: "
                             f"shuffle={describe(given['shuffle'])}.")
@@ -281,6 +283,7 @@ def validate_fit(model: Any, given: dict[str, Any]) -> Args:
         validation_split=check_fraction("validation_split", given["validation_split"]),
         on_oom=given["on_oom"],
         batch_norm=given["batch_norm"],
+        by_length=None if given["by_length"] == "auto" else given["by_length"],
     )
     check_headroom(given["headroom"])
     if given["jit_compile"] not in (None, True, False):

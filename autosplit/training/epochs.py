@@ -156,7 +156,8 @@ def rebuild(plan: Plan, recovery: Recovery) -> MicroBatches:
     rows = recovery.rows
     split = split_batch(plan.split.batch_size, rows)
     pipeline = MicroBatches(plan.pipeline.adapter, plan.pipeline.batch_size,
-                            split.micro_batch_size, plan.layout)
+                            split.micro_batch_size, plan.layout,
+                            by_length=plan.pipeline.by_length)
     recovery.rebind(pipeline.element_spec(), full=pipeline.always_full())
     plan.pipeline, plan.split = pipeline, split
     return pipeline

@@ -62,6 +62,7 @@ def fit_large_batch(
     headroom: float = 0.1,
     cache: bool = True,
     objective: Literal["memory", "speed"] = "memory",
+    by_length: bool | Literal["auto"] = "auto",
 ) -> keras.callbacks.History:
     """Train ``model`` like ``model.fit``, with an effective batch of exactly ``batch_size``.
 
@@ -120,6 +121,14 @@ def fit_large_batch(
         objective: passed to ``autosplit.probe`` when ``micro_batch_size="auto"``;
             ``"speed"`` keeps a smaller size that runs more than 5% faster than the
             largest that fits.
+        by_length: for rows that vary in length (``padded_batch``, ragged or
+            variable-length examples): ``"auto"`` (default) sorts each large batch's
+            rows by length and pads each micro-batch only to its own longest row
+            (rounded up to a multiple of 8) where a check on a few rows finds that the
+            model ignores padding, and pads every micro-batch to its large batch's
+            longest row, as ``model.fit`` sees it, where not; ``True`` asks for the
+            first and raises if the check fails; ``False`` asks for the second.
+            ``history.autosplit.padding`` says which ran, and why.
 
     Returns:
         The ``keras.callbacks.History``; ``history.autosplit``, a :class:`FitReport`,
@@ -293,6 +302,7 @@ def _report(plan: Plan, adapter: InputAdapter, args: Args, recovery: Recovery,
         oom_recoveries=tuple(recovery.records),
         probe=plan.probe,
         traces=traces,
+        padding=plan.padding,
     )
 
 

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING
 import keras
 import tensorflow as tf
 
-from autosplit.data.adapter import InputAdapter
+from autosplit.data.adapter import InputAdapter, varying_shapes
+from autosplit.data.lengths import LENGTH_MULTIPLE, sorts_by_length
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import Split, split_batch
-from autosplit.errors import BatchSizeError
+from autosplit.errors import BatchSizeError, DatasetError, UnsupportedModelError
 from autosplit.memory.host import bfc_enabled
 from autosplit.search.isolation import (
     checked_micro_batch,
@@ -23,7 +24,8 @@ from autosplit.search.isolation import (
 )
 from autosplit.step.compiled import Compilation
 from autosplit.step.layout import Layout, layout
-from autosplit.step.train_step import TrainStep, step_for
+from autosplit.step.padding import check_padding
+from autosplit.step.train_step import TrainStep, build_for, step_for
 from autosplit.training.arguments import Args, warn_if_inexact
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ class Plan:
     probe: ProbeResult | None
     reason: str
     shuffle_seed: int | None = None  # every epoch's order (arrays); the same on every worker
+    padding: str | None = None  # FitReport.padding
 
 
 def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compile: bool | None,
@@ -83,6 +86,8 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
                           f"ran out of memory, so training starts at {micro}")
     split = split_batch(args.batch_size // where.replicas, micro)
     pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where)
+    pipeline, padding = _cut_by_length(model, pipeline, args,
+                                       Compilation.of(model, jit_compile).jit_compile)
     step = step_for(model, pipeline, jit_compile=jit_compile, batch_norm=args.batch_norm)
     warn_if_inexact(model, accumulation_steps=split.accumulation_steps, rows=step.rows,
                     batch_size=args.batch_size, pooled=bool(step.update.pool),
@@ -92,7 +97,49 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
                     batch_norm_in_training=any(
                         calls for _, calls in step.update.plan.batch_norm_calls))
     return Plan(split, where, pipeline, step, probe_result, reason,
-                 _shuffle_seed(step, where, adapter))
+                 _shuffle_seed(step, where, adapter), padding)
+
+
+def _cut_by_length(model: keras.Model, pipeline: MicroBatches, args: Args, jit: bool
+                   ) -> tuple[MicroBatches, str | None]:
+    """The pipeline that cuts by length where the rows vary in length and the model
+    ignores padding (``args.by_length``), with ``FitReport.padding``'s account: lengths
+    rounded up to a multiple of 8 under XLA (``jit``), unrounded otherwise."""
+    spec = pipeline.element_spec()
+    if not varying_shapes(spec):
+        if args.by_length:
+            raise DatasetError(
+                "Expected rows that vary in length with by_length=True. Received: an input "
+                f"whose rows all have one shape ({pipeline.adapter.kind}). Pass them as a "
+                "padded_batch, a ragged tensor or variable-length examples, or leave "
+                "by_length='auto'.")
+        return pipeline, None
+    if args.by_length is False:
+        why = "by_length=False"
+    elif pipeline.local_replicas > 1:
+        why = f"{pipeline.local_replicas} replicas on this worker"
+    elif not sorts_by_length(pipeline.adapter.rows_dataset().element_spec):
+        why = "its inputs vary in more than one length"
+    else:
+        build_for(model, spec)  # the compiled loss and metrics, as the step builds them
+        found = check_padding(model, pipeline.adapter.sample(min(pipeline.batch_size, 16)),
+                              spec[:3])
+        if found.ignores_padding:
+            rounded = f" (lengths rounded up to a multiple of {LENGTH_MULTIPLE} for XLA)"
+            return (MicroBatches(pipeline.adapter, pipeline.batch_size, pipeline.rows,
+                                 pipeline.where, by_length=LENGTH_MULTIPLE if jit else 1),
+                    f"by length{rounded if jit else ''}: the model ignores padding "
+                    f"({found.reason})")
+        why = f"the model does not ignore padding: {found.reason}"
+    if args.by_length:
+        raise UnsupportedModelError(
+            f"Expected a model and input that can be cut by length with by_length=True. "
+            f"Received: {why}. Pass by_length='auto' to pad every micro-batch to its "
+            "large batch's longest row instead, exactly as model.fit sees it.")
+    if args.verbose and args.by_length is None:
+        print(f"autosplit: micro-batches padded to their large batch's longest row: {why}.",
+              flush=True)
+    return pipeline, f"to the large batch's longest row: {why}"
 
 
 def _shuffle_seed(step: TrainStep, where: Layout, adapter: InputAdapter) -> int | None:

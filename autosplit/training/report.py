@@ -60,6 +60,10 @@ class FitReport:
     """The probe's search, with ``micro_batch_size="auto"``; else None."""
     traces: int
     """Compiled functions traced by this call (0: every one was reused)."""
+    padding: str | None = None
+    """For rows that vary in length: ``"by length: ..."`` (each large batch's rows
+    sorted by length, each micro-batch padded to its own longest row) or ``"to the
+    large batch's longest row: ..."``, each with why. None for rows of one shape."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values: lists for tuples, dicts for records (the probe's too)."""
