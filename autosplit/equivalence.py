@@ -156,7 +156,7 @@ def _padding(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> str | No
         return None
     width = ranked[0].shape[1]
 
-    def spec_of(t):
+    def spec_of(t: tf.Tensor) -> tf.TensorSpec:
         if t.shape.rank < 2:
             return tf.TensorSpec([None, *t.shape[1:]], t.dtype)
         return tf.TensorSpec([None, None if t.shape[1] == width else t.shape[1],
