@@ -27,6 +27,7 @@ from benchmarks import (
     overhead,
     probe_choices,
     probe_search,
+    sequences,
     step_costs,
     workloads,
 )
@@ -390,6 +391,7 @@ def test_gpu_check_checks_growth_per_input_kind_and_speed():
     (batchnorm_stats, ["--quick", "--ks", "3"]),
     (step_costs, ["--quick", "--repeats", "0"]),
     (probe_choices, ["--quick", "--repeats", "0"]),
+    (sequences, ["--quick", "--models", "bert"]),
 ])
 def test_bad_flags_exit_before_anything_runs(module, argv):
     with pytest.raises(SystemExit, match="Expected"):
@@ -545,6 +547,28 @@ def test_gpu_check_quick_run_on_the_cpu_path(tmp_path):
     assert report["speed"]["methods"]["autosplit_arrays"]["ratio"] > 0
     assert [c["id"] for c in report["checks"]] == ["a-examples", "a-arrays", "speed"]
     assert (tmp_path / "gpu_check.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.slow
+def test_sequences_quick_run(tmp_path):
+    assert sequences.main(["--quick", "--models", "gru", "--out", str(tmp_path)]) == 0
+    result = read(tmp_path, "sequences")["results"]["gru"]
+    assert set(result) == set(sequences.METHODS)
+    # The shares are counted, not timed: the cut by length feeds the same real tokens
+    # with less padding than the row cut, as the bare loop does on the same cut.
+    assert result["by_length"]["padding_share"] == result["bare_loop"]["padding_share"]
+    assert result["by_length"]["padding_share"] < result["rows"]["padding_share"]
+    assert all(r["tokens_per_s"] > 0 for r in result.values())
+
+
+def test_sequences_checks_follow_the_figures():
+    def run(vs_rows, vs_bare, share):
+        return {"vs_rows": vs_rows, "vs_bare_loop": vs_bare, "padding_share": share}
+
+    results = {"gru": {"rows": run(1.0, 0.3, 0.8), "by_length": run(2.5, 0.95, 0.35)}}
+    assert [c["status"] for c in sequences.checks(results)] == ["PASS"] * 3
+    results["gru"]["by_length"] = run(1.9, 0.85, 0.45)
+    assert [c["status"] for c in sequences.checks(results)] == ["MISS"] * 3
 
 
 @pytest.mark.slow

@@ -287,3 +287,24 @@ def test_check_reports_whether_a_batch_of_padded_sequences_can_be_cut_by_length(
     assert report.padding.startswith("read: fit_large_batch pads to each large batch's longest")
     report = autosplit.check(_reads_padding(), features + 1, y, micro_batch_size=8)
     assert report.padding is None  # no row ends in padding: not a batch of sequences
+
+
+def test_each_worker_cuts_its_own_share_of_every_large_batch_by_length():
+    # Under MultiWorkerMirroredStrategy a worker owns a slice of every large batch:
+    # sorted by length within that slice alone, it trains on the same rows as cut as
+    # they come.
+    from autosplit.step.layout import Layout
+
+    seqs = _sequences(150)
+    adapter = get_input(_dataset(seqs, "gru").padded_batch(16))
+    shares = []
+    for worker in (0, 1):
+        where = Layout(workers=2, worker=worker, local_replicas=1, replicas=2)
+        as_batched = _cells(MicroBatches(adapter, B, M, where))
+        by_length = _cells(MicroBatches(adapter, B, M, where, by_length=1))
+        assert sorted(by_length[2]) == sorted(as_batched[2])
+        shares.append(by_length[2])
+    # rows 0-31 and 64-95 and the short last batch's 22 (the first share of it), and
+    # rows 32-63 and 96-127
+    assert [len(share) for share in shares] == [86, 64]
+    assert sorted(shares[0] + shares[1]) == sorted(tuple(s) for s in seqs)
