@@ -308,3 +308,48 @@ def test_each_worker_cuts_its_own_share_of_every_large_batch_by_length():
     # rows 32-63 and 96-127
     assert [len(share) for share in shares] == [86, 64]
     assert sorted(shares[0] + shares[1]) == sorted(tuple(s) for s in seqs)
+
+
+class _Hungry(keras.layers.Layer):
+    """Identity on token ids, except that a micro-batch of more than 8 rows holding the
+    token VOCAB - 1 asks TensorFlow for 4 TB: a real ResourceExhaustedError."""
+
+    armed = True
+
+    def call(self, x):
+        if not self.armed:
+            return x
+        marked = tf.reduce_any(tf.equal(x, VOCAB - 1)) & (tf.shape(x)[0] > 8)
+        size = tf.where(marked, tf.constant(10**12, tf.int64), tf.constant(1, tf.int64))
+        return x + tf.cast(tf.reduce_sum(tf.zeros(tf.reshape(size, [1]))), x.dtype)
+
+
+@pytest.mark.slow
+def test_an_oom_in_a_micro_batch_cut_by_length_redoes_it_in_pieces_exactly():
+    # The out-of-memory error comes in the first epoch; the second epoch's pipeline is
+    # rebuilt at the smaller size, still cut by length. The reference: model.fit.
+    seqs = [s % (VOCAB - 1) + (s == VOCAB - 1) for s in _sequences()]
+    seqs[70][0] = VOCAB - 1  # in the second large batch
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((None,), dtype="int32"), _Hungry(),
+                                  keras.layers.Embedding(VOCAB, 16, mask_zero=True),
+                                  keras.layers.GRU(16), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.5), keras.losses.BinaryCrossentropy(
+            from_logits=True), metrics=["accuracy"])
+        return model
+
+    reference, model = make(), make()
+    reference.layers[0].armed = False
+    expected = reference.fit(_dataset(seqs, "gru").padded_batch(B), epochs=2, verbose=0)
+    with pytest.warns(UserWarning, match="finishing the same batch"):
+        got = autosplit.fit_large_batch(model, _dataset(seqs, "gru").padded_batch(16),
+                                        batch_size=B, micro_batch_size=M, epochs=2, verbose=0)
+    assert got.autosplit.padding.startswith("by length")
+    assert [(r.step, r.failed, r.retry) for r in got.autosplit.oom_recoveries] == [(1, 16, 8)]
+    assert got.autosplit.micro_batch_sizes == (8, 8)
+    assert int(model.optimizer.iterations) == 2 * math.ceil(len(seqs) / B)
+    for e, a in zip(reference.get_weights(), model.get_weights(), strict=True):
+        assert tensor_relative_error(e, a) <= 1e-5
+    np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
