@@ -132,6 +132,7 @@ def build(kind: str, accumulation: int | None = None):
 def padding_share(kind: str, settings: Settings, method: str) -> tuple[float, int]:
     """(the share of padding among the token cells a method feeds, real tokens) per epoch."""
     from autosplit.data.inputs import get_input
+    from autosplit.data.lengths import LengthCut
     from autosplit.data.pipeline import MicroBatches
 
     ds = examples(kind, lengths(settings))
@@ -140,7 +141,7 @@ def padding_share(kind: str, settings: Settings, method: str) -> tuple[float, in
         real = sum(int((b != 0).sum()) for b in batches)
         return 1 - real / sum(b.size for b in batches), real
     cut = MicroBatches(get_input(ds), settings.batch_size, settings.micro_batch_size,
-                       by_length=None if method == "rows" else 1)
+                       by_length=None if method == "rows" else LengthCut())
     real = cells = 0
     for x, _, _, valid in cut.dataset():
         t = (x if method == "rows" else x.inputs).numpy()
@@ -156,10 +157,11 @@ def bare_loop(model, kind: str, settings: Settings, epochs: int, meter) -> list[
     import tensorflow as tf
 
     from autosplit.data.inputs import get_input
+    from autosplit.data.lengths import LengthCut
     from autosplit.data.pipeline import MicroBatches
 
     cut = MicroBatches(get_input(examples(kind, lengths(settings))), settings.batch_size,
-                       settings.micro_batch_size, by_length=1)
+                       settings.micro_batch_size, by_length=LengthCut())
     k, steps = cut.per_batch, settings.rows // settings.batch_size
     variables, optimizer = model.trainable_variables, model.optimizer
     optimizer.build(variables)

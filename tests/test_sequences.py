@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import autosplit
 from autosplit.data.inputs import get_input
+from autosplit.data.lengths import LengthCut
 from autosplit.data.pipeline import MicroBatches
 from autosplit.errors import DatasetError, UnsupportedModelError
 from autosplit.step.padding import check_padding
@@ -159,6 +160,47 @@ def test_bucketed_batches_and_variable_length_examples_are_cut_by_length(given):
     assert got.autosplit.padding.startswith("by length")
 
 
+@pytest.mark.parametrize("padding", ["pre", "post"])
+@pytest.mark.parametrize("kind", ["gru", "lm_sample_weight"])
+def test_arrays_padded_to_one_length_are_cut_by_length(kind, padding):
+    # keras.utils.pad_sequences pads at the front by default: each micro-batch keeps its
+    # last columns. model.fit sees every batch at the arrays' length, whose cells the
+    # per-token mean of the LM divides by.
+    seqs = _sequences()
+    if kind == "gru":
+        data = (keras.utils.pad_sequences(seqs, maxlen=60, padding=padding),
+                np.array([s.sum() % 2 for s in seqs], "float32"))
+    else:
+        data = tuple(keras.utils.pad_sequences(part, maxlen=59, padding=padding) for part in (
+            [s[:-1] for s in seqs], [s[1:] for s in seqs]))
+        data += ((data[1] != 0).astype("float32"),)
+    x, y, *weights = data
+    options = {"sample_weight": weights[0]} if weights else {}
+    reference, model = _model(kind), _model(kind)
+    expected = reference.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0, **options)
+    got = autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M, epochs=2,
+                                    shuffle=False, verbose=0, **options)
+    assert got.autosplit.padding.startswith("by length")
+    for e, a in zip(reference.get_weights(), model.get_weights(), strict=True):
+        assert tensor_relative_error(e, a) <= 1e-5
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(got.history[name], values, rtol=1e-5, err_msg=name)
+
+
+def test_arrays_of_one_length_for_a_model_of_one_length_are_not_sequences():
+    # Integer rows that end in zeros, to a model whose input has a fixed length: nothing
+    # to cut by length, and nothing checked.
+    x = np.zeros((64, 12), "int32")
+    x[:, :6] = np.arange(1, 7)
+    model = keras.Sequential([keras.Input((12,), dtype="int32"),
+                              keras.layers.Embedding(10, 4), keras.layers.Flatten(),
+                              keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    history = autosplit.fit_large_batch(model, x, np.zeros(64, "float32"), batch_size=32,
+                                        micro_batch_size=8, verbose=0)
+    assert history.autosplit.padding is None
+
+
 def _reads_padding():
     """A model without a mask: its mean over every position reads the padding."""
     keras.utils.set_random_seed(0)
@@ -199,7 +241,7 @@ def test_by_length_true_refuses_a_model_that_reads_its_padding_and_changes_nothi
 
 
 def test_by_length_asks_for_rows_that_vary_and_a_valid_choice():
-    x, y = np.zeros((8, 5), "int32"), np.zeros(8, "float32")
+    x, y = np.ones((8, 5), "int32"), np.zeros(8, "float32")  # no row padded
     with pytest.raises(DatasetError, match="vary in length with by_length=True"):
         autosplit.fit_large_batch(_model("gru"), x, y, batch_size=4, micro_batch_size=2,
                                   by_length=True, verbose=0)
@@ -233,11 +275,11 @@ def test_the_length_cut_feeds_each_row_once_with_less_than_half_the_padding():
     seqs = _sequences(256)
     adapter = get_input(_dataset(seqs, "gru").padded_batch(24))
     as_batched = _cells(MicroBatches(adapter, 128, 24))
-    by_length = _cells(MicroBatches(adapter, 128, 24, by_length=1))
+    by_length = _cells(MicroBatches(adapter, 128, 24, by_length=LengthCut(1)))
     assert sorted(by_length[2]) == sorted(as_batched[2]) == sorted(tuple(s) for s in seqs)
     share = [1 - real / cells for real, cells, _ in (as_batched, by_length)]
     assert share[1] <= share[0] / 2, share
-    for x, _, _, _ in MicroBatches(adapter, 128, 24, by_length=8).dataset():
+    for x, _, _, _ in MicroBatches(adapter, 128, 24, by_length=LengthCut(8)).dataset():
         # under XLA a multiple of 8, or the large batch's own length
         assert x.inputs.shape[1] % 8 == 0 or float(x.stretch[0]) == 1.0
 
@@ -301,7 +343,7 @@ def test_each_worker_cuts_its_own_share_of_every_large_batch_by_length():
     for worker in (0, 1):
         where = Layout(workers=2, worker=worker, local_replicas=1, replicas=2)
         as_batched = _cells(MicroBatches(adapter, B, M, where))
-        by_length = _cells(MicroBatches(adapter, B, M, where, by_length=1))
+        by_length = _cells(MicroBatches(adapter, B, M, where, by_length=LengthCut(1)))
         assert sorted(by_length[2]) == sorted(as_batched[2])
         shares.append(by_length[2])
     # rows 0-31 and 64-95 and the short last batch's 22 (the first share of it), and

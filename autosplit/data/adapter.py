@@ -31,6 +31,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from autosplit.data.lengths import Padded
 from autosplit.errors import DatasetError, describe
 
 __all__ = [
@@ -154,6 +155,11 @@ class InputAdapter:
     def _weighted(self, x: Any, y: Any, w: Any) -> tuple:
         """``(x, y, w)`` with ``class_weight`` applied to ``w``, where one was given."""
         return x, y, (w if self._class_weight is None else self._class_weight(y, w))
+
+    def padded_sequences(self, takes_any_length: bool) -> Padded | None:
+        """How this input's rows of one shape hold padded sequences
+        (``lengths.padded_sequences``); None but for arrays."""
+        return None
 
     def sample(self, n: int) -> tuple:
         """Up to ``n`` leading examples as ``(x, y, sample_weight_or_None)`` tensors."""

@@ -19,6 +19,7 @@ from autosplit.data.adapter import (
     check_class_weight_alone,
     class_weight_fn,
 )
+from autosplit.data.lengths import Padded, padded_sequences
 from autosplit.errors import DatasetError, describe
 from autosplit.step.piece import map_present
 
@@ -120,6 +121,9 @@ class ArrayInput(InputAdapter):
 
     def sample(self, n: int) -> tuple:
         return self._weighted(*map_present(lambda t: t[:n], self.arrays))
+
+    def padded_sequences(self, takes_any_length: bool) -> Padded | None:
+        return padded_sequences(self.arrays, takes_any_length)
 
 
 def _is_batch(shuffle: Any) -> bool:

@@ -3,7 +3,7 @@ to its own longest row.
 
 Rows of varying length come padded (``padded_batch``, a ragged input autosplit pads). A
 large batch cut as it comes pads every micro-batch to the large batch's longest row
-(``pipeline._padded_cut``): exact for every model, and mostly padding on a heavy-tailed
+(:func:`pad_to_longest`): exact for every model, and mostly padding on a heavy-tailed
 corpus. Sorted by length first, the short rows share micro-batches and the long ones
 theirs, each padded only to its own longest row. Under XLA, which compiles a program
 per shape, that length is rounded up to a multiple of :data:`LENGTH_MULTIPLE`: a
@@ -18,21 +18,34 @@ cells counts the large batch's: each micro-batch's inputs come as :class:`Trimme
 A row's length is one past its last non-zero entry in any input that varies (padding is
 zeros), so rows that arrive padded (a ``padded_batch`` of the user's own) are sorted by
 what they hold. Trimming a row's trailing zeros is padding it less, which the check
-covers.
+covers. Arrays of one shape that hold padded sequences (``keras.utils.pad_sequences``,
+at the front by default or at the end) are cut alike (:func:`cut_rows_by_length`): their
+row numbers sorted by each row's length, each micro-batch gathered and cut to its
+longest row (:func:`trim`); their large batch is as long as the arrays.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
 import tensorflow as tf
 
 from autosplit.data.split import Piece
 
-__all__ = ["LENGTH_MULTIPLE", "Trimmed", "cut_by_length", "inputs_of", "real_lengths",
-           "row_length", "sorts_by_length"]
+__all__ = ["LENGTH_MULTIPLE", "LengthCut", "Padded", "Trimmed", "cut_by_length",
+           "cut_rows_by_length", "inputs_of", "pad_to_longest", "padded_sequences", "real_lengths",
+           "row_length", "sorts_by_length", "trim"]
 
 LENGTH_MULTIPLE = 8  # under XLA, padded lengths are multiples of this: few programs
+
+
+class LengthCut(NamedTuple):
+    """How a pipeline cuts by length: each micro-batch's length rounded up to a
+    ``multiple``; for arrays of one shape, how they hold their sequences."""
+
+    multiple: int = 1
+    padded: Padded | None = None
 
 
 class Trimmed(NamedTuple):
@@ -100,6 +113,75 @@ def _round_up(n: tf.Tensor, multiple: int) -> tf.Tensor:
     return (n + multiple - 1) // multiple * multiple
 
 
+def pad_to_longest(ds: tf.data.Dataset, sizes: list[int], *, own_lengths: bool
+                ) -> tf.data.Dataset:
+    """``ds.rebatch(sizes)`` for batches whose shapes differ beyond the row count: every
+    piece of a large batch is padded to the longest row of that large batch, with zeros
+    (``""`` for strings), as ``padded_batch(B)`` pads the large batch by default.
+
+    Each micro-batch then holds its rows exactly as ``model.fit`` on the large batch
+    sees them, so every denominator that counts padded cells (Keras's
+    ``sum_over_batch_size`` over a per-token loss masked by ``sample_weight``, a custom
+    step's ``tf.size``) and every model that reads its padding (a pooling without a
+    mask) is the large batch's. Padding a piece only to its own longest row would change
+    those.
+
+    ``rebatch`` copies slices of its input batches into each piece and stops with
+    "source and dst shapes are not compatible" when a piece spans two ``padded_batch``
+    batches padded to different lengths. Here the batches are unbatched, each row is
+    numbered, and ``group_by_window`` gathers the rows of each large batch (the rows
+    come in order); a first pass over them finds the longest row, a second pads each
+    row to it and cuts the pieces. The host holds the large batch's rows, one by one
+    (its longest row is known only after the last), and stacks no more than a piece.
+
+    Without ``own_lengths`` (rows padded by the user's ``padded_batch``, whose batches
+    may hold rows of the next large batch), rows that vary along one length count as
+    long as they are without trailing zeros (:func:`row_length`), so a large batch
+    is as long as ``padded_batch(B)`` of the same rows makes it.
+    """
+    period = sum(sizes)
+    row_spec = ds.element_spec
+    trim = not own_lengths and sorts_by_length(row_spec)
+    varying = [s.shape.rank >= 2 and s.shape[1] is None for s in tf.nest.flatten(row_spec)]
+
+    def strip(_, *row):
+        return row[0] if len(row) == 1 else row
+
+    plain = tf.data.Options()  # a window has no graph to optimise (TensorFlow warns)
+    plain.experimental_optimization.apply_default_optimizations = False
+
+    def shape_of(row):
+        shapes = [tf.shape(t, out_type=tf.int64) for t in tf.nest.flatten(row)]
+        if trim:  # the length axis as long as the row is without its trailing zeros
+            length = row_length(row, varying)
+            shapes = [tf.tensor_scatter_nd_update(s, [[0]], [length]) if v else s
+                      for s, v in zip(shapes, varying, strict=True)]
+        return tf.nest.pack_sequence_as(row, shapes)
+
+    def longest(rows: tf.data.Dataset) -> Any:
+        start = tf.nest.map_structure(lambda spec: tf.zeros([spec.shape.rank], tf.int64),
+                                      rows.element_spec)
+        return rows.with_options(plain).reduce(start, lambda most, row: tf.nest.map_structure(
+            tf.maximum, most, shape_of(row)))
+
+    def pad(row, shape):
+        if trim and row.shape.rank:
+            row = row[:shape[0]]
+        gap = shape - tf.shape(row, out_type=tf.int64)
+        return tf.pad(row, tf.stack([tf.zeros_like(gap), gap], axis=1),
+                      constant_values=tf.zeros([], row.dtype))
+
+    def large_batch(_, window):
+        rows = window.map(strip)
+        shapes = longest(rows)
+        padded = rows.map(lambda *row: tf.nest.map_structure(
+            pad, row[0] if len(row) == 1 else row, shapes))
+        return padded.batch(1).rebatch(sizes if len(sizes) > 1 else sizes[0])
+
+    return ds.unbatch().enumerate().group_by_window(lambda index, *_: index // period,
+                                                    large_batch, window_size=period)
+
+
 def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], *, own_lengths: bool,
                   multiple: int = 1) -> tf.data.Dataset:
     """The kept pieces of ``pattern`` from every large batch of ``ds`` (batches of rows,
@@ -117,14 +199,7 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], *, own_lengths: boo
     batch), and stacks no more than a piece.
     """
     period = sum(p.rows for p in pattern)
-    bounds, start = [], 0
-    for p in pattern:
-        if p.keep:
-            bounds.append((start, start + p.rows))
-        start += p.rows
-    first, last = bounds[0][0], bounds[-1][1]
-    starts = tf.constant([b[0] for b in bounds], tf.int64)
-    ends = tf.constant([b[1] for b in bounds], tf.int64)
+    starts, ends, first, last = _kept_bounds(pattern)
 
     def strip(_, *row):
         return row[0] if len(row) == 1 else row
@@ -172,3 +247,95 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], *, own_lengths: boo
 
     return ds.unbatch().enumerate().group_by_window(lambda index, *_: index // period,
                                                     large_batch, window_size=period)
+
+
+class Padded(NamedTuple):
+    """Arrays of one shape that hold sequences padded with zeros to one length
+    (``keras.utils.pad_sequences``)."""
+
+    length: int  # the arrays' length L: what model.fit pads every batch to
+    pre: bool  # padded at the front (pad_sequences' default), not at the end
+    lengths: np.ndarray  # int64 (rows,): each row's length without its padding
+
+
+def padded_sequences(arrays: tuple, takes_any_length: bool) -> Padded | None:
+    """How ``arrays`` = ``(x, y, sample_weight)`` hold padded sequences, or None.
+
+    Sequences are integer inputs of rank 2 or more (token ids) whose second axis some
+    rows end (or start) with zeros along, fed to a model that ``takes_any_length``
+    (its inputs' second axis is unknown). Every array as long along its second axis
+    counts as padded with them: targets and a ``sample_weight`` mask per token.
+    """
+    leaves = tf.nest.flatten(arrays)
+    tokens = [t for t in tf.nest.flatten(arrays[0]) if t is not None and t.shape.rank >= 2
+              and t.dtype.is_integer]
+    if not takes_any_length or not tokens:
+        return None
+    length = int(tokens[0].shape[1])
+    varying = tuple(t is not None and t.shape.rank >= 2 and int(t.shape[1]) == length
+                    for t in leaves)
+    nonzero = np.zeros((int(tokens[0].shape[0]), length), bool)
+    for t, v in zip(leaves, varying, strict=True):
+        if v:
+            held = np.asarray(t) != 0
+            nonzero |= held.any(axis=tuple(range(2, held.ndim))) if held.ndim > 2 else held
+    columns = np.arange(1, length + 1)
+    post = np.where(nonzero, columns, 0).max(axis=1)
+    pre = np.where(nonzero, length + 1 - columns, 0).max(axis=1)
+    if min(post.sum(), pre.sum()) >= length * len(post):
+        return None  # no row is padded
+    front = bool(pre.sum() < post.sum())
+    return Padded(length, front, (pre if front else post).astype(np.int64))
+
+
+def trim(rows: Any, padded: Padded, length: tf.Tensor) -> Any:
+    """``rows`` (a gathered micro-batch of ``(x, y, sample_weight)``) with every input
+    as long as the arrays along its second axis cut to ``length``, on the side without
+    data."""
+    def cut(t):
+        if t is None or t.shape.rank < 2 or t.shape[1] != padded.length:
+            return t
+        return t[:, padded.length - length:] if padded.pre else t[:, :length]
+
+    return tf.nest.map_structure(cut, rows)
+
+
+def cut_rows_by_length(ds: tf.data.Dataset, pattern: list[Piece], padded: Padded, *,
+                       multiple: int = 1) -> tf.data.Dataset:
+    """:func:`cut_by_length` for batches of row numbers (arrays, gathered later): each
+    kept piece ``(row numbers, length, stretch)``, the rows of each large batch sorted
+    by their length in ``padded``, its length the longest rounded up to ``multiple``
+    (at most the arrays'), ``stretch`` the arrays' length over it."""
+    period = sum(p.rows for p in pattern)
+    starts, ends, first, last = _kept_bounds(pattern)
+    table = tf.constant(padded.lengths)
+    full = tf.constant(padded.length, tf.int64)
+
+    def pieces(numbers):
+        n = tf.size(numbers, out_type=tf.int64)
+        end = tf.minimum(tf.constant(last, tf.int64), n)
+        kept = numbers[first:end]
+        order = tf.gather(kept, tf.argsort(tf.gather(table, kept), stable=True))
+
+        def piece(a, b):
+            index = order[a - first:tf.minimum(b, n) - first]
+            most = tf.maximum(tf.reduce_max(tf.gather(table, index)), 1)
+            length = tf.minimum(_round_up(most, multiple), full)
+            return index, length, tf.fill(tf.shape(index), tf.cast(full, tf.float32)
+                                          / tf.cast(length, tf.float32))
+
+        return (tf.data.Dataset.from_tensor_slices((starts, ends))
+                .filter(lambda a, b: a < n).map(piece))
+
+    return ds.unbatch().batch(period).flat_map(pieces)
+
+
+def _kept_bounds(pattern: list[Piece]) -> tuple[tf.Tensor, tf.Tensor, int, int]:
+    """The kept pieces' (starts, ends) in a large batch, and the first and last row kept."""
+    bounds, start = [], 0
+    for p in pattern:
+        if p.keep:
+            bounds.append((start, start + p.rows))
+        start += p.rows
+    return (tf.constant([b[0] for b in bounds], tf.int64),
+            tf.constant([b[1] for b in bounds], tf.int64), bounds[0][0], bounds[-1][1])

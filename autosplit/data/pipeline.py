@@ -27,7 +27,15 @@ from typing import Any
 import tensorflow as tf
 
 from autosplit.data.adapter import HOST, InputAdapter, varying_shapes
-from autosplit.data.lengths import Trimmed, cut_by_length, row_length, sorts_by_length
+from autosplit.data.lengths import (
+    LengthCut,
+    Padded,
+    Trimmed,
+    cut_by_length,
+    cut_rows_by_length,
+    pad_to_longest,
+    trim,
+)
 from autosplit.data.split import Piece, piece_pattern
 from autosplit.step.layout import ALONE, Layout
 
@@ -117,6 +125,16 @@ def _trimmed_element(piece: Any, stretch: tf.Tensor, *, materialize, rows: int) 
     return Trimmed(x, stretch), (() if y is None else y), (() if w is None else w), valid
 
 
+@tf.autograph.experimental.do_not_convert
+def _trimmed_rows(numbers: tf.Tensor, length: tf.Tensor, stretch: tf.Tensor, *, materialize,
+                  rows: int, padded: Padded) -> tuple:
+    """:func:`_trimmed_element` of a piece of row numbers (``lengths.cut_rows_by_length``):
+    the rows gathered, then cut to the piece's length."""
+    (numbers, stretch), valid = _pad_rows((numbers, stretch), rows, row_numbers=True)
+    x, y, w = trim(materialize(numbers), padded, length)
+    return Trimmed(x, stretch), (() if y is None else y), (() if w is None else w), valid
+
+
 def _pad_replicas_of(*element: Any, replicas: int) -> Any:
     return _pad_replicas(element, replicas)
 
@@ -164,75 +182,6 @@ def skip_to_end_marker(iterator: Any) -> int:
     return dropped
 
 
-def _padded_cut(ds: tf.data.Dataset, sizes: list[int], *, own_lengths: bool
-                ) -> tf.data.Dataset:
-    """``ds.rebatch(sizes)`` for batches whose shapes differ beyond the row count: every
-    piece of a large batch is padded to the longest row of that large batch, with zeros
-    (``""`` for strings), as ``padded_batch(B)`` pads the large batch by default.
-
-    Each micro-batch then holds its rows exactly as ``model.fit`` on the large batch
-    sees them, so every denominator that counts padded cells (Keras's
-    ``sum_over_batch_size`` over a per-token loss masked by ``sample_weight``, a custom
-    step's ``tf.size``) and every model that reads its padding (a pooling without a
-    mask) is the large batch's. Padding a piece only to its own longest row would change
-    those.
-
-    ``rebatch`` copies slices of its input batches into each piece and stops with
-    "source and dst shapes are not compatible" when a piece spans two ``padded_batch``
-    batches padded to different lengths. Here the batches are unbatched, each row is
-    numbered, and ``group_by_window`` gathers the rows of each large batch (the rows
-    come in order); a first pass over them finds the longest row, a second pads each
-    row to it and cuts the pieces. The host holds the large batch's rows, one by one
-    (its longest row is known only after the last), and stacks no more than a piece.
-
-    Without ``own_lengths`` (rows padded by the user's ``padded_batch``, whose batches
-    may hold rows of the next large batch), rows that vary along one length count as
-    long as they are without trailing zeros (``lengths.row_length``), so a large batch
-    is as long as ``padded_batch(B)`` of the same rows makes it.
-    """
-    period = sum(sizes)
-    row_spec = ds.element_spec
-    trim = not own_lengths and sorts_by_length(row_spec)
-    varying = [s.shape.rank >= 2 and s.shape[1] is None for s in tf.nest.flatten(row_spec)]
-
-    def strip(_, *row):
-        return row[0] if len(row) == 1 else row
-
-    plain = tf.data.Options()  # a window has no graph to optimise (TensorFlow warns)
-    plain.experimental_optimization.apply_default_optimizations = False
-
-    def shape_of(row):
-        shapes = [tf.shape(t, out_type=tf.int64) for t in tf.nest.flatten(row)]
-        if trim:  # the length axis as long as the row is without its trailing zeros
-            length = row_length(row, varying)
-            shapes = [tf.tensor_scatter_nd_update(s, [[0]], [length]) if v else s
-                      for s, v in zip(shapes, varying, strict=True)]
-        return tf.nest.pack_sequence_as(row, shapes)
-
-    def longest(rows: tf.data.Dataset) -> Any:
-        start = tf.nest.map_structure(lambda spec: tf.zeros([spec.shape.rank], tf.int64),
-                                      rows.element_spec)
-        return rows.with_options(plain).reduce(start, lambda most, row: tf.nest.map_structure(
-            tf.maximum, most, shape_of(row)))
-
-    def pad(row, shape):
-        if trim and row.shape.rank:
-            row = row[:shape[0]]
-        gap = shape - tf.shape(row, out_type=tf.int64)
-        return tf.pad(row, tf.stack([tf.zeros_like(gap), gap], axis=1),
-                      constant_values=tf.zeros([], row.dtype))
-
-    def large_batch(_, window):
-        rows = window.map(strip)
-        shapes = longest(rows)
-        padded = rows.map(lambda *row: tf.nest.map_structure(
-            pad, row[0] if len(row) == 1 else row, shapes))
-        return padded.batch(1).rebatch(sizes if len(sizes) > 1 else sizes[0])
-
-    return ds.unbatch().enumerate().group_by_window(lambda index, *_: index // period,
-                                                    large_batch, window_size=period)
-
-
 def _markable(element_spec: Any) -> bool:
     return all(type(leaf) is tf.TensorSpec for leaf in tf.nest.flatten(element_spec))
 
@@ -260,14 +209,15 @@ class MicroBatches:
         batch_size: B, the global large batch.
         rows: rows per micro-batch on this worker.
         where: the ``tf.distribute`` layout of this process (``autosplit.step.layout``).
-        by_length: None: cut each large batch as its rows come. A number: sort each
-            large batch's rows by length and pad each micro-batch to its own longest
-            row rounded up to a multiple of that number (``autosplit.data.lengths``), for
-            a model that ignores padding; its inputs then come as ``lengths.Trimmed``.
+        by_length: None: cut each large batch as its rows come. A ``LengthCut``: sort
+            each large batch's rows by length and pad each micro-batch to its own
+            longest row rounded up to a multiple of ``by_length.multiple``
+            (``autosplit.data.lengths``), for a model that ignores padding; its inputs
+            then come as ``lengths.Trimmed``.
     """
 
     def __init__(self, adapter: InputAdapter, batch_size: int, rows: int,
-                 where: Layout = ALONE, *, by_length: int | None = None) -> None:
+                 where: Layout = ALONE, *, by_length: LengthCut | None = None) -> None:
         self.adapter = adapter
         self.by_length = by_length
         self.where = where
@@ -383,12 +333,16 @@ class MicroBatches:
                                            batch_size=self.batch_size)
             sizes = [p.rows for p in self.pattern]
             keep = [p.keep for p in self.pattern]
-            if self.by_length is not None:
+            if self.by_length is not None and self.by_length.padded is not None:
+                ds = cut_rows_by_length(ds, self.pattern, self.by_length.padded,
+                                        multiple=self.by_length.multiple)
+                keep = [True]
+            elif self.by_length is not None:
                 ds = cut_by_length(ds, self.pattern, own_lengths=self.adapter.own_lengths,
-                                   multiple=self.by_length)
+                                   multiple=self.by_length.multiple)
                 keep = [True]
             elif varying_shapes(ds.element_spec):
-                ds = _padded_cut(ds, sizes, own_lengths=self.adapter.own_lengths)
+                ds = pad_to_longest(ds, sizes, own_lengths=self.adapter.own_lengths)
             else:
                 ds = ds.rebatch(sizes if len(sizes) > 1 else sizes[0])
             if not all(keep):
@@ -405,7 +359,10 @@ class MicroBatches:
             # Functions that hold the adapter, not this object: a dataset kept in
             # self._cuts must not point back at self (a cycle would keep the input's
             # arrays alive until the next garbage collection).
-            if self.by_length is not None:
+            if self.by_length is not None and self.by_length.padded is not None:
+                element = functools.partial(_trimmed_rows, materialize=self.adapter.materialize,
+                                            rows=self.rows, padded=self.by_length.padded)
+            elif self.by_length is not None:
                 element = functools.partial(_trimmed_element,
                                             materialize=self.adapter.materialize, rows=self.rows)
             else:

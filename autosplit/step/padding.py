@@ -62,13 +62,14 @@ def _still(model: keras.Model) -> Iterator[None]:
             setattr(layer, name, value)
 
 
-def _resize(t: tf.Tensor, length: int) -> tf.Tensor:
-    """``t`` (rows, length', ...) cut or zero-padded to ``length`` columns."""
-    t = t[:, :length]
+def _resize(t: tf.Tensor, length: int, pre: bool) -> tf.Tensor:
+    """``t`` (rows, length', ...) cut or zero-padded to ``length`` columns, at its end
+    (at its front where ``pre``)."""
+    t = t[:, -length:] if pre else t[:, :length]
     gap = length - int(t.shape[1])
     if gap <= 0:
         return t
-    pads = [[0, 0], [0, gap]] + [[0, 0]] * (t.shape.rank - 2)
+    pads = [[0, 0], [gap, 0] if pre else [0, gap]] + [[0, 0]] * (t.shape.rank - 2)
     return tf.pad(t, pads)
 
 
@@ -76,7 +77,8 @@ def _varying_spec(spec: tf.TensorSpec) -> bool:
     return spec.shape.rank is not None and spec.shape.rank >= 2 and spec.shape[1] is None
 
 
-def check_padding(model: keras.Model, sample: tuple, spec: tuple) -> PaddingCheck:
+def check_padding(model: keras.Model, sample: tuple, spec: tuple, *, pre: bool = False
+                  ) -> PaddingCheck:
     """Whether ``model`` trains the same on ``sample``'s rows however far they are
     padded (see the module's docstring).
 
@@ -85,14 +87,16 @@ def check_padding(model: keras.Model, sample: tuple, spec: tuple) -> PaddingChec
         sample: ``(x, y, sample_weight)`` tensors, a few rows padded to their longest.
         spec: the specs of ``(x, y, sample_weight_or_())`` in a micro-batch: the
             inputs that vary in length have an unknown second dimension.
+        pre: the rows are padded at their front (``keras.utils.pad_sequences``'
+            default), not at their end.
     """
     if has_custom_step(model):
         return PaddingCheck(False, "the model has its own train_step")
     sample = tuple(() if part is None else part for part in sample)
     varying = [_varying_spec(s) for s in tf.nest.flatten(spec)]
     leaves = tf.nest.flatten(sample)
-    short = int(tf.reduce_max(real_lengths([t for t, v in zip(leaves, varying, strict=True)
-                                            if v])))
+    ends = [t[:, ::-1] if pre else t for t, v in zip(leaves, varying, strict=True) if v]
+    short = int(tf.reduce_max(real_lengths(ends)))
     lengths = (max(short, 1), max(short, 1) + LENGTH_MULTIPLE)
     rows = int(leaves[0].shape[0])
     signature = (Trimmed(spec[0], tf.TensorSpec([None], tf.float32)),
@@ -120,7 +124,8 @@ def check_padding(model: keras.Model, sample: tuple, spec: tuple) -> PaddingChec
             traced = tf.function(step, input_signature=signature, reduce_retracing=False)
             for length in lengths:
                 resized = tf.nest.pack_sequence_as(sample, [
-                    _resize(t, length) if v else t for t, v in zip(leaves, varying, strict=True)])
+                    _resize(t, length, pre) if v else t
+                    for t, v in zip(leaves, varying, strict=True)])
                 stretch = tf.fill([rows], lengths[1] / length)
                 for metric in _keras.all_metrics(model):
                     metric.reset_state()

@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter, varying_shapes
-from autosplit.data.lengths import LENGTH_MULTIPLE, sorts_by_length
+from autosplit.data.lengths import LENGTH_MULTIPLE, LengthCut, Padded, sorts_by_length
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import Split, split_batch
 from autosplit.errors import BatchSizeError, DatasetError, UnsupportedModelError
@@ -106,28 +106,33 @@ def _cut_by_length(model: keras.Model, pipeline: MicroBatches, args: Args, jit: 
     ignores padding (``args.by_length``), with ``FitReport.padding``'s account: lengths
     rounded up to a multiple of 8 under XLA (``jit``), unrounded otherwise."""
     spec = pipeline.element_spec()
-    if not varying_shapes(spec):
+    padded = pipeline.adapter.padded_sequences(_takes_any_length(model))
+    if not varying_shapes(spec) and padded is None:
         if args.by_length:
             raise DatasetError(
                 "Expected rows that vary in length with by_length=True. Received: an input "
-                f"whose rows all have one shape ({pipeline.adapter.kind}). Pass them as a "
-                "padded_batch, a ragged tensor or variable-length examples, or leave "
-                "by_length='auto'.")
+                f"whose rows all have one shape ({pipeline.adapter.kind}) and hold no "
+                "padded sequences for a model that takes any length. Pass them as a "
+                "padded_batch, a ragged tensor, variable-length examples or arrays padded "
+                "with zeros (pad_sequences) to a model whose inputs take any length "
+                "(keras.Input((None,))), or leave by_length='auto'.")
         return pipeline, None
     if args.by_length is False:
         why = "by_length=False"
     elif pipeline.local_replicas > 1:
         why = f"{pipeline.local_replicas} replicas on this worker"
-    elif not sorts_by_length(pipeline.adapter.rows_dataset().element_spec):
+    elif padded is None and not sorts_by_length(pipeline.adapter.rows_dataset().element_spec):
         why = "its inputs vary in more than one length"
     else:
         build_for(model, spec)  # the compiled loss and metrics, as the step builds them
         found = check_padding(model, pipeline.adapter.sample(min(pipeline.batch_size, 16)),
-                              spec[:3])
+                              _length_spec(spec[:3], padded),
+                              pre=padded is not None and padded.pre)
         if found.ignores_padding:
             rounded = f" (lengths rounded up to a multiple of {LENGTH_MULTIPLE} for XLA)"
+            cut = LengthCut(LENGTH_MULTIPLE if jit else 1, padded)
             return (MicroBatches(pipeline.adapter, pipeline.batch_size, pipeline.rows,
-                                 pipeline.where, by_length=LENGTH_MULTIPLE if jit else 1),
+                                 pipeline.where, by_length=cut),
                     f"by length{rounded if jit else ''}: the model ignores padding "
                     f"({found.reason})")
         why = f"the model does not ignore padding: {found.reason}"
@@ -140,6 +145,26 @@ def _cut_by_length(model: keras.Model, pipeline: MicroBatches, args: Args, jit: 
         print(f"autosplit: micro-batches padded to their large batch's longest row: {why}.",
               flush=True)
     return pipeline, f"to the large batch's longest row: {why}"
+
+
+def _takes_any_length(model: keras.Model) -> bool:
+    """Whether the model's declared inputs (a functional or Sequential model's) of rank 2
+    or more take any length along their second axis."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        return False
+    ranked = [t for t in tf.nest.flatten(inputs or []) if len(t.shape) >= 2]
+    return bool(ranked) and all(t.shape[1] is None for t in ranked)
+
+
+def _length_spec(spec: tuple, padded: Padded | None) -> tuple:
+    """``spec`` with the length axis unknown on the arrays as long as ``padded``'s."""
+    if padded is None:
+        return spec
+    return tf.nest.map_structure(
+        lambda s: tf.TensorSpec([s.shape[0], None, *s.shape[2:]], s.dtype)
+        if s.shape.rank >= 2 and s.shape[1] == padded.length else s, spec)
 
 
 def _shuffle_seed(step: TrainStep, where: Layout, adapter: InputAdapter) -> int | None:
