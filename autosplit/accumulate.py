@@ -20,31 +20,25 @@ import numpy as np
 import tensorflow as tf
 
 from autosplit.data.split import Split, balanced_sizes, split_batch
+from autosplit.data.structure import empty_to_none, map_present, none_to_empty
 from autosplit.errors import BatchSizeError, DatasetError
 from autosplit.keras_hooks import internals as _keras
-from autosplit.step.loss_plan import LossPlan, forward_totals, loss_plan, step_plan
+from autosplit.step.loss_plan import LossPlan, loss_plan, step_plan
 from autosplit.step.piece import (
-    Piece,
     Totals,
     combine,
     compute_piece,
-    empty_to_none,
-    map_present,
-    none_to_empty,
     update_metrics,
     without_padding,
 )
-from autosplit.step.sums import after
+from autosplit.step.sums import added, after, sum_loop, zero_totals
 
 __all__ = [
     "Accumulated",
     "accumulate_gradients",
     "accumulate_iterator",
-    "added",
     "own_steps_accumulated",
     "piece_rows",
-    "sum_loop",
-    "zero_totals",
 ]
 
 
@@ -71,41 +65,6 @@ def piece_rows(split: Split) -> tuple[np.ndarray, np.ndarray]:
     index = starts[:, None] + np.minimum(offsets[None, :], np.array(sizes)[:, None] - 1)
     valid = (offsets[None, :] < np.array(sizes)[:, None]).astype(np.float32)
     return index.astype(np.int32), valid
-
-
-def added(totals: Totals, piece: Piece | Totals) -> Totals:
-    """``totals`` plus one micro-batch's sums; a gradient of None adds nothing."""
-    part = Totals(piece.gradients, piece.numerators, piece.denominators, piece.forward,
-                  piece.rows)
-    return tf.nest.map_structure(lambda a, b: a if b is None else a + b, totals, part)
-
-
-def zero_totals(terms: int, gradients: list[Any] | None = None) -> Totals:
-    """Float32 zeros for ``terms`` compiled losses; ``gradients`` the zero gradient sums."""
-    zeros = [tf.constant(0.0)] * terms
-    return Totals([] if gradients is None else gradients, zeros, zeros, forward_totals(),
-                  tf.constant(0.0))
-
-
-def sum_loop(step: Callable[[tf.Tensor, Totals], tuple[Totals, tf.Tensor]],
-             count: int | tf.Tensor, start: Totals) -> tuple[Totals, tf.Tensor]:
-    """``totals, stop = step(i, totals)`` for micro-batches ``i < count``, until ``stop``.
-
-    The loop of ``accumulate_gradients``, ``accumulate_iterator`` and validation
-    (``autosplit.training.evaluate``): the sums are loop-carried tensors, returned with whether a
-    step stopped early (its input ran out).
-    """
-    def body(i: tf.Tensor, totals: Totals, stop: tf.Tensor
-             ) -> tuple[tf.Tensor, Totals, tf.Tensor]:
-        totals, stop = step(i, totals)
-        return i + 1, totals, stop
-
-    # parallel_iterations=1: micro-batches run one after another, so the peak memory
-    # is one micro-batch's, not several in flight.
-    _, totals, stop = tf.while_loop(
-        lambda i, _, stop: tf.logical_and(i < count, tf.logical_not(stop)), body,
-        (tf.constant(0), start, tf.constant(False)), parallel_iterations=1)
-    return totals, stop
 
 
 def _sum_pieces(model: keras.Model, plan: LossPlan, take: Callable[[tf.Tensor], tuple[Any, ...]],

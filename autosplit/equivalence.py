@@ -25,14 +25,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from autosplit.accumulate import (
-    accumulate_gradients,
-    added,
-    own_steps_accumulated,
-    piece_rows,
-    sum_loop,
-    zero_totals,
-)
+from autosplit.accumulate import accumulate_gradients, own_steps_accumulated, piece_rows
 from autosplit.culprits import (
     ADDED,
     HINT,
@@ -46,15 +39,17 @@ from autosplit.culprits import (
 )
 from autosplit.data.lengths import real_lengths
 from autosplit.data.split import Split, split_batch
+from autosplit.data.structure import map_present
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import batch_data, overridden_steps
 from autosplit.keras_hooks.interception import PLAIN, intercept
 from autosplit.step.compiled import run_once
 from autosplit.step.loss_plan import align_targets, forward_totals, loss_plan, step_plan
 from autosplit.step.padding import check_padding
-from autosplit.step.piece import Totals, map_present
+from autosplit.step.piece import Totals
 from autosplit.step.reduction import combined_loss, output_terms
 from autosplit.step.snapshot import Snapshot
+from autosplit.step.sums import added, sum_loop, zero_totals
 from autosplit.training.arguments import check_compiled_loss
 
 __all__ = ["CheckReport", "Culprit", "VariableDifference", "check"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = [
     "ArgumentError",
@@ -102,3 +103,13 @@ def noted(note: str) -> Iterator[None]:
                 n.startswith("autosplit ") for n in getattr(error, "__notes__", ())):
             error.add_note(note)
         raise
+
+
+def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> Any:
+    """``value`` if it is one of ``choices`` (of the same type: True is not 1), else
+    an ``ArgumentError`` that lists them."""
+    if not any(type(value) is type(c) and value == c for c in choices):
+        raise ArgumentError(
+            f"Expected `{name}` to be one of {', '.join(repr(c) for c in choices)}. "
+            f"Received: {name}={describe(value)}.")
+    return value

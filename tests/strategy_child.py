@@ -31,9 +31,9 @@ from common import labelled, relative_error  # noqa: E402
 
 import autosplit  # noqa: E402
 from autosplit.data.inputs import get_input  # noqa: E402
+from autosplit.data.layout import Layout  # noqa: E402
 from autosplit.data.pipeline import MicroBatches  # noqa: E402
 from autosplit.data.split import split_batch  # noqa: E402
-from autosplit.step.layout import Layout  # noqa: E402
 from autosplit.step.train_step import step_for  # noqa: E402
 from autosplit.testing import traced_graph  # noqa: E402
 

@@ -80,6 +80,33 @@ def test_modules_import_one_way():
         visit(name, ())
 
 
+# Lowest first: a package imports only from packages below it (and itself), and from
+# the base modules, which import only each other. The public faces at the top
+# (accumulate, equivalence, cli...) import anything; nothing below imports them.
+LAYERS = ("keras_hooks", "memory", "data", "step", "search", "training")
+BASE = ("errors", "units", "warn", "capped")
+
+
+def _level(module: str) -> float:
+    """0 for a base module, 1 + its index for a package's module, infinity for a face."""
+    part = module.split(".")[1]
+    if part in BASE:
+        return 0
+    return 1 + LAYERS.index(part) if part in LAYERS else float("inf")
+
+
+def test_imports_run_down_the_layers():
+    """docs/development.md's order, held: no import from a lower layer to a higher one,
+    inside functions too."""
+    files = _modules()
+    upward = sorted(
+        f"{name} -> {imported}"
+        for name, path in files.items()
+        for imported in _imported_modules(path, set(files))
+        if _level(imported) > _level(name))
+    assert not upward, f"imports up the layers: {upward}"
+
+
 MODULE_LINES, FUNCTION_CODE_LINES = 450, 60
 
 

@@ -110,9 +110,9 @@ def test_trials_pull_trainings_elements_with_autotuning_off(cache_home, monkeypa
 def test_a_trial_over_the_budget_after_one_measured_step_stops_there(monkeypatch):
     # Real trial steps and a real meter; only the budget is chosen: 1 byte (every
     # measured step is over it) or unbounded.
+    from autosplit.data.layout import ALONE
     from autosplit.data.pipeline import MicroBatches
     from autosplit.search.runner import TrialRunner
-    from autosplit.step.layout import ALONE
     from autosplit.step.snapshot import Snapshot
     from autosplit.step.train_step import build_for, step_for
 

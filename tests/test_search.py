@@ -20,10 +20,10 @@ from autosplit.search.policy import (
     fit_line,
     reliable_fits,
     run_search,
+    shrink_micro_batch,
 )
 from autosplit.search.speed import fastest, run_speed, speed_candidates
 from autosplit.step.reduction import output_terms
-from autosplit.training.recovery import shrink_micro_batch
 
 
 def linear(fixed, per_example, budget, limit=10**12):

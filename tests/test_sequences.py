@@ -335,7 +335,7 @@ def test_each_worker_cuts_its_own_share_of_every_large_batch_by_length():
     # Under MultiWorkerMirroredStrategy a worker owns a slice of every large batch:
     # sorted by length within that slice alone, it trains on the same rows as cut as
     # they come.
-    from autosplit.step.layout import Layout
+    from autosplit.data.layout import Layout
 
     seqs = _sequences(150)
     adapter = get_input(_dataset(seqs, "gru").padded_batch(16))

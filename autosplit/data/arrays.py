@@ -20,8 +20,8 @@ from autosplit.data.adapter import (
     class_weight_fn,
 )
 from autosplit.data.lengths import Padded, padded_sequences
+from autosplit.data.structure import map_present
 from autosplit.errors import DatasetError, describe
-from autosplit.step.piece import map_present
 
 __all__ = ["ArrayInput"]
 

@@ -27,6 +27,7 @@ from typing import Any
 import tensorflow as tf
 
 from autosplit.data.adapter import HOST, InputAdapter, varying_shapes
+from autosplit.data.layout import ALONE, Layout
 from autosplit.data.lengths import (
     LengthCut,
     Padded,
@@ -37,7 +38,6 @@ from autosplit.data.lengths import (
     trim,
 )
 from autosplit.data.split import Piece, piece_pattern
-from autosplit.step.layout import ALONE, Layout
 
 __all__ = ["MicroBatches", "elements_per_batch", "end_marker", "host_autotune", "is_end_marker",
            "release", "skip_to_end_marker"]
@@ -208,7 +208,7 @@ class MicroBatches:
         adapter: the input.
         batch_size: B, the global large batch.
         rows: rows per micro-batch on this worker.
-        where: the ``tf.distribute`` layout of this process (``autosplit.step.layout``).
+        where: the ``tf.distribute`` layout of this process (``autosplit.data.layout``).
         by_length: None: cut each large batch as its rows come. A ``LengthCut``: sort
             each large batch's rows by length and pad each micro-batch to its own
             longest row rounded up to a multiple of ``by_length.multiple``

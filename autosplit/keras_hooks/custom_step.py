@@ -51,7 +51,7 @@ from autosplit.keras_hooks.interception import check_writes, intercept, watch_wr
 from autosplit.keras_hooks.patches import object_patches
 from autosplit.keras_hooks.target import gradient_norm, log_parts
 from autosplit.keras_hooks.traced import repeats_rows
-from autosplit.step.compiled import trace as trace_once
+from autosplit.keras_hooks.traced import trace as trace_once
 from autosplit.warn import warn_user
 
 __all__ = ["CustomFacts", "batch_data", "custom_facts", "flat_logs", "from_batch",

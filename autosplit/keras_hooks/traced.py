@@ -24,14 +24,16 @@ while a step is traced).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from autosplit.keras_hooks import internals as _keras
+
 __all__ = ["ancestors", "counts_rows", "evaluate", "full_reduction_input", "mixes_rows",
-           "repeats_rows", "row_reduction"]
+           "repeats_rows", "row_reduction", "trace"]
 
 _PASS_THROUGH = frozenset({"Identity", "Cast", "CheckNumerics"})
 _REDUCTIONS = {"Mean": "mean", "Sum": "sum"}
@@ -351,3 +353,11 @@ def evaluate(tensor) -> np.ndarray | None:
             return np.asarray(session.run(tensor, feed_dict=feeds))
     except (tf.errors.OpError, ValueError, TypeError, RuntimeError):
         return None
+
+
+def trace(fn: Callable, *specs: Any) -> Any:
+    """Trace ``fn`` once on ``specs`` without running it (autograph off); returns the
+    concrete function. What ``fn`` records while it is traced is the point: Keras state
+    it makes on first use stays unmade (``_keras.global_seed_generator_kept``)."""
+    with _keras.global_seed_generator_kept():
+        return tf.function(fn, autograph=False).get_concrete_function(*specs)

@@ -203,7 +203,7 @@ def checked_micro_batch(model: Any, sample: tuple, batch_size: int, micro_batch_
     :func:`kernels_may_crash` and the model has :func:`crash_prone_layers`, so that an
     out-of-memory error in its first steps, which training could not survive, costs a
     trial instead. Shrinks as recovery would
-    (:func:`autosplit.training.recovery.shrink_micro_batch`), with a warning each time.
+    (:func:`autosplit.search.policy.shrink_micro_batch`), with a warning each time.
     Once per model, batch size and size asked (kept with the model's compiled state).
 
     Returns ``micro_batch_size`` unchanged when the model cannot be run in a child
@@ -242,7 +242,7 @@ def _largest_that_runs(trials: IsolatedTrials, batch_size: int, micro_batch_size
 
     from autosplit.data.split import split_batch
     from autosplit.errors import NothingFitsError
-    from autosplit.training.recovery import shrink_micro_batch
+    from autosplit.search.policy import shrink_micro_batch
     from autosplit.warn import warn_user
 
     rows = split_batch(batch_size, micro_batch_size).micro_batch_size

@@ -24,7 +24,7 @@ import numpy as np
 from autosplit.data.split import split_batch
 
 __all__ = ["OBJECTIVES", "Trial", "achievable", "between", "fit_line", "reliable_fits",
-           "run_search", "search", "second_size", "sizes_between"]
+           "run_search", "search", "second_size", "shrink_micro_batch", "sizes_between"]
 
 TOLERANCE = 0.05  # stop bisecting when the gap is within 5% of the best fit
 GROWTH = 4  # before any failure, a guess is at most 4x the largest size that fit
@@ -350,3 +350,25 @@ def reliable_fits(trials: Sequence[Trial]) -> list[int]:
     """
     failed = {t.micro_batch_size for t in trials if not t.fits}
     return sorted({t.micro_batch_size for t in trials if t.fits} - failed, reverse=True)
+
+
+def shrink_micro_batch(failed: int, fits: Sequence[int] = ()) -> int:
+    """The next micro-batch bound to try after ``failed`` rows ran out of memory.
+
+    Half of it, rounded down to a multiple of 8 once it is at least 8 (0 when
+    ``failed`` is 1); or the largest size below ``failed`` already known to fit, when
+    that is larger. A known fit further down is not taken: the probe's small first
+    trials fit, but the rest of the run would pay for each step at a fraction of the
+    speed, where half the rows risks one more out-of-memory error (seconds of the
+    allocator's retries, once).
+
+    >>> shrink_micro_batch(512), shrink_micro_batch(100), shrink_micro_batch(5)
+    (256, 48, 2)
+    >>> shrink_micro_batch(512, fits=[96, 384, 640]), shrink_micro_batch(2048, fits=[64, 512])
+    (384, 1024)
+    """
+    half = failed // 2
+    if half >= 8:
+        half -= half % 8
+    half = max(half, 1) if failed > 1 else 0
+    return max([half] + [m for m in fits if m < failed])

@@ -22,12 +22,12 @@ import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter
 from autosplit.data.arrays import ArrayInput
+from autosplit.data.layout import Layout, layout
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import split_batch
 from autosplit.errors import NothingFitsError
 from autosplit.memory.peak_meter import PeakMeter
 from autosplit.search.policy import Trial, search
-from autosplit.step.layout import Layout, layout
 from autosplit.step.snapshot import Snapshot
 from autosplit.step.train_step import TrainStep, build_for, step_for
 

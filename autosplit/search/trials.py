@@ -23,9 +23,12 @@ from autosplit.data.adapter import InputAdapter
 from autosplit.data.arrays import ArrayInput
 from autosplit.data.hub import preprocessed, takes_raw_data
 from autosplit.data.inputs import get_input
+from autosplit.data.layout import Layout, layout
 from autosplit.data.pipeline import MicroBatches
-from autosplit.errors import ArgumentError, MemoryLimitError, describe
+from autosplit.data.split import check_size
+from autosplit.errors import ArgumentError, MemoryLimitError, check_choice, describe
 from autosplit.keras_hooks import internals as _keras
+from autosplit.keras_hooks.checks import check_model
 from autosplit.memory.device import budget_bytes, check_headroom, read_device
 from autosplit.memory.device_info import DeviceInfo
 from autosplit.memory.peak_meter import PeakMeter
@@ -36,11 +39,9 @@ from autosplit.search.result import ProbeResult, invalidate_cache, result_of
 from autosplit.search.runner import TRIAL_SHUFFLE_SEED, TrialRunner
 from autosplit.search.speed import run_speed
 from autosplit.step.compiled import Compilation
-from autosplit.step.layout import Layout, layout
 from autosplit.step.model_state import model_state
 from autosplit.step.snapshot import Snapshot
 from autosplit.step.train_step import build_for, step_for
-from autosplit.training.arguments import check_choice, check_model, check_size
 from autosplit.units import format_bytes, parse_memory
 from autosplit.warn import warn_user
 

@@ -25,9 +25,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from autosplit.keras_hooks import internals as _keras
-
-__all__ = ["Compilation", "FunctionCache", "run_once", "trace"]
+__all__ = ["Compilation", "FunctionCache", "run_once"]
 
 
 class Compilation(NamedTuple):
@@ -81,14 +79,6 @@ class FunctionCache:
         """Traces of every function so far (0 under ``run_eagerly``)."""
         return sum(fn.experimental_get_tracing_count() for fn in self._functions.values()
                    if hasattr(fn, "experimental_get_tracing_count"))
-
-
-def trace(fn: Callable, *specs: Any) -> Any:
-    """Trace ``fn`` once on ``specs`` without running it (autograph off); returns the
-    concrete function. What ``fn`` records while it is traced is the point: Keras state
-    it makes on first use stays unmade (``_keras.global_seed_generator_kept``)."""
-    with _keras.global_seed_generator_kept():
-        return tf.function(fn, autograph=False).get_concrete_function(*specs)
 
 
 def run_once(fn: Callable, *args: Any, autograph: bool = True) -> Any:

@@ -21,7 +21,7 @@ from autosplit.keras_hooks.custom_step import (
     has_custom_step,
 )
 from autosplit.keras_hooks.traced import repeats_rows, row_reduction
-from autosplit.step.compiled import trace as trace_once
+from autosplit.keras_hooks.traced import trace as trace_once
 from autosplit.step.model_state import model_state
 from autosplit.step.reduction import COUNT, SUM, WEIGHT, output_terms
 

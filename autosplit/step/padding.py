@@ -22,10 +22,11 @@ import numpy as np
 import tensorflow as tf
 
 from autosplit.data.lengths import LENGTH_MULTIPLE, Trimmed, real_lengths
+from autosplit.data.structure import empty_to_none
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import has_custom_step
 from autosplit.step.loss_plan import step_plan
-from autosplit.step.piece import compute_piece, empty_to_none, update_metrics
+from autosplit.step.piece import compute_piece, update_metrics
 from autosplit.step.snapshot import Snapshot
 
 __all__ = ["PaddingCheck", "check_padding"]

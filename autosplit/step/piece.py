@@ -20,7 +20,6 @@ where the sums live (loop-carried tensors in ``autosplit.accumulate``, variables
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import keras
@@ -50,9 +49,6 @@ __all__ = [
     "Totals",
     "combine",
     "compute_piece",
-    "empty_to_none",
-    "map_present",
-    "none_to_empty",
     "update_loss_trackers",
     "update_metrics",
     "without_padding",
@@ -350,16 +346,3 @@ def without_padding(strip: bool, x, y, sample_weight, valid) -> tuple:
     if not strip:
         return x, y, sample_weight, valid
     return tuple(real_rows((x, y, sample_weight, valid), valid))
-
-
-def map_present(fn: Callable[[Any], Any], structure: Any) -> Any:
-    """``tf.nest.map_structure`` that leaves ``None`` (no sample weight) alone."""
-    return tf.nest.map_structure(lambda t: None if t is None else fn(t), structure)
-
-
-def none_to_empty(w: Any) -> Any:
-    return () if w is None else w
-
-
-def empty_to_none(w: Any) -> Any:
-    return None if isinstance(w, tuple) and not w else w

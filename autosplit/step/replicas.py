@@ -15,8 +15,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from autosplit.data.layout import layout
 from autosplit.keras_hooks import internals as _keras
-from autosplit.step.layout import layout
 from autosplit.step.sums import after
 
 __all__ = ["Replicas", "without_replica_axis"]

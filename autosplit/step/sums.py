@@ -11,6 +11,7 @@ them, inside its compiled functions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -18,10 +19,10 @@ import tensorflow as tf
 
 from autosplit.data.adapter import HOST
 from autosplit.keras_hooks.batchnorm import Pool
-from autosplit.step.loss_plan import LossPlan
+from autosplit.step.loss_plan import LossPlan, forward_totals
 from autosplit.step.piece import Piece, Totals
 
-__all__ = ["Stash", "Sums", "after"]
+__all__ = ["Stash", "Sums", "added", "after", "sum_loop", "zero_totals"]
 
 
 def after(ops: list) -> tf.Tensor:
@@ -167,3 +168,41 @@ class Stash:
     def record(self, end_row, rows: int) -> tf.Tensor:
         """The rows up to ``end_row`` of the element are in the sums."""
         return after([self.done_rows.assign(end_row), self.pending.assign(end_row < rows)])
+
+
+# Loop-carried sums: accumulate_gradients, accumulate_iterator and validation.
+
+
+def added(totals: Totals, piece: Piece | Totals) -> Totals:
+    """``totals`` plus one micro-batch's sums; a gradient of None adds nothing."""
+    part = Totals(piece.gradients, piece.numerators, piece.denominators, piece.forward,
+                  piece.rows)
+    return tf.nest.map_structure(lambda a, b: a if b is None else a + b, totals, part)
+
+
+def zero_totals(terms: int, gradients: list[Any] | None = None) -> Totals:
+    """Float32 zeros for ``terms`` compiled losses; ``gradients`` the zero gradient sums."""
+    zeros = [tf.constant(0.0)] * terms
+    return Totals([] if gradients is None else gradients, zeros, zeros, forward_totals(),
+                  tf.constant(0.0))
+
+
+def sum_loop(step: Callable[[tf.Tensor, Totals], tuple[Totals, tf.Tensor]],
+             count: int | tf.Tensor, start: Totals) -> tuple[Totals, tf.Tensor]:
+    """``totals, stop = step(i, totals)`` for micro-batches ``i < count``, until ``stop``.
+
+    The loop of ``accumulate_gradients``, ``accumulate_iterator`` and validation
+    (``autosplit.training.evaluate``): the sums are loop-carried tensors, returned with whether a
+    step stopped early (its input ran out).
+    """
+    def body(i: tf.Tensor, totals: Totals, stop: tf.Tensor
+             ) -> tuple[tf.Tensor, Totals, tf.Tensor]:
+        totals, stop = step(i, totals)
+        return i + 1, totals, stop
+
+    # parallel_iterations=1: micro-batches run one after another, so the peak memory
+    # is one micro-batch's, not several in flight.
+    _, totals, stop = tf.while_loop(
+        lambda i, _, stop: tf.logical_and(i < count, tf.logical_not(stop)), body,
+        (tf.constant(0), start, tf.constant(False)), parallel_iterations=1)
+    return totals, stop

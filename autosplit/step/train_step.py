@@ -27,17 +27,17 @@ import keras
 import tensorflow as tf
 
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.structure import empty_to_none
 from autosplit.errors import DatasetError, noted
 from autosplit.keras_hooks import internals as _keras
+from autosplit.keras_hooks.checks import check_trainable
 from autosplit.keras_hooks.custom_step import has_custom_step
 from autosplit.step.compiled import Compilation, FunctionCache
 from autosplit.step.loop import pull
 from autosplit.step.model_state import model_state, step_key
-from autosplit.step.piece import empty_to_none
 from autosplit.step.reduction import check_reduction
 from autosplit.step.replicas import without_replica_axis
 from autosplit.step.update import LargeBatchUpdate
-from autosplit.training.arguments import check_trainable
 
 __all__ = ["TrainStep", "build_for", "step_for"]
 

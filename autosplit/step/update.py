@@ -28,8 +28,10 @@ import keras
 import tensorflow as tf
 
 from autosplit.data.lengths import inputs_of
+from autosplit.data.structure import empty_to_none
 from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
+from autosplit.keras_hooks.checks import check_trainable
 from autosplit.keras_hooks.interception import defers
 from autosplit.step.compiled import FunctionCache
 from autosplit.step.loss_plan import LossPlan, step_plan
@@ -37,14 +39,12 @@ from autosplit.step.piece import (
     Piece,
     combine,
     compute_piece,
-    empty_to_none,
     update_loss_trackers,
     update_metrics,
     without_padding,
 )
 from autosplit.step.replicas import Replicas, without_replica_axis
 from autosplit.step.sums import Stash, Sums, after
-from autosplit.training.arguments import check_trainable
 from autosplit.warn import warn_user
 
 __all__ = ["LargeBatchUpdate"]

@@ -21,12 +21,12 @@ from autosplit.errors import (
     BatchSizeError,
     DatasetError,
     ModelNotReadyError,
-    UnsupportedModelError,
+    check_choice,
     describe,
 )
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.batchnorm import MODES
-from autosplit.keras_hooks.custom_step import has_custom_step
+from autosplit.keras_hooks.checks import check_model, check_trainable
 from autosplit.memory.device import check_headroom
 from autosplit.search.policy import OBJECTIVES
 from autosplit.warn import warn_user
@@ -58,14 +58,6 @@ def check_verbose(verbose: Any) -> int:
         return int(verbose)
     raise ArgumentError(
         f"Expected `verbose` to be 'auto', 0, 1 or 2. Received: verbose={describe(verbose)}.")
-
-
-def check_choice(name: str, value: Any, choices: tuple) -> Any:
-    if not any(type(value) is type(c) and value == c for c in choices):
-        raise ArgumentError(
-            f"Expected `{name}` to be one of {', '.join(repr(c) for c in choices)}. "
-            f"Received: {name}={describe(value)}.")
-    return value
 
 
 def check_optional_size(name: str, value: Any) -> int | None:
@@ -115,25 +107,6 @@ def check_initial_epoch(initial_epoch: Any, epochs: int) -> int:
     return initial_epoch
 
 
-def check_model(model: Any) -> None:
-    """Raise a typed error, changing nothing, unless ``model`` can be trained split."""
-    if not isinstance(model, keras.Model):
-        raise ModelNotReadyError(
-            f"Expected `model` to be a compiled keras.Model. Received: model={describe(model)}.")
-    if getattr(model, "compiled", False) and model.optimizer is None and has_custom_step(model):
-        raise UnsupportedModelError(
-            f"Expected `{type(model).__name__}` with a custom train_step to be compiled with "
-            "an optimizer, which autosplit applies once per large batch. Received: "
-            "model.optimizer=None. A step that applies optimizers of its own (a GAN's two) "
-            "has no exact split in one pass: train it with model.fit.")
-    if not getattr(model, "compiled", False) or model.optimizer is None:
-        raise ModelNotReadyError(
-            "Expected a compiled model with an optimizer. Received: a model that "
-            f"{'is not compiled' if not getattr(model, 'compiled', False) else 'has no optimizer'}"
-            ". Call `model.compile(optimizer=..., loss=...)` first.")
-    check_trainable(model)
-
-
 def check_compiled_loss(model: Any) -> None:
     """For ``check``: a compiled model (no optimizer step runs). A model compiled with
     ``loss=None`` must add its loss in call(): the loss plan says so when it traces."""
@@ -144,13 +117,6 @@ def check_compiled_loss(model: Any) -> None:
         raise ModelNotReadyError(
             "Expected a compiled model. Received: a model that is not compiled. Call "
             "`model.compile(optimizer=..., loss=...)` first.")
-
-
-def check_trainable(model: keras.Model) -> None:
-    if model.built and not model.trainable_variables:
-        raise ModelNotReadyError(
-            "Expected a model with trainable weights. Received: a model whose "
-            "`trainable_variables` is empty (are all layers frozen?).")
 
 
 def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,

@@ -27,11 +27,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from autosplit.accumulate import added, sum_loop, zero_totals
 from autosplit.data.adapter import HOST, InputAdapter
 from autosplit.data.datasets import batched_ancestor
 from autosplit.data.inputs import get_input
 from autosplit.data.pipeline import MicroBatches, release
+from autosplit.data.structure import empty_to_none
 from autosplit.keras_hooks.custom_step import (
     batch_data,
     flat_logs,
@@ -40,7 +40,8 @@ from autosplit.keras_hooks.custom_step import (
     runs_own_test_step,
 )
 from autosplit.keras_hooks.interception import weighed_trackers
-from autosplit.step.compiled import FunctionCache, trace
+from autosplit.keras_hooks.traced import trace
+from autosplit.step.compiled import FunctionCache
 from autosplit.step.loss_plan import (
     LossPlan,
     forward,
@@ -51,12 +52,12 @@ from autosplit.step.loss_plan import (
 )
 from autosplit.step.piece import (
     Totals,
-    empty_to_none,
     update_loss_trackers,
     update_metrics,
     without_padding,
 )
 from autosplit.step.reduction import COUNT, combined_loss
+from autosplit.step.sums import added, sum_loop, zero_totals
 
 __all__ = ["Evaluator"]
 

@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter, varying_shapes
+from autosplit.data.layout import Layout, layout
 from autosplit.data.lengths import LENGTH_MULTIPLE, LengthCut, Padded, sorts_by_length
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import Split, split_batch
@@ -23,7 +24,6 @@ from autosplit.search.isolation import (
     kernels_may_crash,
 )
 from autosplit.step.compiled import Compilation
-from autosplit.step.layout import Layout, layout
 from autosplit.step.padding import check_padding
 from autosplit.step.train_step import TrainStep, build_for, step_for
 from autosplit.training.arguments import Args, warn_if_inexact

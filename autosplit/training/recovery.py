@@ -30,9 +30,10 @@ from typing import Any, Protocol
 import tensorflow as tf
 
 from autosplit.errors import NothingFitsError, WorkerLostError
+from autosplit.search.policy import shrink_micro_batch
 from autosplit.warn import warn_user
 
-__all__ = ["OomRecovery", "RecoverableStep", "Recovery", "shrink_micro_batch", "worker_lost"]
+__all__ = ["OomRecovery", "RecoverableStep", "Recovery", "worker_lost"]
 
 # The rows a worker that gives up reports to the agreement: every other worker's total
 # comes out negative (-inf plus any real rows), which no real count can be.
@@ -105,28 +106,6 @@ class OomRecovery:
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
-
-
-def shrink_micro_batch(failed: int, fits: Sequence[int] = ()) -> int:
-    """The next micro-batch bound to try after ``failed`` rows ran out of memory.
-
-    Half of it, rounded down to a multiple of 8 once it is at least 8 (0 when
-    ``failed`` is 1); or the largest size below ``failed`` already known to fit, when
-    that is larger. A known fit further down is not taken: the probe's small first
-    trials fit, but the rest of the run would pay for each step at a fraction of the
-    speed, where half the rows risks one more out-of-memory error (seconds of the
-    allocator's retries, once).
-
-    >>> shrink_micro_batch(512), shrink_micro_batch(100), shrink_micro_batch(5)
-    (256, 48, 2)
-    >>> shrink_micro_batch(512, fits=[96, 384, 640]), shrink_micro_batch(2048, fits=[64, 512])
-    (384, 1024)
-    """
-    half = failed // 2
-    if half >= 8:
-        half -= half % 8
-    half = max(half, 1) if failed > 1 else 0
-    return max([half] + [m for m in fits if m < failed])
 
 
 def worker_lost(error: Exception, strategy: Any, step_number: int) -> WorkerLostError:
