@@ -114,7 +114,7 @@ def _round_up(n: tf.Tensor, multiple: int) -> tf.Tensor:
 
 
 def pad_to_longest(ds: tf.data.Dataset, sizes: list[int], *, own_lengths: bool
-                ) -> tf.data.Dataset:
+                   ) -> tf.data.Dataset:
     """``ds.rebatch(sizes)`` for batches whose shapes differ beyond the row count: every
     piece of a large batch is padded to the longest row of that large batch, with zeros
     (``""`` for strings), as ``padded_batch(B)`` pads the large batch by default.
