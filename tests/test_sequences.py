@@ -59,7 +59,7 @@ def _examples(seqs, kind):
 
 
 def _dataset(seqs, kind):
-    if kind == "features":
+    if kind in ("features", "masked_features"):
         return _features(seqs)
     rows, spec = _examples(seqs, kind)
     return tf.data.Dataset.from_generator(rows, output_signature=spec)
@@ -69,6 +69,12 @@ def _model(kind, jit_compile=False):
     if kind == "features":
         return _reads_padding()
     keras.utils.set_random_seed(0)
+    if kind == "masked_features":  # Masking: a step whose features are all 0 is padding
+        model = keras.Sequential([keras.Input((None, 3)), keras.layers.Masking(),
+                                  keras.layers.GRU(8), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.5),
+                      keras.losses.BinaryCrossentropy(from_logits=True))
+        return model
     binary = keras.losses.BinaryCrossentropy(from_logits=True)
     tokens = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if kind == "gpt2":
@@ -226,6 +232,14 @@ def test_a_model_that_reads_its_padding_is_padded_as_its_large_batch_and_says_so
         "to the large batch's longest row: the model does not ignore padding: its gradients")
     assert "autosplit: micro-batches padded to their large batch's longest row" in (
         capsys.readouterr().out)
+
+
+def test_rows_of_features_keep_their_feature_axis_and_are_cut_by_length():
+    # (rows, length, 3): the feature axis stays static through the cut (a layer that
+    # needs it, a Conv1D's kernel, is traced on it), and Masking makes padding ignored.
+    seqs = _sequences()
+    got = _trains_as_model_fit("masked_features", _features(seqs).padded_batch(16), seqs=seqs)
+    assert got.autosplit.padding.startswith("by length")
 
 
 def test_by_length_true_refuses_a_model_that_reads_its_padding_and_changes_nothing():

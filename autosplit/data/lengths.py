@@ -165,11 +165,12 @@ def pad_to_longest(ds: tf.data.Dataset, sizes: list[int], *, own_lengths: bool
             tf.maximum, most, shape_of(row)))
 
     def pad(row, shape):
+        known = row.shape  # the sizes the rows share (a feature axis) stay static
         if trim and row.shape.rank:
             row = row[:shape[0]]
         gap = shape - tf.shape(row, out_type=tf.int64)
-        return tf.pad(row, tf.stack([tf.zeros_like(gap), gap], axis=1),
-                      constant_values=tf.zeros([], row.dtype))
+        return tf.ensure_shape(tf.pad(row, tf.stack([tf.zeros_like(gap), gap], axis=1),
+                                      constant_values=tf.zeros([], row.dtype)), known)
 
     def large_batch(_, window):
         rows = window.map(strip)
@@ -229,7 +230,7 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], *, own_lengths: boo
                     kept = tf.gather(t, index)
                     shape = tf.concat([tf.stack([tf.size(index, out_type=tf.int64), length]),
                                        tf.constant(t.shape[2:].as_list(), tf.int64)], 0)
-                    return kept.to_tensor(shape=shape)
+                    return tf.ensure_shape(kept.to_tensor(shape=shape), [None, *t.shape[1:]])
                 return tf.gather(t, index)
 
             rows = tf.nest.pack_sequence_as(large, [take(t) for t in leaves],
