@@ -235,8 +235,8 @@ def test_a_model_that_reads_its_padding_is_padded_as_its_large_batch_and_says_so
 
 
 def test_rows_of_features_keep_their_feature_axis_and_are_cut_by_length():
-    # (rows, length, 3): the feature axis stays static through the cut (a layer that
-    # needs it, a Conv1D's kernel, is traced on it), and Masking makes padding ignored.
+    # (rows, length, 3): the feature axis stays static through the cut (it came out as
+    # None), and Masking makes padding ignored.
     seqs = _sequences()
     got = _trains_as_model_fit("masked_features", _features(seqs).padded_batch(16), seqs=seqs)
     assert got.autosplit.padding.startswith("by length")
