@@ -38,6 +38,7 @@ from autosplit.data.lengths import (
     trim,
 )
 from autosplit.data.split import Piece, piece_pattern
+from autosplit.data.structure import none_to_empty
 
 __all__ = ["MicroBatches", "elements_per_batch", "end_marker", "host_autotune", "is_end_marker",
            "release", "skip_to_end_marker"]
@@ -113,7 +114,7 @@ def _element(*piece: Any, materialize, rows: int, row_numbers: bool, whole: bool
     piece = piece[0] if len(piece) == 1 else piece
     padded, valid = _pad_rows(piece, rows, row_numbers=row_numbers, whole=whole)
     x, y, w = materialize(padded)
-    return x, (() if y is None else y), (() if w is None else w), valid
+    return x, none_to_empty(y), none_to_empty(w), valid
 
 
 @tf.autograph.experimental.do_not_convert
@@ -122,7 +123,7 @@ def _trimmed_element(piece: Any, stretch: tf.Tensor, *, materialize, rows: int) 
     as a :class:`Trimmed` with their stretch."""
     (padded, stretch), valid = _pad_rows((piece, stretch), rows)
     x, y, w = materialize(padded)
-    return Trimmed(x, stretch), (() if y is None else y), (() if w is None else w), valid
+    return Trimmed(x, stretch), none_to_empty(y), none_to_empty(w), valid
 
 
 @tf.autograph.experimental.do_not_convert
@@ -132,7 +133,7 @@ def _trimmed_rows(numbers: tf.Tensor, length: tf.Tensor, stretch: tf.Tensor, *, 
     the rows gathered, then cut to the piece's length."""
     (numbers, stretch), valid = _pad_rows((numbers, stretch), rows, row_numbers=True)
     x, y, w = trim(materialize(numbers), padded, length)
-    return Trimmed(x, stretch), (() if y is None else y), (() if w is None else w), valid
+    return Trimmed(x, stretch), none_to_empty(y), none_to_empty(w), valid
 
 
 def _pad_replicas_of(*element: Any, replicas: int) -> Any:
@@ -331,44 +332,24 @@ class MicroBatches:
         with tf.device(HOST):
             ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed, epoch=epoch,
                                            batch_size=self.batch_size)
-            sizes = [p.rows for p in self.pattern]
-            keep = [p.keep for p in self.pattern]
-            if self.by_length is not None and self.by_length.padded is not None:
-                ds = cut_rows_by_length(ds, self.pattern, self.by_length.padded,
-                                        multiple=self.by_length.multiple)
-                keep = [True]
-            elif self.by_length is not None:
-                ds = cut_by_length(ds, self.pattern, own_lengths=self.adapter.own_lengths,
-                                   multiple=self.by_length.multiple)
-                keep = [True]
-            elif varying_shapes(ds.element_spec):
-                ds = pad_to_longest(ds, sizes, own_lengths=self.adapter.own_lengths)
-            else:
-                ds = ds.rebatch(sizes if len(sizes) > 1 else sizes[0])
-            if not all(keep):
-                table = tf.constant(keep)
-                period = len(keep)
-
-                def ours(index, piece):
-                    return tf.gather(table, index % period)
-
-                def drop_index(index, piece):
-                    return piece
-
-                ds = ds.enumerate().filter(ours).map(drop_index)
             # Functions that hold the adapter, not this object: a dataset kept in
             # self._cuts must not point back at self (a cycle would keep the input's
             # arrays alive until the next garbage collection).
-            if self.by_length is not None and self.by_length.padded is not None:
-                element = functools.partial(_trimmed_rows, materialize=self.adapter.materialize,
-                                            rows=self.rows, padded=self.by_length.padded)
-            elif self.by_length is not None:
-                element = functools.partial(_trimmed_element,
-                                            materialize=self.adapter.materialize, rows=self.rows)
-            else:
-                element = functools.partial(_element, materialize=self.adapter.materialize,
-                                            rows=self.rows, row_numbers=self.adapter.row_numbers,
+            materialize, cut = self.adapter.materialize, self.by_length
+            if cut is None:
+                ds = self._cut_as_it_comes(ds)
+                element = functools.partial(_element, materialize=materialize, rows=self.rows,
+                                            row_numbers=self.adapter.row_numbers,
                                             whole=self.always_full())
+            elif cut.padded is not None:  # this worker's pieces alone
+                ds = cut_rows_by_length(ds, self.pattern, cut.padded, multiple=cut.multiple)
+                element = functools.partial(_trimmed_rows, materialize=materialize,
+                                            rows=self.rows, padded=cut.padded)
+            else:
+                ds = cut_by_length(ds, self.pattern, own_lengths=self.adapter.own_lengths,
+                                   multiple=cut.multiple)
+                element = functools.partial(_trimmed_element, materialize=materialize,
+                                            rows=self.rows)
             ds = ds.map(element, **(_IN_PARALLEL if parallel else {}))
             replicas = self.local_replicas
             if replicas > 1:
@@ -382,6 +363,27 @@ class MicroBatches:
                 ds = ds.apply(tf.data.experimental.assert_cardinality(
                     sum(self.elements(step) for step in range(steps))))
             return ds
+
+    def _cut_as_it_comes(self, ds: tf.data.Dataset) -> tf.data.Dataset:
+        """The runs of :attr:`pattern`, rows in the order they come, this worker's kept."""
+        sizes = [p.rows for p in self.pattern]
+        if varying_shapes(ds.element_spec):
+            ds = pad_to_longest(ds, sizes, own_lengths=self.adapter.own_lengths)
+        else:
+            ds = ds.rebatch(sizes if len(sizes) > 1 else sizes[0])
+        keep = [p.keep for p in self.pattern]
+        if all(keep):
+            return ds
+        table = tf.constant(keep)
+        period = len(keep)
+
+        def ours(index, piece):
+            return tf.gather(table, index % period)
+
+        def drop_index(index, piece):
+            return piece
+
+        return ds.enumerate().filter(ours).map(drop_index)
 
     def can_mark(self) -> bool:
         """Whether :meth:`dataset` can mark the end of each epoch (every part of an
