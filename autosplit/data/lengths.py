@@ -200,7 +200,7 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], *, own_lengths: boo
     batch), and stacks no more than a piece.
     """
     period = sum(p.rows for p in pattern)
-    starts, ends, first, last = _kept_bounds(pattern)
+    bounds = _kept_bounds(pattern)
 
     def strip(_, *row):
         return row[0] if len(row) == 1 else row
@@ -209,7 +209,6 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], *, own_lengths: boo
         large = large[0] if len(large) == 1 else large
         leaves = tf.nest.flatten(large, expand_composites=False)
         ragged = [t for t in leaves if isinstance(t, tf.RaggedTensor)]
-        n = ragged[0].nrows()
         given = ragged[0].row_lengths()
         checks = [tf.debugging.assert_equal(
             t.row_lengths(), given, message="autosplit: the inputs that vary in length "
@@ -217,14 +216,8 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], *, own_lengths: boo
         with tf.control_dependencies(checks):
             real = tf.reduce_max(tf.stack([_ragged_lengths(t) for t in ragged]), axis=0)
         longest = tf.reduce_max(given if own_lengths else real)
-        end = tf.minimum(tf.constant(last, tf.int64), n)
-        order = first + tf.cast(tf.argsort(real[first:end], stable=True), tf.int64)
 
-        def piece(a, b):
-            index = order[a - first:tf.minimum(b, n) - first]
-            most = tf.maximum(tf.reduce_max(tf.gather(real, index)), 1)
-            length = tf.minimum(_round_up(most, multiple), longest)
-
+        def piece(index, length, stretch):
             def take(t):
                 if isinstance(t, tf.RaggedTensor):
                     kept = tf.gather(t, index)
@@ -233,14 +226,10 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], *, own_lengths: boo
                     return tf.ensure_shape(kept.to_tensor(shape=shape), [None, *t.shape[1:]])
                 return tf.gather(t, index)
 
-            rows = tf.nest.pack_sequence_as(large, [take(t) for t in leaves],
-                                            expand_composites=False)
-            stretch = tf.fill(tf.shape(index), tf.cast(longest, tf.float32)
-                              / tf.cast(length, tf.float32))
-            return rows, stretch
+            return tf.nest.pack_sequence_as(large, [take(t) for t in leaves],
+                                            expand_composites=False), stretch
 
-        return (tf.data.Dataset.from_tensor_slices((starts, ends))
-                .filter(lambda a, b: a < n).map(piece))
+        return _sorted_pieces(real, ragged[0].nrows(), longest, bounds, multiple).map(piece)
 
     @tf.autograph.experimental.do_not_convert
     def large_batch(_, window):
@@ -308,25 +297,14 @@ def cut_rows_by_length(ds: tf.data.Dataset, pattern: list[Piece], padded: Padded
     by their length in ``padded``, its length the longest rounded up to ``multiple``
     (at most the arrays'), ``stretch`` the arrays' length over it."""
     period = sum(p.rows for p in pattern)
-    starts, ends, first, last = _kept_bounds(pattern)
+    bounds = _kept_bounds(pattern)
     table = tf.constant(padded.lengths)
     full = tf.constant(padded.length, tf.int64)
 
     def pieces(numbers):
         n = tf.size(numbers, out_type=tf.int64)
-        end = tf.minimum(tf.constant(last, tf.int64), n)
-        kept = numbers[first:end]
-        order = tf.gather(kept, tf.argsort(tf.gather(table, kept), stable=True))
-
-        def piece(a, b):
-            index = order[a - first:tf.minimum(b, n) - first]
-            most = tf.maximum(tf.reduce_max(tf.gather(table, index)), 1)
-            length = tf.minimum(_round_up(most, multiple), full)
-            return index, length, tf.fill(tf.shape(index), tf.cast(full, tf.float32)
-                                          / tf.cast(length, tf.float32))
-
-        return (tf.data.Dataset.from_tensor_slices((starts, ends))
-                .filter(lambda a, b: a < n).map(piece))
+        return _sorted_pieces(tf.gather(table, numbers), n, full, bounds, multiple).map(
+            lambda index, length, stretch: (tf.gather(numbers, index), length, stretch))
 
     return ds.unbatch().batch(period).flat_map(pieces)
 
@@ -340,3 +318,24 @@ def _kept_bounds(pattern: list[Piece]) -> tuple[tf.Tensor, tf.Tensor, int, int]:
         start += p.rows
     return (tf.constant([b[0] for b in bounds], tf.int64),
             tf.constant([b[1] for b in bounds], tf.int64), bounds[0][0], bounds[-1][1])
+
+
+def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
+                   bounds: tuple[tf.Tensor, tf.Tensor, int, int], multiple: int
+                   ) -> tf.data.Dataset:
+    """The kept pieces of a large batch of ``n`` rows whose lengths are ``lengths``: its
+    kept rows sorted by length, each piece ``(positions, length, stretch)`` for those
+    that start before row ``n``; its length the longest of its rows rounded up to
+    ``multiple``, at most ``longest`` (the large batch's), ``stretch`` ``longest`` over it."""
+    starts, ends, first, last = bounds
+    end = tf.minimum(tf.constant(last, tf.int64), n)
+    order = first + tf.cast(tf.argsort(lengths[first:end], stable=True), tf.int64)
+
+    def piece(a, b):
+        index = order[a - first:tf.minimum(b, n) - first]
+        most = tf.maximum(tf.reduce_max(tf.gather(lengths, index)), 1)
+        length = tf.minimum(_round_up(most, multiple), longest)
+        return index, length, tf.fill(tf.shape(index), tf.cast(longest, tf.float32)
+                                      / tf.cast(length, tf.float32))
+
+    return tf.data.Dataset.from_tensor_slices((starts, ends)).filter(lambda a, b: a < n).map(piece)
