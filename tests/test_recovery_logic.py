@@ -66,7 +66,7 @@ class FakeStep:
 
     # ------------------------------------------------------------ the contract
 
-    def rebind(self, element_spec, *, full=False):
+    def rebind(self, element_spec, *, full=False, rows=None):
         self.rows = element_spec  # here the "spec" is the new rows per element
 
     def run(self, iterator, count):

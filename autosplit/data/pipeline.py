@@ -40,8 +40,8 @@ from autosplit.data.lengths import (
 from autosplit.data.split import Piece, piece_pattern
 from autosplit.data.structure import none_to_empty
 
-__all__ = ["MicroBatches", "elements_per_batch", "end_marker", "host_autotune", "is_end_marker",
-           "release", "skip_to_end_marker"]
+__all__ = ["MicroBatches", "elements_per_batch", "end_marker", "host_autotune",
+           "is_end_marker", "release", "skip_to_end_marker"]
 
 _IN_PARALLEL = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}
 _PREFETCH = 2  # micro-batches the host keeps ready: enough to hide the cut, constant in B
@@ -61,9 +61,10 @@ def host_autotune() -> bool:
     return bool(tf.config.list_logical_devices("GPU"))
 
 
-def _pad_rows(piece: Any, rows: int, *, row_numbers: bool = False, whole: bool = False
+def _pad_rows(piece: Any, rows: int | None, *, row_numbers: bool = False, whole: bool = False
               ) -> tuple[Any, tf.Tensor]:
-    """Pad every leaf of ``piece`` to ``rows`` rows with copies of its last row.
+    """Pad every leaf of ``piece`` to ``rows`` rows with copies of its last row (None:
+    leave its row count as it is).
 
     Data are gathered only when the piece is short (a gather would copy every
     micro-batch). Row numbers (an array input's pieces, materialized after this) are
@@ -78,6 +79,8 @@ def _pad_rows(piece: Any, rows: int, *, row_numbers: bool = False, whole: bool =
     def fixed(t):  # the static row count (a gather or a cond keeps the other dimensions)
         return tf.ensure_shape(t, [rows, *t.shape[1:]])
 
+    if rows is None:  # pieces of any row count (LengthCut.tokens), all real
+        return piece, tf.ones(tf.shape(tf.nest.flatten(piece)[0])[:1], tf.float32)
     if whole:
         return tf.nest.map_structure(fixed, piece), tf.ones([rows], tf.float32)
     n = tf.shape(tf.nest.flatten(piece)[0])[0]
@@ -118,7 +121,8 @@ def _element(*piece: Any, materialize, rows: int, row_numbers: bool, whole: bool
 
 
 @tf.autograph.experimental.do_not_convert
-def _trimmed_element(piece: Any, stretch: tf.Tensor, *, materialize, rows: int) -> tuple:
+def _trimmed_element(piece: Any, stretch: tf.Tensor, *, materialize, rows: int | None
+                     ) -> tuple:
     """:func:`_element` of a piece cut by length (``lengths.cut_by_length``): its inputs
     as a :class:`Trimmed` with their stretch."""
     (padded, stretch), valid = _pad_rows((piece, stretch), rows)
@@ -128,7 +132,7 @@ def _trimmed_element(piece: Any, stretch: tf.Tensor, *, materialize, rows: int) 
 
 @tf.autograph.experimental.do_not_convert
 def _trimmed_rows(numbers: tf.Tensor, length: tf.Tensor, stretch: tf.Tensor, *, materialize,
-                  rows: int, padded: Padded) -> tuple:
+                  rows: int | None, padded: Padded) -> tuple:
     """:func:`_trimmed_element` of a piece of row numbers (``lengths.cut_rows_by_length``):
     the rows gathered, then cut to the piece's length."""
     (numbers, stretch), valid = _pad_rows((numbers, stretch), rows, row_numbers=True)
@@ -169,17 +173,25 @@ def is_end_marker(element: Any) -> tf.Tensor:
     return tf.logical_not(tf.reduce_any(element[-1] > 0))
 
 
-def skip_to_end_marker(iterator: Any) -> int:
+def skip_to_end_marker(iterator: Any, *, batches_marked: bool = False) -> int:
     """Read ``iterator`` (of ``MicroBatches.dataset(marked=True)``) up to and including
     its next end marker, or to its end; returns the real elements dropped on the way.
     An epoch that ran the large batches its first epoch counted ends there:
     ``model.fit`` trains on no more of a longer epoch. Eager, on the host: mostly one
-    element."""
-    dropped = 0
+    element.
+
+    ``batches_marked``: every large batch ends with a marker too (``LengthCut.tokens``),
+    read already for the last one run; the epoch's is the marker that follows a marker.
+    """
+    dropped, after_marker = 0, batches_marked
     for element in iterator:
         if bool(is_end_marker(element)):
-            break
-        dropped += 1
+            if after_marker or not batches_marked:
+                break
+            after_marker = True
+        else:
+            dropped += 1
+            after_marker = False
     return dropped
 
 
@@ -214,7 +226,10 @@ class MicroBatches:
             each large batch's rows by length and pad each micro-batch to its own
             longest row rounded up to a multiple of ``by_length.multiple``
             (``autosplit.data.lengths``), for a model that ignores padding; its inputs
-            then come as ``lengths.Trimmed``.
+            then come as ``lengths.Trimmed``. With ``by_length.tokens``, micro-batches of
+            up to that many tokens and ``rows`` rows, as many as a large batch needs,
+            then an element with no row that ends it (``is_end_marker``): elements have
+            no static row count, and none is padding.
     """
 
     def __init__(self, adapter: InputAdapter, batch_size: int, rows: int,
@@ -227,7 +242,10 @@ class MicroBatches:
         self.local_replicas = local_replicas = where.local_replicas
         self.pattern = piece_pattern(batch_size, rows, workers=where.workers,
                                      worker=where.worker, local_replicas=local_replicas)
-        self.per_batch = elements_per_batch(self.pattern, batch_size, local_replicas)
+        self.tokens = None if by_length is None else by_length.tokens
+        # With tokens, a large batch has at most a piece per kept row, then its end's marker.
+        self.per_batch = (sum(p.rows for p in self.pattern if p.keep) if self.tokens
+                          else elements_per_batch(self.pattern, batch_size, local_replicas))
         # (None or (shuffle seed, repeat), autotune) -> the elements of an epoch
         self._cuts: dict = {}
         self._epochs: dict = {}  # (shuffle seed, repeat) -> the epoch the next iteration cuts
@@ -238,9 +256,16 @@ class MicroBatches:
         tells its length, a whole number of large batches, each cut into pieces of
         ``rows`` rows, on one local replica. The train step then drops no padding
         before the metrics (``TrainStep.rebind``): no ``tf.cond`` per micro-batch."""
+        if self.tokens:
+            return self.local_replicas == 1
         rows = self.adapter.rows
         return (rows is not None and rows % self.batch_size == 0 and self.local_replicas == 1
                 and all(p.rows == self.rows for p in self.pattern if p.keep))
+
+    @property
+    def element_rows(self) -> int | None:
+        """Rows of every element: ``rows``, or None with tokens (each piece's own)."""
+        return None if self.tokens else self.rows
 
     def steps(self) -> int | None:
         """Large batches in one epoch (None when the input does not say)."""
@@ -250,7 +275,7 @@ class MicroBatches:
     def elements(self, step: int) -> int:
         """Elements of large batch ``step`` (0-based) of an epoch; the last may be short."""
         rows = self.adapter.rows
-        if rows is None:
+        if rows is None or self.tokens:
             return self.per_batch
         return elements_per_batch(self.pattern, min(self.batch_size,
                                                     rows - step * self.batch_size),
@@ -342,21 +367,22 @@ class MicroBatches:
                                             row_numbers=self.adapter.row_numbers,
                                             whole=self.always_full())
             elif cut.padded is not None:  # this worker's pieces alone
-                ds = cut_rows_by_length(ds, self.pattern, cut.padded, multiple=cut.multiple)
+                ds = cut_rows_by_length(ds, self.pattern, cut.padded, multiple=cut.multiple,
+                                        tokens=cut.tokens, cap=self.rows)
                 element = functools.partial(_trimmed_rows, materialize=materialize,
-                                            rows=self.rows, padded=cut.padded)
+                                            rows=self.element_rows, padded=cut.padded)
             else:
                 ds = cut_by_length(ds, self.pattern, own_lengths=self.adapter.own_lengths,
-                                   multiple=cut.multiple)
+                                   multiple=cut.multiple, tokens=cut.tokens, cap=self.rows)
                 element = functools.partial(_trimmed_element, materialize=materialize,
-                                            rows=self.rows)
+                                            rows=self.element_rows)
             ds = ds.map(element, **(_IN_PARALLEL if parallel else {}))
             replicas = self.local_replicas
             if replicas > 1:
                 ds = ds.batch(replicas).map(functools.partial(_pad_replicas_of,
                                                               replicas=replicas))
             steps = self.steps()
-            if steps is not None:
+            if steps is not None and not self.tokens:
                 # Every step and epoch boundary rests on this count (a batched input's
                 # is datasets.counted_rows'): a pass that ends short stops with tf.data's
                 # "expected to contain" error rather than take rows of the next epoch.

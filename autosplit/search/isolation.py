@@ -83,13 +83,17 @@ class IsolatedTrials:
         jit_compile: the step's compilation, as resolved in this process.
         step_held: ``held_bytes`` includes a compiled step of this model (its sums and
             stash), which the child makes too (:func:`autosplit.search.runner.child_trials`).
+        tokens: ``(multiple, length)``: trials in tokens, the sample's padded sequences
+            cut by length with lengths rounded up to ``multiple``, a trial at m of
+            ``m * length`` tokens (``autosplit.search.runner.TrialRunner``).
 
     Raises:
         IsolationError: the model cannot be saved, or the child cannot load it.
     """
 
     def __init__(self, model: Any, sample: tuple, batch_size: int, budget: int,
-                 held_bytes: int, jit_compile: bool, step_held: bool = False) -> None:
+                 held_bytes: int, jit_compile: bool, step_held: bool = False,
+                 tokens: tuple[int, int] | None = None) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="autosplit-trials-"))
         try:
             model.save(self.folder / "model.keras")
@@ -100,7 +104,7 @@ class IsolatedTrials:
             pickle.dump(_to_numpy(sample), f)
         (self.folder / "config.json").write_text(json.dumps(
             {"batch_size": batch_size, "budget": budget, "held_bytes": held_bytes,
-             "jit_compile": jit_compile, "step_held": step_held}))
+             "jit_compile": jit_compile, "step_held": step_held, "tokens": tokens}))
         self.child: subprocess.Popen[str] | None = None
         self.crashes = 0
         self._start()  # the first child proves the model loads there
@@ -290,7 +294,7 @@ def _child(folder: Path) -> None:
             sample = pickle.load(f)
         runner = child_trials(model, sample, config["batch_size"], config["budget"],
                               config["jit_compile"], held_bytes=config["held_bytes"],
-                              step_held=config["step_held"])
+                              step_held=config["step_held"], tokens=config["tokens"])
     except Exception as error:
         # One line; of Keras's "could not be deserialized" the cause it encountered.
         text = " ".join(str(error).split()).partition("Exception encountered: ")

@@ -44,6 +44,10 @@ class ProbeResult:
     workers: int = 1  # for itself, in lockstep, and may use its own size
     objective: str = "memory"  # "memory": the largest that fits; "speed": the fastest
     speed_reason: str | None = None  # objective="speed": why this size
+    # Searched in tokens (a cut by length): micro_batch_size rows of the sample's longest
+    # length, reference_length, make the micro-batch's budget of `tokens`.
+    tokens: int | None = None
+    reference_length: int | None = None
 
     def fitting_sizes(self) -> list[int]:
         """Sizes that fit in every trial they had, largest first (a size that failed once,
@@ -59,6 +63,9 @@ class ProbeResult:
     def reason(self) -> str:
         """Why this size, in one line (for ``history.autosplit`` and the CLI)."""
         where = f"worker {self.worker} of {self.workers}: " if self.workers > 1 else ""
+        if self.tokens is not None:
+            where += (f"{self.tokens} tokens per micro-batch ({self.micro_batch_size} rows "
+                      f"of the longest length sampled, {self.reference_length}): ")
         if self.from_cache:
             return f"{where}cached probe result ({self.cache_key[:8]})"
         if self.speed_reason is not None:

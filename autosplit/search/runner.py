@@ -23,7 +23,8 @@ import tensorflow as tf
 from autosplit.data.adapter import InputAdapter
 from autosplit.data.arrays import ArrayInput
 from autosplit.data.layout import Layout, layout
-from autosplit.data.pipeline import MicroBatches
+from autosplit.data.lengths import LengthCut, padded_sequences
+from autosplit.data.pipeline import MicroBatches, is_end_marker
 from autosplit.data.split import split_batch
 from autosplit.errors import NothingFitsError
 from autosplit.memory.peak_meter import PeakMeter
@@ -56,7 +57,10 @@ def trial_dataset(cut: MicroBatches) -> tf.data.Dataset:
     (:func:`autosplit.data.pipeline.host_autotune`). Every size is timed the same way,
     so ``objective="speed"`` compares like with like.
     """
-    return cut.dataset(repeat=True, shuffle_seed=TRIAL_SHUFFLE_SEED, autotune=False)
+    ds = cut.dataset(repeat=True, shuffle_seed=TRIAL_SHUFFLE_SEED, autotune=False)
+    if cut.tokens:  # the marker of each large batch's end holds no row to step on
+        ds = ds.filter(lambda *element: tf.logical_not(is_end_marker(element)))
+    return ds
 
 
 class _Collector:
@@ -90,10 +94,14 @@ class TrialRunner:
 
     def __init__(self, step: TrainStep, snapshot: Snapshot, meter: PeakMeter, budget: int,
                  data: InputAdapter, batch_size: int, where: Layout,
-                 say: Callable[[Trial], None]) -> None:
+                 say: Callable[[Trial], None], by_length: LengthCut | None = None,
+                 length: int = 1) -> None:
         self.step, self.snapshot, self.meter = step, snapshot, meter
         self.budget, self.data, self.batch_size, self.where = budget, data, batch_size, where
         self.say = say
+        # With by_length, a trial at m runs the cut by length with a budget of m rows of
+        # `length` tokens each (LengthCut.tokens): the search runs in tokens.
+        self.by_length, self.length = by_length, length
         self.collector = _Collector()
         self.ballast: Any = None  # child_trials: what the parent holds, held here
 
@@ -116,11 +124,15 @@ class TrialRunner:
         try:
             count = 0
             if m is not None:
-                rows = split_batch(self.batch_size // self.where.replicas, m).micro_batch_size
-                cut = MicroBatches(self.data, self.batch_size, rows, self.where)
+                local = self.batch_size // self.where.replicas
+                rows = split_batch(local, m).micro_batch_size
+                cut = (MicroBatches(self.data, self.batch_size, rows, self.where)
+                       if self.by_length is None else
+                       MicroBatches(self.data, self.batch_size, local, self.where,
+                                    by_length=self.by_length._replace(tokens=rows * self.length)))
                 data = trial_dataset(cut)
                 # As training at this size will run: whole elements where none is padded.
-                self.step.rebind(data.element_spec, full=cut.always_full())
+                self.step.rebind(data.element_spec, full=cut.always_full(), rows=cut.rows)
                 iterator = iter(data)
                 count = min(_TRIAL_MICRO_BATCHES, cut.per_batch)
             # The first step traces and makes one-time allocations (kernel caches,
@@ -208,8 +220,8 @@ class TrialRunner:
 
 
 def child_trials(model: keras.Model, sample: tuple[Any, Any, Any], batch_size: int,
-                 budget: int, jit_compile: bool, *, held_bytes: int, step_held: bool
-                 ) -> TrialRunner:
+                 budget: int, jit_compile: bool, *, held_bytes: int, step_held: bool,
+                 tokens: tuple[int, int] | None = None) -> TrialRunner:
     """The trials of ``search_micro_batch``, in the child process of
     ``autosplit.search.isolation``: on ``sample``, holding what the parent holds.
 
@@ -217,6 +229,9 @@ def child_trials(model: keras.Model, sample: tuple[Any, Any, Any], batch_size: i
     includes a compiled step's float32 sums and stash (a step cached from an earlier
     call), which this process makes too. The difference is allocated and kept (a ballast
     tensor), so that a trial meets the cap where the parent's training would.
+
+    ``tokens``: ``(multiple, length)``, trials in tokens (``IsolatedTrials``) on the
+    sample's padded sequences, which the parent found there (``padded_sequences``).
     """
     where = layout(model.distribute_strategy)
     data = ArrayInput(*sample, shuffle=False)
@@ -230,7 +245,12 @@ def child_trials(model: keras.Model, sample: tuple[Any, Any, Any], batch_size: i
     ballast = (tf.raw_ops.Empty(shape=[missing // 4], dtype=tf.float32, init=False)
                if missing >= 4 else None)
     meter.reset()
+    by_length, length = None, 1
+    if tokens is not None:
+        arrays = tf.nest.map_structure(lambda t: t if t is None else tf.constant(t), sample)
+        by_length = LengthCut(tokens[0], padded_sequences(arrays, takes_any_length=True))
+        length = tokens[1]
     runner = TrialRunner(step, Snapshot(model), meter, budget, data, batch_size, where,
-                         lambda trial: None)
+                         lambda trial: None, by_length=by_length, length=length)
     runner.ballast = ballast
     return runner

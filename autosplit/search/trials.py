@@ -14,7 +14,7 @@ import dataclasses
 import gc
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import keras
 import tensorflow as tf
@@ -24,6 +24,7 @@ from autosplit.data.arrays import ArrayInput
 from autosplit.data.hub import preprocessed, takes_raw_data
 from autosplit.data.inputs import get_input
 from autosplit.data.layout import Layout, layout
+from autosplit.data.lengths import LengthCut, longest_row, padded_sequences
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import check_size
 from autosplit.errors import ArgumentError, MemoryLimitError, check_choice, describe
@@ -40,6 +41,7 @@ from autosplit.search.runner import TRIAL_SHUFFLE_SEED, TrialRunner
 from autosplit.search.speed import run_speed
 from autosplit.step.compiled import Compilation
 from autosplit.step.model_state import model_state
+from autosplit.step.padding import length_cut
 from autosplit.step.snapshot import Snapshot
 from autosplit.step.train_step import build_for, step_for
 from autosplit.units import format_bytes, parse_memory
@@ -75,6 +77,7 @@ def probe(
     on_trial: Callable[[Trial, int], None] | None = None,
     objective: str = "memory",
     isolate: bool | None = None,
+    micro_batch_tokens: Literal["auto"] | None = "auto",
 ) -> ProbeResult:
     """Find the largest micro-batch of ``model`` that fits, by real trial steps.
 
@@ -99,9 +102,14 @@ def probe(
             kernel that crashes on an allocation failure costs one trial, not this
             process. ``None`` (default): where that can happen, on the CPU under
             TensorFlow's cap. Not under a ``tf.distribute`` strategy.
+        micro_batch_tokens: ``"auto"`` (default): where ``fit_large_batch`` would cut
+            the rows by length and size micro-batches in tokens (its
+            ``micro_batch_tokens``), the trials run that cut and the result's ``tokens``
+            is the budget found. None: rows, always.
 
     Returns:
-        A ``ProbeResult`` with the chosen ``micro_batch_size`` and every trial.
+        A ``ProbeResult`` with the chosen ``micro_batch_size`` (with ``tokens``, rows of
+        the longest length sampled) and every trial.
 
     Raises:
         NothingFitsError: not even one example fits; says what one example needs.
@@ -119,19 +127,39 @@ def probe(
         if takes_raw_data(model):
             x, y, sample_weight = preprocessed(model, x, y, sample_weight, batch_size)
         adapter = get_input(x, y, sample_weight, shuffle=False, model=model)
+        check_choice("micro_batch_tokens", micro_batch_tokens, ("auto", None))
+        cut = None
+        jit = Compilation.of(model, jit_compile).jit_compile
+        where = layout(model.distribute_strategy)
+        if micro_batch_tokens == "auto" and tokens_refused(where, jit) is None:
+            cut, _ = length_cut(model, adapter, batch_size, where, by_length=None, jit=jit)
         return search_micro_batch(model, adapter, batch_size, memory_limit=memory_limit,
                                   headroom=headroom, cache=cache, jit_compile=jit_compile,
                                   verbose=verbose, on_trial=on_trial, objective=objective,
-                                  isolate=isolate)
+                                  isolate=isolate, by_length=cut)
+
+
+def tokens_refused(where: Layout, jit: bool) -> str | None:
+    """Why micro-batches cannot be sized in tokens here, or None: their row counts vary,
+    so they need one replica and no XLA."""
+    if where.replicas > 1:
+        return f"{where.replicas} replicas"
+    if jit:
+        return "jit_compile: under XLA each row count compiles a program of its own"
+    return None
 
 
 def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: int, *,
                        memory_limit: int | str | None = None, headroom: float = 0.1,
                        cache: bool = True, jit_compile: bool | None = None, verbose: int = 0,
                        on_trial: Callable[[Trial, int], None] | None = None,
-                       objective: str = "memory", isolate: bool | None = None
-                       ) -> ProbeResult:
-    """``probe`` for an input adapter (what ``fit_large_batch(micro_batch_size="auto")`` calls)."""
+                       objective: str = "memory", isolate: bool | None = None,
+                       by_length: LengthCut | None = None) -> ProbeResult:
+    """``probe`` for an input adapter (what ``fit_large_batch(micro_batch_size="auto")`` calls).
+
+    ``by_length``: search a token budget for that cut (``LengthCut.tokens``), in this
+    process: m rows of the sample's longest length, its rows' lengths rounded up as
+    the cut rounds them."""
     started = time.perf_counter()
     where = layout(model.distribute_strategy)
     limit = _checked(objective, isolate, memory_limit, headroom, where)
@@ -150,24 +178,32 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     key = _cache.fingerprint(
         model, spec[:3], device=[device.kind, device.identity, device.total_bytes],
         jit_compile=jit, memory_limit=limit, batch_size=batch_size, headroom=headroom,
-        replicas=where.replicas, objective=objective)
+        replicas=where.replicas, objective=objective,
+        **({"tokens": True} if by_length is not None else {}))
     cached = _from_cache(model, key, cache, where, pipeline, jit)
     if cached is not None:
         return cached
     say = _reporter(verbose, on_trial, budget)
-    isolated = _isolated(model, trial_input, local_batch, budget, meter, jit, where, isolate)
+    length = 1 if by_length is None else longest_row(
+        trial_input.sample(local_batch), by_length.padded, by_length.multiple)
+    isolated = _isolated(model, trial_input, local_batch, budget, meter, jit, where, isolate,
+                         None if by_length is None else (by_length.multiple, length))
     if isolated is not None:
         with isolated:
             chosen, trials, speed_reason = _searched(
                 _reporting(isolated.trial, say), budget, local_batch, objective)
     else:
         runner = TrialRunner(step_for(model, pipeline, jit_compile=jit), Snapshot(model),
-                             meter, budget, trial_input, batch_size, where, say)
+                             meter, budget, trial_input, batch_size, where, say,
+                             by_length=by_length, length=length)
         chosen, trials, speed_reason = _in_process(runner, local_batch, objective)
     result = result_of(trials, chosen, local_batch, device, budget, limit, headroom, meter,
                        key, time.perf_counter() - started)
     result = dataclasses.replace(result, worker=where.worker, workers=where.workers,
                                  objective=objective, speed_reason=speed_reason)
+    if by_length is not None:
+        result = dataclasses.replace(result, tokens=result.micro_batch_size * length,
+                                     reference_length=length)
     if verbose:
         print(f"  chose micro_batch_size={result.micro_batch_size} "
               f"(k={result.accumulation_steps}): {result.reason()}", flush=True)
@@ -271,10 +307,11 @@ def _reporting(trial: Callable[[int], Trial], say: Callable[[Trial], None]
 
 
 def _isolated(model: keras.Model, data: InputAdapter, local_batch: int, budget: int,
-              meter: PeakMeter, jit: bool, where: Layout, isolate: bool | None
-              ) -> IsolatedTrials | None:
+              meter: PeakMeter, jit: bool, where: Layout, isolate: bool | None,
+              tokens: tuple[int, int] | None = None) -> IsolatedTrials | None:
     """The child process the trials run in (``autosplit.search.isolation``), or None: in this
-    process. ``isolate=None`` isolates where an allocation failure may crash a kernel."""
+    process. ``isolate=None`` isolates where an allocation failure may crash a kernel.
+    ``tokens``: the trials search in tokens (``IsolatedTrials``)."""
     if where.replicas > 1:
         if isolate:
             raise ArgumentError(
@@ -286,9 +323,17 @@ def _isolated(model: keras.Model, data: InputAdapter, local_batch: int, budget: 
         isolate = kernels_may_crash()
     if not isolate:
         return None
+    sample = data.sample(local_batch)
+    if tokens is not None and padded_sequences(sample, takes_any_length=True) is None:
+        warn_user("The probe's trials in tokens run in this process: a child process cuts "
+                  "sequences of integer token ids by length, and these are not. Under "
+                  "TensorFlow's CPU cap a kernel that runs out of memory may end the "
+                  "process instead of raising.")
+        return None
     try:
-        return IsolatedTrials(model, data.sample(local_batch), local_batch, budget,
-                              meter.baseline_bytes, jit, step_held=bool(model_state(model).steps))
+        return IsolatedTrials(model, sample, local_batch, budget,
+                              meter.baseline_bytes, jit, step_held=bool(model_state(model).steps),
+                              tokens=tokens)
     except IsolationError as error:
         warn_user(
             f"The probe's trials run in this process: {error}. Under TensorFlow's CPU cap "

@@ -36,12 +36,12 @@ def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=N
     parts may hold padding, and keep the check."""
     x, y, w, valid = element
     axis = 1 if update.replicas.local > 1 else 0
-    rows = update.rows
+    rows = update.rows if update.rows is not None else tf.shape(valid)[axis]
     if first_row is not None:
         keep = tf.cast(tf.range(rows) >= first_row, tf.float32)
         valid = valid * (keep[None, :] if axis else keep)
     if pieces == 1:
-        return update.micro_step(x, y, w, valid, tf.constant(rows),
+        return update.micro_step(x, y, w, valid, tf.convert_to_tensor(rows), rows,
                                  full=full and first_row is None)
     size = -(-rows // pieces)
 
@@ -56,7 +56,8 @@ def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=N
         end_row = tf.minimum((p + 1) * size, rows)
 
         def step():
-            return after([update.micro_step(part[0], part[1], part[2], part_valid, end_row)])
+            return after([update.micro_step(part[0], part[1], part[2], part_valid, end_row,
+                                           rows)])
 
         def record_only():
             return after([update.stash.record(end_row, rows)])

@@ -9,6 +9,7 @@ one micro-step on them padded to their longest row, and one padded 8 columns fur
 must give the same loss numerators, gradients, in-call losses and metric totals, and
 denominators that differ only as ``Trimmed.stretch`` says. Random layers (dropout,
 noise) are still for the two steps; the model is left as it was found.
+:func:`length_cut` decides, from the check, how an input is cut.
 """
 
 from __future__ import annotations
@@ -21,15 +22,27 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from autosplit.data.lengths import LENGTH_MULTIPLE, Trimmed, real_lengths
+from autosplit.data.adapter import InputAdapter, varying_shapes
+from autosplit.data.layout import Layout
+from autosplit.data.lengths import (
+    LENGTH_MULTIPLE,
+    LengthCut,
+    Padded,
+    Trimmed,
+    real_lengths,
+    sorts_by_length,
+)
+from autosplit.data.pipeline import MicroBatches
 from autosplit.data.structure import empty_to_none
+from autosplit.errors import DatasetError, UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import has_custom_step
 from autosplit.step.loss_plan import step_plan
 from autosplit.step.piece import compute_piece, update_metrics
 from autosplit.step.snapshot import Snapshot
+from autosplit.step.train_step import build_for
 
-__all__ = ["PaddingCheck", "check_padding"]
+__all__ = ["PaddingCheck", "check_padding", "length_cut"]
 
 _GRADIENT_TOLERANCE = 1e-4  # of a tensor's largest entry: summation order moves ~1e-7
 _VALUE_TOLERANCE = 1e-5
@@ -166,3 +179,81 @@ def _compare(model: keras.Model, short: Any, long: Any, lengths: tuple[int, int]
                                     "further")
     return PaddingCheck(True, f"the same loss, gradients and metrics at lengths "
                         f"{lengths[0]} and {lengths[1]}")
+
+
+def length_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where: Layout, *,
+               by_length: bool | None, jit: bool, verbose: int = 0
+               ) -> tuple[LengthCut | None, str | None]:
+    """The cut by length where the rows of ``adapter`` vary in length and the model
+    ignores padding (:func:`check_padding`), with ``FitReport.padding``'s account:
+    lengths rounded up to a multiple of 8 under XLA (``jit``), unrounded otherwise.
+    ``by_length``: True asks for it (raising where it cannot be), False refuses it, None
+    (``"auto"``) lets the check decide; ``verbose`` says so when it does not."""
+    padded = adapter.padded_sequences(_takes_any_length(model))
+    # Row numbers (arrays) vary in nothing; their sequences are `padded`.
+    if padded is None and (adapter.row_numbers
+                           or not _rows_vary(adapter.rows_dataset().element_spec)):
+        if by_length:
+            raise DatasetError(
+                "Expected rows that vary in length with by_length=True. Received: an input "
+                f"whose rows all have one shape ({adapter.kind}) and hold no "
+                "padded sequences for a model that takes any length. Pass them as a "
+                "padded_batch, a ragged tensor, variable-length examples or arrays padded "
+                "with zeros (pad_sequences) to a model whose inputs take any length "
+                "(keras.Input((None,))), or leave by_length='auto'.")
+        return None, None
+    if by_length is False:
+        why = "by_length=False"
+    elif where.local_replicas > 1:
+        why = f"{where.local_replicas} replicas on this worker"
+    elif padded is None and not sorts_by_length(adapter.rows_dataset().element_spec):
+        why = "its inputs vary in more than one length"
+    else:
+        spec = MicroBatches(adapter, batch_size, min(batch_size // where.replicas, 8),
+                            where).element_spec()
+        build_for(model, spec)  # the compiled loss and metrics, as the step builds them
+        found = check_padding(model, adapter.sample(min(batch_size, 16)),
+                              _length_spec(spec[:3], padded),
+                              pre=padded is not None and padded.pre)
+        if found.ignores_padding:
+            rounded = f" (lengths rounded up to a multiple of {LENGTH_MULTIPLE} for XLA)"
+            return (LengthCut(LENGTH_MULTIPLE if jit else 1, padded),
+                    f"by length{rounded if jit else ''}: the model ignores padding "
+                    f"({found.reason})")
+        why = f"the model does not ignore padding: {found.reason}"
+    if by_length:
+        raise UnsupportedModelError(
+            f"Expected a model and input that can be cut by length with by_length=True. "
+            f"Received: {why}. Pass by_length='auto' to pad every micro-batch to its "
+            "large batch's longest row instead, exactly as model.fit sees it.")
+    if verbose and by_length is None:
+        print(f"autosplit: micro-batches padded to their large batch's longest row: {why}.",
+              flush=True)
+    return None, f"to the large batch's longest row: {why}"
+
+
+def _rows_vary(row_spec: Any) -> bool:
+    """Whether an input's rows (``InputAdapter.rows_dataset``'s spec) may differ in shape
+    beyond their count: ragged, or of a dimension of unknown size."""
+    return varying_shapes(row_spec) or any(
+        isinstance(leaf, tf.RaggedTensorSpec) for leaf in tf.nest.flatten(row_spec))
+
+
+def _takes_any_length(model: keras.Model) -> bool:
+    """Whether the model's declared inputs (a functional or Sequential model's) of rank 2
+    or more take any length along their second axis."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        return False
+    ranked = [t for t in tf.nest.flatten(inputs or []) if len(t.shape) >= 2]
+    return bool(ranked) and all(t.shape[1] is None for t in ranked)
+
+
+def _length_spec(spec: tuple, padded: Padded | None) -> tuple:
+    """``spec`` with the length axis unknown on the arrays as long as ``padded``'s."""
+    if padded is None:
+        return spec
+    return tf.nest.map_structure(
+        lambda s: tf.TensorSpec([s.shape[0], None, *s.shape[2:]], s.dtype)
+        if s.shape.rank >= 2 and s.shape[1] == padded.length else s, spec)

@@ -72,7 +72,7 @@ class TrainStep:
 
     def __init__(self, model: keras.Model, batch_size: int, element_spec: Any, *,
                  compilation: Compilation | None = None, batch_norm: str = "pooled",
-                 full: bool = False) -> None:
+                 full: bool = False, rows: int | None = None) -> None:
         self.model = model
         self.batch_size = batch_size
         self.strategy = model.distribute_strategy
@@ -91,14 +91,16 @@ class TrainStep:
         # its call; the counted loop (run) never meets a marker.
         self.end_marker = False
         self._ended: bool | None = False  # the last call reached the end (None: not read)
-        self.rebind(element_spec, full=full)
+        self.rebind(element_spec, full=full, rows=rows)
 
     @property
     def rows(self) -> int:
-        """Rows per element of the pipeline in use (``autosplit.training.recovery``'s ``rows``)."""
-        return self.update.rows
+        """Rows per element of the pipeline in use, or with tokens the most an element
+        holds (``autosplit.training.recovery``'s ``rows``)."""
+        return self.update.rows if self.update.rows is not None else self._most_rows
 
-    def rebind(self, element_spec: Any, *, full: bool = False) -> None:
+    def rebind(self, element_spec: Any, *, full: bool = False, rows: int | None = None
+               ) -> None:
         """Use elements of ``element_spec`` (another micro-batch size) from now on.
 
         ``full``: the pipeline's elements hold real rows only, never padding
@@ -108,9 +110,13 @@ class TrainStep:
         with every step and to run with every micro-batch. A redone element's rest, or
         an element cut into pieces after an out-of-memory error, keeps the check
         (``autosplit.step.loop``). The default assumes padding may come.
+
+        ``rows``: the most rows an element holds, where their count varies
+        (``MicroBatches.element_rows`` is None).
         """
         self.update.bind(element_spec)
         self.full = full
+        self._most_rows = rows or 0
 
     # ------------------------------------------------------------ compiled functions
 
@@ -251,10 +257,11 @@ def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | 
                 state.steps.clear()
                 gc.collect()
             step = TrainStep(model, pipeline.batch_size, spec, compilation=compilation,
-                             batch_norm=batch_norm, full=pipeline.always_full())
+                             batch_norm=batch_norm, full=pipeline.always_full(),
+                             rows=pipeline.rows)
             state.steps[key] = step
         else:
-            step.rebind(spec, full=pipeline.always_full())
+            step.rebind(spec, full=pipeline.always_full(), rows=pipeline.rows)
             step.discard()
     step.end_marker = False  # a fit_large_batch call whose input is marked sets it
     return step

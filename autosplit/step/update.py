@@ -123,8 +123,8 @@ class LargeBatchUpdate:
             x, y, w, valid = without_replica_axis((x, y, w, valid))
         self.element_spec = element_spec
         self.piece_spec = (x, empty_to_none(y), empty_to_none(w), valid)
-        self.rows = int(valid.shape[0])
-        self.plan = step_plan(model, (inputs_of(x), *self.piece_spec[1:3]))
+        self.rows = valid.shape[0]  # None: each element's own (LengthCut.tokens)
+        self.plan = step_plan(model, _static_rows((inputs_of(x), *self.piece_spec[1:3])))
         self.pool = [layer for layer, calls in self.plan.batch_norm_calls
                      if calls] if self.pooled else []
         if not model.optimizer.built:  # a custom step's model, built by its trace
@@ -289,10 +289,11 @@ class LargeBatchUpdate:
         """Put back a custom step's metric variables as the last committed piece left them."""
         return after([v.assign(copy.read_value()) for v, copy in self._metric_copies])
 
-    def micro_step(self, x, y, w, valid, end_row, *, full: bool = False) -> tf.Tensor:
+    def micro_step(self, x, y, w, valid, end_row, rows, *, full: bool = False) -> tf.Tensor:
         """One micro-step on every local replica: compute, then (only once all of them
         have their gradients) add to the sums and record that the rows up to
-        ``end_row`` of the element in flight are done, then update the metrics.
+        ``end_row`` of the element in flight (of ``rows`` rows) are done, then update
+        the metrics.
 
         Every op depends on the one before: an out-of-memory error anywhere before the
         record leaves the sums and the record as they were, one after it cannot undo it.
@@ -310,7 +311,7 @@ class LargeBatchUpdate:
             summed = replicas.done(replicas.run(self._commit_sums, values,
                                                 replicas.done(values)))
         with tf.control_dependencies([summed]):
-            recorded = self.stash.record(end_row, self.rows)
+            recorded = self.stash.record(end_row, rows)
         if replicas.count == 1:
             with tf.control_dependencies([recorded]):
                 committed = self._commit_metrics(values, full=full)
@@ -399,3 +400,14 @@ class LargeBatchUpdate:
         """Forget the sums of a partial large batch, on every replica."""
         self.replicas.each(self.sums.zero)
         return tf.constant(0)
+
+
+_READ_ROWS = 7  # rows the plan is read at for elements of any row count
+
+
+def _static_rows(spec: Any) -> Any:
+    """``spec`` with a row count where it has none: the step plan tells sums over rows
+    from other vectors by their static rows (``autosplit.step.loss_plan``)."""
+    return tf.nest.map_structure(
+        lambda s: tf.TensorSpec([_READ_ROWS, *s.shape[1:]], s.dtype)
+        if isinstance(s, tf.TensorSpec) and s.shape.rank and s.shape[0] is None else s, spec)

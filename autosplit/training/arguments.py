@@ -215,6 +215,7 @@ class Args:
     on_oom: str
     batch_norm: str
     by_length: bool | None = None  # None: "auto"
+    micro_batch_tokens: int | str | None = "auto"  # an int, "auto" or None
 
 
 def validate_fit(model: Any, given: dict[str, Any]) -> Args:
@@ -228,6 +229,13 @@ def validate_fit(model: Any, given: dict[str, Any]) -> Args:
     check_choice("batch_norm", given["batch_norm"], MODES)
     check_choice("objective", given["objective"], OBJECTIVES)
     check_choice("by_length", given["by_length"], ("auto", True, False))
+    tokens = given["micro_batch_tokens"]
+    if not (tokens is None or (isinstance(tokens, str) and tokens == "auto")
+            or (type(tokens) is int and tokens >= 1)):
+        raise ArgumentError(
+            "Expected `micro_batch_tokens` to be a positive integer (tokens, rows x padded "
+            "length, per micro-batch), 'auto' or None. Received: "
+            f"micro_batch_tokens={describe(tokens)}. Pass e.g. micro_batch_tokens=8192.")
     if given["shuffle"] not in (True, False, "batch"):
         raise ArgumentError(f"Expected `shuffle` to be True, False or 'batch'. Received: "
                             f"shuffle={describe(given['shuffle'])}.")
@@ -250,6 +258,7 @@ def validate_fit(model: Any, given: dict[str, Any]) -> Args:
         on_oom=given["on_oom"],
         batch_norm=given["batch_norm"],
         by_length=None if given["by_length"] == "auto" else given["by_length"],
+        micro_batch_tokens=tokens,
     )
     check_headroom(given["headroom"])
     if given["jit_compile"] not in (None, True, False):

@@ -48,7 +48,9 @@ class Epochs:
         # new iterator and its slower first large batch.
         self.marked = (one_iterator and adapter.rows is None
                        and plan.pipeline.can_mark())
-        plan.step.end_marker = self.marked
+        # With tokens, the pipeline marks each large batch's end, and its loop stops there.
+        self.tokens = bool(plan.pipeline.tokens)
+        plan.step.end_marker = self.marked or self.tokens
         self.iterator: Any = None
         self.seen = 0  # large batches read from the iterator in use
         # With steps_per_epoch, a reiterable input is read again once its large batches
@@ -93,13 +95,13 @@ class Epochs:
             ran += 1
             if self.model.stop_training:
                 break
-            if self.marked and plan.step.input_ended():
+            if self.marked and not self.tokens and plan.step.input_ended():
                 ended = True  # this large batch ran up to the epoch's end marker
                 break
         if self.marked and not ended and not self.model.stop_training:
             # As many large batches as the first epoch counted: the epoch ends here, as
             # in model.fit, and its marker (after any rows past them) is read.
-            skip_to_end_marker(self.iterator)
+            skip_to_end_marker(self.iterator, batches_marked=self.tokens)
         self._check_ran(ran)
         if self.rereads and self.known is not None and self.seen >= self.known:
             self.release()  # the next epoch reads the data again, from a new iterator
@@ -153,12 +155,15 @@ class Epochs:
 
 def rebuild(plan: Plan, recovery: Recovery) -> MicroBatches:
     """After a recovery, a new epoch's pipeline cuts at the size that worked."""
+    cut = plan.pipeline.by_length
     rows = recovery.rows
+    if cut is not None and cut.tokens:  # a budget as much smaller, the rows as capped
+        cut = cut._replace(tokens=max(1, cut.tokens // recovery.pieces))
+        rows = plan.pipeline.rows
     split = split_batch(plan.split.batch_size, rows)
     pipeline = MicroBatches(plan.pipeline.adapter, plan.pipeline.batch_size,
-                            split.micro_batch_size, plan.layout,
-                            by_length=plan.pipeline.by_length)
-    recovery.rebind(pipeline.element_spec(), full=pipeline.always_full())
+                            split.micro_batch_size, plan.layout, by_length=cut)
+    recovery.rebind(pipeline.element_spec(), full=pipeline.always_full(), rows=pipeline.rows)
     plan.pipeline, plan.split = pipeline, split
     return pipeline
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import keras
 
 from autosplit.data.adapter import InputAdapter
+from autosplit.data.cut_stats import cut_stats
 from autosplit.data.hub import preprocessed, preprocessed_validation, takes_raw_data
 from autosplit.data.inputs import get_input
 from autosplit.data.pipeline import MicroBatches
@@ -63,6 +64,7 @@ def fit_large_batch(
     cache: bool = True,
     objective: Literal["memory", "speed"] = "memory",
     by_length: bool | Literal["auto"] = "auto",
+    micro_batch_tokens: int | Literal["auto"] | None = "auto",
 ) -> keras.callbacks.History:
     """Train ``model`` like ``model.fit``, with an effective batch of exactly ``batch_size``.
 
@@ -129,6 +131,16 @@ def fit_large_batch(
             longest row, as ``model.fit`` sees it, where not; ``True`` asks for the
             first and raises if the check fails; ``False`` asks for the second.
             ``history.autosplit.padding`` says which ran, and why.
+        micro_batch_tokens: where rows are cut by length, the most tokens (rows x
+            padded length) per micro-batch: short rows then come many to a
+            micro-batch and long rows few. ``"auto"`` (default): with
+            ``micro_batch_size="auto"``, the probe finds the budget by real trial
+            steps of that cut; with a given ``micro_batch_size``, micro-batches of that
+            many rows. An int: that budget (a given ``micro_batch_size`` caps the rows).
+            None: micro-batches of ``micro_batch_size`` rows. Tokens need one replica
+            and ``jit_compile`` off (under XLA each row count would compile a program of
+            its own): ``"auto"`` cuts by rows there, an int raises.
+            ``history.autosplit.tokens`` is the budget in use.
 
     Returns:
         The ``keras.callbacks.History``; ``history.autosplit``, a :class:`FitReport`,
@@ -278,7 +290,8 @@ def _recovery(plan: Plan, adapter: InputAdapter, args: Args,
     recovery = Recovery(
         plan.step, on_oom=args.on_oom, multi_worker=plan.layout.multi_worker,
         known_fits=plan.probe.fitting_sizes() if plan.probe is not None else (),
-        fused=adapter.rows is not None and args.steps_per_epoch is None,
+        fused=(adapter.rows is not None and args.steps_per_epoch is None
+               and not plan.pipeline.tokens),  # with tokens, the end of a large batch is marked
         on_shrink=on_shrink)
     publish(callback_list, recovery, args, plan)
     return recovery
@@ -303,6 +316,8 @@ def _report(plan: Plan, adapter: InputAdapter, args: Args, recovery: Recovery,
         probe=plan.probe,
         traces=traces,
         padding=plan.padding,
+        tokens=plan.pipeline.tokens,
+        cut=cut_stats(plan.pipeline),
     )
 
 

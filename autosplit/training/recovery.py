@@ -58,9 +58,10 @@ class RecoverableStep(Protocol):
     strategy: Any
     """The model's ``tf.distribute`` strategy (named in a ``WorkerLostError``)."""
 
-    def rebind(self, element_spec: Any, *, full: bool = False) -> None:
+    def rebind(self, element_spec: Any, *, full: bool = False, rows: int | None = None
+               ) -> None:
         """Use elements of another size (a new epoch's pipeline) from now on (``full``:
-        they hold no padding rows)."""
+        they hold no padding rows; ``rows``: the most they hold, where that varies)."""
 
     def run(self, iterator: Any, count: int) -> dict[str, Any]:
         """``run_local(iterator, count)`` then ``finish()``, in one call, for an input that
@@ -159,10 +160,11 @@ class Recovery:
         """Rows per micro-batch in use now."""
         return math.ceil(self.step.rows / self.pieces)
 
-    def rebind(self, element_spec: Any, *, full: bool = False) -> None:
+    def rebind(self, element_spec: Any, *, full: bool = False, rows: int | None = None
+               ) -> None:
         """A new epoch's pipeline at the size that worked: one piece per element again
-        (``full``: its elements hold no padding, ``TrainStep.rebind``)."""
-        self.step.rebind(element_spec, full=full)
+        (``full`` and ``rows`` as ``TrainStep.rebind`` takes them)."""
+        self.step.rebind(element_spec, full=full, rows=rows)
         self.pieces = 1
 
     def run(self, iterator: Any, count: int, step_number: int) -> dict[str, Any] | None:

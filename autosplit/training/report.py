@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from autosplit.data.cut_stats import CutStats
 from autosplit.training.recovery import OomRecovery
 from autosplit.warn import warn_user
 
@@ -64,6 +65,13 @@ class FitReport:
     """For rows that vary in length: ``"by length: ..."`` (each large batch's rows
     sorted by length, each micro-batch padded to its own longest row) or ``"to the
     large batch's longest row: ..."``, each with why. None for rows of one shape."""
+    tokens: int | None = None
+    """Tokens (rows x padded length) per micro-batch at the end, where micro-batches are
+    sized in tokens (``micro_batch_tokens``); ``micro_batch_size`` then caps their rows.
+    None: micro-batches of ``micro_batch_size`` rows."""
+    cut: CutStats | None = None
+    """Cut by length: micro-batches per large batch and the share of padding fed, read
+    from the first 4 large batches of an epoch in the input's order. None otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values: lists for tuples, dicts for records (the probe's too)."""
@@ -71,6 +79,7 @@ class FitReport:
         data["micro_batch_sizes"] = list(self.micro_batch_sizes)
         data["oom_recoveries"] = [record.to_dict() for record in self.oom_recoveries]
         data["probe"] = None if self.probe is None else self.probe.to_dict()
+        data["cut"] = None if self.cut is None else self.cut._asdict()
         return data
 
     # history.autosplit was a dict up to 0.2.0: the whole read-only mapping protocol

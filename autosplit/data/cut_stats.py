@@ -1,0 +1,53 @@
+"""How a pipeline cut by length fills its micro-batches (:func:`cut_stats`): what
+``FitReport.cut`` reports."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from autosplit.data.lengths import inputs_of, real_lengths
+from autosplit.data.pipeline import MicroBatches, is_end_marker
+
+__all__ = ["CutStats", "cut_stats"]
+
+
+class CutStats(NamedTuple):
+    """How the first large batches of an epoch were cut (``cut_stats``)."""
+
+    large_batches: int  # read (at most the number asked for)
+    micro_batches: float  # per large batch, on average
+    padding_share: float  # of the token cells fed: 1 - real tokens / cells
+
+
+def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None:
+    """Micro-batches per large batch of ``pipeline`` and the share of padding they feed,
+    over the first ``large_batches`` of an epoch in the input's own order, read on the host
+    (no step runs); None unless cut by length. A row's tokens are its
+    ``lengths.real_lengths``, its cells the micro-batch's padded length."""
+    if pipeline.by_length is None:
+        return None
+    pre = pipeline.by_length.padded is not None and pipeline.by_length.padded.pre
+    read = pieces = real = cells = 0
+    left = None if pipeline.tokens else pipeline.elements(0)  # of this large batch
+    for x, _, _, valid in pipeline.dataset(autotune=False):
+        if is_end_marker((valid,)):  # with tokens, a large batch's end
+            read += 1
+        else:
+            rows = valid > 0
+            leaves = [t for t in tf.nest.flatten(inputs_of(x)) if t.shape.rank >= 2]
+            if pre:
+                leaves = [t[:, ::-1] for t in leaves]
+            real += int(tf.reduce_sum(tf.boolean_mask(real_lengths(leaves), rows)))
+            cells += int(tf.reduce_sum(tf.cast(rows, tf.int64))) * int(leaves[0].shape[1])
+            pieces += 1
+            if left is not None:
+                left -= 1
+                if left == 0:
+                    read, left = read + 1, pipeline.elements(read + 1)
+        if read == large_batches:
+            break
+    if left is not None and read < large_batches and left != pipeline.elements(read):
+        read += 1  # a short last large batch, of an input that does not tell its length
+    return CutStats(read, pieces / max(read, 1), 1 - real / cells if cells else 0.0)

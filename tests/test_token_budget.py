@@ -1,0 +1,250 @@
+"""Micro-batches sized in tokens (``micro_batch_tokens``): each large batch of sequences
+cut by length into micro-batches of up to a budget of rows x padded length, as many as
+it needs, and every step exactly model.fit's on the large batch.
+
+The reference is model.fit on ``padded_batch(B)`` of the same rows, each weight judged
+against 3x the reference's own movement when each large batch's rows come reversed,
+where that is larger than the tolerance (``tests.test_sequences``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import autosplit
+from autosplit.data.inputs import get_input
+from autosplit.data.lengths import LengthCut
+from autosplit.data.pipeline import MicroBatches, is_end_marker
+from autosplit.errors import ArgumentError, UnsupportedModelError
+from tests.common import tensor_relative_error
+from tests.test_sequences import (
+    VOCAB,
+    B,
+    _dataset,
+    _Hungry,
+    _in_each_large_batch_reversed,
+    _model,
+    _sequences,
+)
+
+TOKENS = 240  # 4 rows of the longest (60), 80 of the shortest (3)
+
+
+def _trains_as_model_fit(kind, given, *, seqs, epochs=2, **options):
+    """fit_large_batch on ``given`` in micro-batches of TOKENS tokens equals model.fit on
+    padded_batch(B): weights, iterations and logs. Returns the history."""
+    reference, reordered, model = (_model(kind) for _ in range(3))
+    expected = reference.fit(_dataset(seqs, kind).padded_batch(B), epochs=epochs, verbose=0)
+    reordered.fit(_dataset(_in_each_large_batch_reversed(seqs), kind).padded_batch(B),
+                  epochs=epochs, verbose=0)
+    got = autosplit.fit_large_batch(model, given, batch_size=B, micro_batch_tokens=TOKENS,
+                                    epochs=epochs, verbose=0, **options)
+    for variable, e, noisy, a in zip(reference.weights, reference.get_weights(),
+                                     reordered.get_weights(), model.get_weights(), strict=True):
+        bound = max(1e-5, 3 * tensor_relative_error(e, noisy))
+        assert tensor_relative_error(e, a) <= bound, (variable.path, bound)
+    assert int(model.optimizer.iterations) == epochs * math.ceil(len(seqs) / B)
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(got.history[name], values, rtol=1e-5, err_msg=name)
+    assert got.autosplit.tokens == TOKENS
+    return got
+
+
+@pytest.mark.parametrize("kind", ["gru", "mha", "lm_sample_weight", "lm_keras_mask"])
+def test_micro_batches_of_a_token_budget_train_as_model_fit(kind):
+    # Short rows come many to a micro-batch, long ones few: more micro-batches than a
+    # row cut of the rows the budget holds at the longest length, fewer cells.
+    seqs = _sequences()
+    got = _trains_as_model_fit(kind, _dataset(seqs, kind).padded_batch(16), seqs=seqs)
+    assert got.autosplit.padding.endswith(f"micro-batches of up to {TOKENS} tokens")
+    cut = got.autosplit.cut
+    assert cut.large_batches == 3 and 2 <= cut.micro_batches <= 16
+    assert cut.padding_share < 0.35
+
+
+@pytest.mark.parametrize("given", ["ragged", "examples"])
+def test_variable_length_examples_are_cut_in_tokens(given):
+    seqs = _sequences()
+    labels = np.array([s.sum() % 2 for s in seqs], "float32")
+    if given == "ragged":
+        got = _trains_as_model_fit("gru", tf.ragged.constant(seqs), seqs=seqs, y=labels,
+                                   shuffle=False)
+    else:
+        got = _trains_as_model_fit("gru", _dataset(seqs, "gru"), seqs=seqs)
+    assert got.autosplit.tokens == TOKENS
+
+
+@pytest.mark.parametrize("padding", ["pre", "post"])
+def test_arrays_padded_to_one_length_are_cut_in_tokens(padding):
+    # The per-token mean of the LM divides by the arrays' length, as model.fit's does.
+    seqs = _sequences()
+    x, y = (keras.utils.pad_sequences(part, maxlen=59, padding=padding)
+            for part in ([s[:-1] for s in seqs], [s[1:] for s in seqs]))
+    weights = (y != 0).astype("float32")
+    reference, model = _model("lm_sample_weight"), _model("lm_sample_weight")
+    expected = reference.fit(x, y, sample_weight=weights, batch_size=B, epochs=2,
+                             shuffle=False, verbose=0)
+    got = autosplit.fit_large_batch(model, x, y, sample_weight=weights, batch_size=B,
+                                    micro_batch_tokens=TOKENS, epochs=2, shuffle=False,
+                                    verbose=0)
+    assert got.autosplit.tokens == TOKENS
+    for e, a in zip(reference.get_weights(), model.get_weights(), strict=True):
+        assert tensor_relative_error(e, a) <= 1e-5
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(got.history[name], values, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("cap", [None, 12])
+def test_each_micro_batch_holds_at_most_the_budget_and_every_row_once(cap):
+    # From the longest rows down, a micro-batch holds budget // its longest row (at least
+    # one row, at most the rows given); an element with no row ends each large batch.
+    seqs = _sequences(150)
+    rows = cap or B
+    cut = MicroBatches(get_input(_dataset(seqs, "gru").padded_batch(16)), B, rows,
+                       by_length=LengthCut(1, tokens=TOKENS))
+    large, seen, counts = [], [], []
+    for x, _, _, valid in cut.dataset():
+        if bool(is_end_marker((valid,))):
+            large.append(sorted(seen))
+            counts.append(len(seen))
+            seen = []
+            continue
+        tokens = x.inputs.numpy()
+        assert valid.numpy().all()  # no padding rows: their count is the piece's own
+        assert len(tokens) <= rows
+        assert len(tokens) == 1 or tokens.size <= TOKENS
+        longest = max(len(np.trim_zeros(t, "b")) for t in tokens)
+        assert tokens.shape[1] == longest  # padded to its own longest row
+        np.testing.assert_allclose(x.stretch.numpy(), x.stretch.numpy()[0])
+        seen += [tuple(np.trim_zeros(t, "b")) for t in tokens]
+    assert counts == [64, 64, 22] and not seen
+    for index, rows_seen in enumerate(large):
+        assert rows_seen == sorted(tuple(s) for s in seqs[index * B:(index + 1) * B])
+
+
+def test_an_epoch_of_unknown_length_ends_at_its_marker_and_a_longer_one_is_cut_short():
+    # A generator's dataset does not tell its length: the first epoch learns it from the
+    # input's end; with steps_per_epoch, an epoch that could run on ends at the count.
+    seqs = _sequences()
+    got = _trains_as_model_fit("gru", _dataset(seqs, "gru").padded_batch(16), seqs=seqs,
+                               epochs=3)
+    assert len(got.history["loss"]) == 3
+    model = _model("gru")
+    history = autosplit.fit_large_batch(model, _dataset(seqs, "gru").padded_batch(16).repeat(),
+                                        batch_size=B, micro_batch_tokens=TOKENS, epochs=2,
+                                        steps_per_epoch=2, verbose=0)
+    assert int(model.optimizer.iterations) == 4 and len(history.history["loss"]) == 2
+
+
+@pytest.mark.slow
+def test_an_oom_in_a_token_micro_batch_redoes_it_in_pieces_and_the_next_epoch_halves_the_budget():
+    # _Hungry raises a real ResourceExhaustedError on a micro-batch of more than 8 rows
+    # holding the token VOCAB - 1. The budget holds many short rows together (the second
+    # large batch's 7th to 30th shortest, 24 rows of up to 10 tokens), so the micro-batch
+    # with that row fails and is redone in pieces of at most 8 rows.
+    seqs = [s % (VOCAB - 1) + (s == VOCAB - 1) for s in _sequences()]
+    short = sorted(range(64, 128), key=lambda i: len(seqs[i]))[15]
+    seqs[short][0] = VOCAB - 1
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((None,), dtype="int32"), _Hungry(),
+                                  keras.layers.Embedding(VOCAB, 16, mask_zero=True),
+                                  keras.layers.GRU(16), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.5), keras.losses.BinaryCrossentropy(
+            from_logits=True), metrics=["accuracy"])
+        return model
+
+    reference, model = make(), make()
+    reference.layers[0].armed = False
+    expected = reference.fit(_dataset(seqs, "gru").padded_batch(B), epochs=2, verbose=0)
+    with pytest.warns(UserWarning, match="finishing the same batch"):
+        got = autosplit.fit_large_batch(model, _dataset(seqs, "gru").padded_batch(16),
+                                        batch_size=B, micro_batch_tokens=TOKENS, epochs=2,
+                                        verbose=0)
+    recoveries = got.autosplit.oom_recoveries
+    assert recoveries and {r.step for r in recoveries} == {1}
+    assert got.autosplit.tokens < TOKENS  # the next epoch's pipeline: a smaller budget
+    assert int(model.optimizer.iterations) == 2 * math.ceil(len(seqs) / B)
+    for e, a in zip(reference.get_weights(), model.get_weights(), strict=True):
+        assert tensor_relative_error(e, a) <= 1e-5
+    np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, "many", True])
+def test_a_budget_that_is_not_a_positive_integer_is_refused_before_anything_changes(bad):
+    seqs = _sequences(64)
+    model = _model("gru")
+    before = model.get_weights()
+    with pytest.raises(ArgumentError, match="micro_batch_tokens"):
+        autosplit.fit_large_batch(model, _dataset(seqs, "gru").padded_batch(16), batch_size=B,
+                                  micro_batch_tokens=bad, verbose=0)
+    for a, b in zip(before, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_budget_is_refused_where_tokens_cannot_apply():
+    # Under XLA each row count would compile a program of its own; rows of one shape
+    # hold no sequences to cut by length.
+    seqs = _sequences(64)
+    with pytest.raises(UnsupportedModelError, match="jit_compile"):
+        autosplit.fit_large_batch(_model("gru", jit_compile=True),
+                                  _dataset(seqs, "gru").padded_batch(16), batch_size=B,
+                                  micro_batch_tokens=TOKENS, verbose=0)
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    with pytest.raises(UnsupportedModelError, match="cut by length"):
+        autosplit.fit_large_batch(model, x, x[:, :1], batch_size=32, micro_batch_tokens=TOKENS,
+                                  verbose=0)
+
+
+def test_auto_sizes_rows_where_a_micro_batch_size_is_given():
+    seqs = _sequences(64)
+    got = autosplit.fit_large_batch(_model("gru"), _dataset(seqs, "gru").padded_batch(16),
+                                    batch_size=B, micro_batch_size=16, verbose=0)
+    assert got.autosplit.tokens is None and got.autosplit.micro_batch_size == 16
+    assert got.autosplit.cut.micro_batches == 4
+
+
+@pytest.mark.slow
+def test_under_a_real_cap_the_probe_finds_a_token_budget_that_trains_as_model_fit(tmp_path):
+    # A causal attention LM whose large batch at its longest rows (255 inputs) needs far
+    # more than the cap: the probe's trials (in a child process, as under any CPU cap)
+    # find a token budget, and training at it peaks within the budget, with no
+    # out-of-memory error. The reference: model.fit, uncapped, on padded_batch(256).
+    from tests.test_probe import run_child
+
+    report, folder = run_child("tokens", tmp_path, 150)
+    fit = report["autosplit"]
+    probe = fit["probe"]
+    assert fit["tokens"] == probe["tokens"] == probe["micro_batch_size"] * probe[
+        "reference_length"]
+    assert probe["reference_length"] == 255 and probe["micro_batch_size"] < 256
+    assert any(not t["fits"] for t in probe["trials"])  # the cap was met
+    assert fit["oom_recoveries"] == [] and max(report["peaks"]) <= probe["budget_bytes"]
+    assert fit["cut"]["micro_batches"] > 1 and fit["cut"]["padding_share"] < 0.5
+    with np.load(folder / "rows.npz") as saved:
+        seqs = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+    def rows(order):
+        return tf.data.Dataset.from_generator(
+            lambda: ((s[:-1], s[1:], np.ones(len(s) - 1, "float32")) for s in order),
+            output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32),
+                              tf.TensorSpec([None], tf.float32))).padded_batch(256)
+
+    reference, reordered = (keras.saving.load_model(folder / "initial.keras") for _ in "ab")
+    expected = reference.fit(rows(seqs), epochs=2, verbose=0)
+    reordered.fit(rows([s for start in (0, 256) for s in reversed(seqs[start:start + 256])]),
+                  epochs=2, verbose=0)
+    with np.load(folder / "weights.npz") as saved:
+        got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    for e, noisy, a in zip(reference.get_weights(), reordered.get_weights(), got, strict=True):
+        assert tensor_relative_error(e, a) <= max(1e-5, 3 * tensor_relative_error(e, noisy))
+    assert report["iterations"] == 4
+    np.testing.assert_allclose(report["loss"], expected.history["loss"], rtol=1e-5)
