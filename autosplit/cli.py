@@ -84,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="search afresh; neither read nor store the cached result")
     probe.add_argument("--report", action="store_true",
                        help="also print the memory model's prediction for a range of sizes")
+    probe.add_argument("--lengths", default=None, metavar="MEDIAN,LONGEST",
+                       help="probe on token ids of lognormal lengths (e.g. 178,2000) for a "
+                       "model that takes any length (--model lm): micro-batches are then "
+                       "sized in tokens")
     _add_common(probe)
 
     check = sub.add_parser("check", help="is the split step exact for this model? (exit 1 if not)")
@@ -117,11 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         limit = None if str(memory_limit).lower() in ("none", "0") else parse_memory(
             memory_limit, name="--memory-limit")
         if args.command in ("probe", "check"):
-            from autosplit.models import MODELS, is_saved_model, parse_shape
+            from autosplit.models import ANY_LENGTH, MODELS, is_saved_model, parse_shape
 
             saved = is_saved_model(args.model)
-            if args.input_shape is not None or not saved:
+            if args.input_shape is not None or not (saved or args.model in ANY_LENGTH):
                 parse_shape(args.input_shape)
+            if getattr(args, "lengths", None) is not None:
+                _parse_lengths(args.lengths)
             if args.model not in MODELS and ":" not in args.model and not saved:
                 raise ValueError(
                     f"Expected `--model` to be one of {sorted(MODELS)}, 'module:function' or "
@@ -185,7 +191,9 @@ def _probe(args: argparse.Namespace, limit: int | None) -> int:
     except ValueError as exc:
         print(f"autosplit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    data = _synthetic_stream(model, shape, args.batch_size, args.classes)
+    data = (_synthetic_stream(model, shape, args.batch_size, args.classes)
+            if args.lengths is None else
+            _synthetic_sequences(model, _parse_lengths(args.lengths), args.batch_size))
     progress = sys.stderr if args.json else sys.stdout
 
     started = False
@@ -224,14 +232,59 @@ _POOL = 256  # distinct synthetic examples the probe's stream repeats
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, tuple[int, ...]]:
-    """The model ``--model`` names and one example's shape."""
-    from autosplit.models import load_model, parse_shape, saved_input_shape
+    """The model ``--model`` names and one example's shape (none for token ids of any
+    length)."""
+    from autosplit.models import ANY_LENGTH, load_model, parse_shape, saved_input_shape
 
     shape = None if args.input_shape is None else parse_shape(args.input_shape)
     model = load_model(args.model, shape)
+    if args.model in ANY_LENGTH:
+        return model, ()
     if shape is None:  # a saved model: load_model refuses any other without a shape
         return model, saved_input_shape(model)
     return model, shape
+
+
+def _parse_lengths(text: str) -> tuple[int, int]:
+    """``"178,2000"`` -> (median, longest), with a clear error otherwise."""
+    try:
+        median, longest = (int(part) for part in text.split(","))
+    except ValueError:
+        median = longest = 0
+    if not 1 <= median <= longest:
+        raise ValueError("Expected `--lengths` as MEDIAN,LONGEST, two positive integers with "
+                         f"the median at most the longest, e.g. 178,2000. Received: {text!r}.")
+    return median, longest
+
+
+def _synthetic_sequences(model: Any, lengths: tuple[int, int], batch_size: int) -> Any:
+    """A ``tf.data`` stream of ``batch_size`` rows of token ids of lognormal lengths
+    (sigma 0.8, a text corpus's shape; at least 2, at most the longest), with targets
+    and a ``sample_weight`` of ones per token for a model whose output has a length
+    axis (a language model), else a class per row. Padded by length where the probe
+    cuts by length; fixed seed."""
+    import numpy as np
+    import tensorflow as tf
+
+    from autosplit.models import synthetic_targets
+
+    rng = np.random.default_rng(0)
+    median, longest = lengths
+    vocabulary = int(model.inputs[0].shape[-1] or 0) or 1000
+    output = model.outputs[0]
+    vocabulary = int(output.shape[-1]) if len(output.shape) == 3 else vocabulary
+    sizes = np.clip(rng.lognormal(np.log(median), 0.8, batch_size), 2, longest).astype(int)
+    rows = [rng.integers(1, vocabulary, n).astype("int32") for n in sizes]
+    if len(output.shape) == 3:  # one target per token, every token weighed
+        return tf.data.Dataset.from_generator(
+            lambda: ((r, np.roll(r, -1), np.ones(len(r), "float32")) for r in rows),
+            output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32),
+                              tf.TensorSpec([None], tf.float32)))
+    targets = np.asarray(synthetic_targets(model, batch_size, 10, rng))
+    return tf.data.Dataset.from_generator(
+        lambda: zip(rows, targets, strict=True),
+        output_signature=(tf.TensorSpec([None], tf.int32),
+                          tf.TensorSpec(targets.shape[1:], targets.dtype)))
 
 
 def _synthetic_stream(model: Any, shape: tuple[int, ...], batch_size: int,
@@ -290,16 +343,22 @@ def format_result(result, *, report: bool = False) -> str:
         f"peaks read from {result.peak_source}"
         + ("  [cached result]" if result.from_cache else ""),
         "",
-        f"{'micro-batch':>11}  {'result':<6}  {'peak':>11}  {'predicted':>11}  {'seconds':>7}",
+        f"{'micro-batch':>11}  {'result':<6}  {'peak':>11}  {'predicted':>11}  {'seconds':>7}"
+        + ("" if result.tokens is None else
+           f"  (rows of {result.reference_length} tokens)"),
     ]
     for t in result.trials:
         outcome = "OOM" if t.oom else ("fits" if t.fits else "over")
         lines.append(f"{t.micro_batch_size:>11}  {outcome:<6}  {size(t.peak_bytes):>11}  "
                      f"{size(result.predict_peak(t.micro_batch_size)):>11}  {t.seconds:>7.2f}")
+    chosen = (f"micro_batch_size={result.micro_batch_size}, "
+              f"accumulation_steps={result.accumulation_steps}")
+    if result.tokens is not None:
+        chosen = (f"micro_batch_tokens={result.tokens} ({result.micro_batch_size} rows of "
+                  f"the longest length sampled, {result.reference_length})")
     lines += [
         "",
-        f"chosen      micro_batch_size={result.micro_batch_size}, "
-        f"accumulation_steps={result.accumulation_steps} for batch_size={result.batch_size}",
+        f"chosen      {chosen} for batch_size={result.batch_size}",
         f"why         {result.reason()}",
         f"peak        predicted {size(result.predicted_peak_bytes)}, "
         f"measured {size(result.measured_peak_bytes)}; {result.ooms} OOM trial(s), "

@@ -1,7 +1,8 @@
 """Built-in models for the CLI and the demo: small, compiled, no downloads.
 
 ``load_model("mlp" | "cnn" | "transformer" | "mobilenet_v2" | "resnet50", input_shape)``
-returns a compiled Keras model (Adam, sparse categorical cross-entropy on logits);
+returns a compiled Keras model (Adam, sparse categorical cross-entropy on logits), and
+``load_model("lm")`` a causal language model over token ids of any length;
 ``load_model("package.module:function", input_shape)`` calls a user's factory;
 ``load_model("path/to/model.keras")`` loads a model saved by ``model.save`` (compiled as
 saved; with the built-in default above when it was saved uncompiled).
@@ -16,8 +17,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import keras
 
-__all__ = ["MODELS", "is_saved_model", "load_model", "parse_shape", "saved_input_shape",
-           "synthetic_targets"]
+__all__ = ["ANY_LENGTH", "MODELS", "is_saved_model", "load_model", "parse_shape",
+           "saved_input_shape", "synthetic_targets"]
 
 _SAVED_SUFFIXES = (".keras", ".h5", ".hdf5")
 
@@ -84,6 +85,26 @@ def transformer(input_shape: Sequence[int], classes: int = 10, *, layers: int = 
     return _compile(keras.Model(inputs, keras.layers.Dense(classes)(h), name="transformer"))
 
 
+def lm(input_shape: Sequence[int] | None = None, classes: int = 1000, *, layers: int = 2,
+       heads: int = 4, width: int = 64) -> keras.Model:
+    """A causal Transformer language model over token ids of any length (``classes``
+    of them), a per-token loss weighed by ``sample_weight``; ``input_shape`` is unused."""
+    import keras
+
+    tokens = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(classes, width)(tokens)
+    for _ in range(layers):
+        attention = keras.layers.MultiHeadAttention(heads, width // heads)(
+            h, h, use_causal_mask=True)
+        h = keras.layers.LayerNormalization()(keras.layers.Add()([h, attention]))
+        ff = keras.layers.Dense(width)(keras.layers.Dense(4 * width, activation="gelu")(h))
+        h = keras.layers.LayerNormalization()(keras.layers.Add()([h, ff]))
+    model = keras.Model(tokens, keras.layers.Dense(classes)(h), name="lm")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def _application(name: str) -> Callable[..., keras.Model]:
     def build(input_shape: Sequence[int], classes: int = 10) -> keras.Model:
         import keras
@@ -100,9 +121,13 @@ MODELS: dict[str, Callable[..., keras.Model]] = {
     "mlp": mlp,
     "cnn": cnn,
     "transformer": transformer,
+    "lm": lm,
     "mobilenet_v2": _application("MobileNetV2"),
     "resnet50": _application("ResNet50"),
 }
+
+
+ANY_LENGTH = frozenset({"lm"})  # built-ins over token ids of any length: no input shape
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -174,6 +199,8 @@ def load_model(spec: str, input_shape: Sequence[int] | None = None) -> keras.Mod
 
     if is_saved_model(spec):
         return _load_saved(spec)
+    if spec in ANY_LENGTH:
+        return MODELS[spec]()
     if input_shape is None:
         raise ValueError(
             "Expected `--input-shape` for a built-in or module:function model. Received: "

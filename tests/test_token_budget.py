@@ -9,6 +9,7 @@ where that is larger than the tolerance (``tests.test_sequences``).
 
 from __future__ import annotations
 
+import json
 import math
 
 import keras
@@ -248,3 +249,29 @@ def test_under_a_real_cap_the_probe_finds_a_token_budget_that_trains_as_model_fi
         assert tensor_relative_error(e, a) <= max(1e-5, 3 * tensor_relative_error(e, noisy))
     assert report["iterations"] == 4
     np.testing.assert_allclose(report["loss"], expected.history["loss"], rtol=1e-5)
+
+
+def test_the_cli_probes_a_language_model_in_tokens(capsys, tmp_path, monkeypatch):
+    from autosplit.cli import EXIT_OK, EXIT_USAGE, main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    code = main(["probe", "--model", "lm", "--lengths", "10,40", "--batch-size", "32",
+                 "--json", "--no-cache"])
+    assert code == EXIT_OK
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] == result["micro_batch_size"] * result["reference_length"]
+    assert 2 <= result["reference_length"] <= 40
+    assert main(["probe", "--model", "lm", "--lengths", "40,10", "--batch-size", "32"]) == (
+        EXIT_USAGE)
+    assert "--lengths" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_cli_under_a_real_cap_finds_a_token_budget_below_the_whole_batch():
+    from tests.test_cli import run_cli
+
+    done = run_cli("probe", "--model", "lm", "--lengths", "45,500", "--batch-size", "256",
+                   "--memory-limit", "300MiB", "--no-cache")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "chosen      micro_batch_tokens=" in done.stdout
+    assert "(rows of 500 tokens)" in done.stdout and "OOM" in done.stdout
