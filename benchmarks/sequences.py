@@ -22,12 +22,16 @@ Methods, each from the same weights, side by side (round-robin repeats):
   batch's longest row (the exact path for any model);
 - ``by_length``: ``fit_large_batch(by_length=True)``: each large batch's rows sorted by
   length, each micro-batch padded to its own longest row;
+- ``tokens``: ``fit_large_batch(micro_batch_tokens=m x the longest row)``: the same cut
+  by length, in micro-batches of up to the tokens m rows of the longest row hold, so
+  short rows come many to a micro-batch (the memory bound of m rows, not their count);
 - ``keras_accumulation``: ``model.fit`` on ``padded_batch(m)`` with
   ``Adam(gradient_accumulation_steps=B/m)`` (each micro-batch padded to its own longest
   row, in the input's order; not exact for the LM's per-token mean);
 - ``bare_loop``: one ``tf.function`` whose ``tf.while_loop`` pulls the same cut by length
   (autosplit's pipeline) from a ``tf.data`` iterator, sums the gradients and applies
-  once: the least a step over that cut can cost.
+  once: the least a step over that cut can cost; ``bare_loop_tokens`` the same over the
+  cut in tokens, each large batch's loop ending at its end's marker.
 
 Units: real tokens per second in the timed epoch (one warm-up epoch first); padding
 share = 1 - real tokens / token cells fed; peak = TensorFlow's CPU allocator (BFC) peak
@@ -57,7 +61,7 @@ QUESTION = ("On a heavy-tailed length distribution, how many real tokens per sec
 UNITS = ("real tokens per second in the timed epoch; padding share = 1 - real tokens / "
          "token cells fed; peak MiB of TensorFlow's CPU allocator in the timed epoch")
 MODELS = ("transformer", "gru", "causal_lm")
-METHODS = ("rows", "by_length", "keras_accumulation", "bare_loop")
+METHODS = ("rows", "by_length", "tokens", "keras_accumulation", "bare_loop", "bare_loop_tokens")
 VOCAB, WIDTH = 2000, 32
 IMDB_MEDIAN, IMDB_SIGMA, IMDB_LONGEST = 178, 0.77, 2500
 
@@ -129,10 +133,21 @@ def build(kind: str, accumulation: int | None = None):
     return model
 
 
+def budget(settings: Settings) -> int:
+    """The ``tokens`` method's budget: m rows of the corpus's longest row."""
+    return settings.micro_batch_size * max(lengths(settings))
+
+
+def length_cut(settings: Settings, method: str):
+    """The pipeline's ``LengthCut`` of a method that cuts by length."""
+    from autosplit.data.lengths import LengthCut
+
+    return LengthCut(tokens=budget(settings) if "tokens" in method else None)
+
+
 def padding_share(kind: str, settings: Settings, method: str) -> tuple[float, int]:
     """(the share of padding among the token cells a method feeds, real tokens) per epoch."""
     from autosplit.data.inputs import get_input
-    from autosplit.data.lengths import LengthCut
     from autosplit.data.pipeline import MicroBatches
 
     ds = examples(kind, lengths(settings))
@@ -140,8 +155,9 @@ def padding_share(kind: str, settings: Settings, method: str) -> tuple[float, in
         batches = [x.numpy() for x, *_ in ds.padded_batch(settings.micro_batch_size)]
         real = sum(int((b != 0).sum()) for b in batches)
         return 1 - real / sum(b.size for b in batches), real
-    cut = MicroBatches(get_input(ds), settings.batch_size, settings.micro_batch_size,
-                       by_length=None if method == "rows" else LengthCut())
+    rows = settings.batch_size if "tokens" in method else settings.micro_batch_size
+    cut = MicroBatches(get_input(ds), settings.batch_size, rows,
+                       by_length=None if method == "rows" else length_cut(settings, method))
     real = cells = 0
     for x, _, _, valid in cut.dataset():
         t = (x if method == "rows" else x.inputs).numpy()
@@ -150,18 +166,21 @@ def padding_share(kind: str, settings: Settings, method: str) -> tuple[float, in
     return 1 - real / cells, real
 
 
-def bare_loop(model, kind: str, settings: Settings, epochs: int, meter) -> list[dict[str, float]]:
-    """The bare loop over autosplit's cut by length (see the module's docstring)."""
+def bare_loop(model, kind: str, settings: Settings, epochs: int, meter, method: str
+              ) -> list[dict[str, float]]:
+    """The bare loop over autosplit's cut by length, or in tokens (see the module's
+    docstring)."""
     import time
 
     import tensorflow as tf
 
     from autosplit.data.inputs import get_input
-    from autosplit.data.lengths import LengthCut
     from autosplit.data.pipeline import MicroBatches
 
+    tokens = method == "bare_loop_tokens"
+    rows = settings.batch_size if tokens else settings.micro_batch_size
     cut = MicroBatches(get_input(examples(kind, lengths(settings))), settings.batch_size,
-                       settings.micro_batch_size, by_length=LengthCut())
+                       rows, by_length=length_cut(settings, method))
     k, steps = cut.per_batch, settings.rows // settings.batch_size
     variables, optimizer = model.trainable_variables, model.optimizer
     optimizer.build(variables)
@@ -169,17 +188,25 @@ def bare_loop(model, kind: str, settings: Settings, epochs: int, meter) -> list[
 
     @tf.function
     def step(iterator):
-        def body(i, grads):
+        def body(i, grads, more):
             x, y, w, valid = iterator.get_next()
-            with tf.GradientTape() as tape:
-                loss = summed(y, model(x.inputs, training=True), sample_weight=(
-                    w if kind == "causal_lm" else valid)) / settings.batch_size
-            return i + 1, [g + n for g, n in zip(grads, tape.gradient(loss, variables),
-                                                 strict=True)]
+
+            def added():
+                with tf.GradientTape() as tape:
+                    loss = summed(y, model(x.inputs, training=True), sample_weight=(
+                        w if kind == "causal_lm" else valid)) / settings.batch_size
+                return [g + n for g, n in zip(grads, tape.gradient(loss, variables),
+                                              strict=True)]
+
+            if not tokens:
+                return i + 1, added(), more
+            rows = tf.shape(valid)[0]  # 0: the marker that ends the large batch
+            return i + 1, tf.cond(rows > 0, added, lambda: grads), rows > 0
 
         zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
-        _, grads = tf.while_loop(lambda i, _: i < k, body, (tf.constant(0), zeros),
-                                 parallel_iterations=1)
+        _, grads, _ = tf.while_loop(lambda i, _, more: (i < k) & more, body,
+                                    (tf.constant(0), zeros, tf.constant(True)),
+                                    parallel_iterations=1)
         optimizer.apply_gradients(zip(grads, variables, strict=True))
 
     records = []
@@ -226,17 +253,22 @@ def run(kind: str, method: str, settings: Settings) -> dict[str, Any]:
     meter = PeakMeter()
     m, b = settings.micro_batch_size, settings.batch_size
     data = examples(kind, lengths(settings))
-    if method == "bare_loop":
-        records = bare_loop(build(kind), kind, settings, 2, meter)
+    if method.startswith("bare_loop"):
+        records = bare_loop(build(kind), kind, settings, 2, meter, method)
     else:
         timer = _Timer(meter)
         if method == "keras_accumulation":
             build(kind, b // m).fit(data.padded_batch(m), epochs=2, verbose=0,
                                     callbacks=[timer.callback])
+        elif method == "tokens":
+            autosplit.fit_large_batch(build(kind), data, batch_size=b,
+                                      micro_batch_tokens=budget(settings), epochs=2, verbose=0,
+                                      by_length=True, callbacks=[timer.callback], cache=False)
         else:
             autosplit.fit_large_batch(build(kind), data, batch_size=b, micro_batch_size=m,
                                       epochs=2, verbose=0, by_length=method == "by_length",
-                                      callbacks=[timer.callback], cache=False)
+                                      micro_batch_tokens=None, callbacks=[timer.callback],
+                                      cache=False)
         records = timer.records
     timed = records[-1]
     return {"seconds": timed["seconds"], "peak_mib": timed["peak"] / 2**20}
@@ -256,8 +288,10 @@ def measure(settings: Settings) -> dict[str, Any]:
         results[kind] = {method: {
             "tokens_per_s": speed[method]["samples_per_s_median"],
             "vs_rows": speed[method]["ratio_paired"],
-            "vs_bare_loop": harness.paired_ratio(speed[method]["samples_per_s_all"],
-                                                 speed["bare_loop"]["samples_per_s_all"]),
+            "vs_bare_loop": harness.paired_ratio(
+                speed[method]["samples_per_s_all"],
+                speed["bare_loop_tokens" if "tokens" in method else "bare_loop"][
+                    "samples_per_s_all"]),
             "padding_share": shares[method][0],
             "peak_mib": statistics.median(r["peak_mib"] for r in runs[method])}
             for method in METHODS}
@@ -267,7 +301,21 @@ def measure(settings: Settings) -> dict[str, Any]:
 def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for kind, by in results.items():
-        length = by["by_length"]
+        length, tokens = by["by_length"], by["tokens"]
+        out += [
+            {"id": f"{kind}-tokens-speed", "status": harness.status(tokens["vs_rows"] >= 2.0),
+             "summary": f"{kind}: in tokens {tokens['vs_rows']:.2f}x the tokens/s of the row "
+                        f"cut, {tokens['tokens_per_s'] / length['tokens_per_s']:.2f}x by "
+                        "length's (target >= 2 the row cut's)"},
+            {"id": f"{kind}-tokens-bare", "status": harness.status(
+                tokens["vs_bare_loop"] >= 0.9),
+             "summary": f"{kind}: in tokens {tokens['vs_bare_loop']:.2f} of the bare loop's "
+                        "tokens/s on the same cut (target >= 0.9)"},
+            {"id": f"{kind}-tokens-peak", "status": harness.status(
+                tokens["peak_mib"] <= by["rows"]["peak_mib"]),
+             "summary": f"{kind}: peak {tokens['peak_mib']:.0f} MiB in tokens, "
+                        f"{by['rows']['peak_mib']:.0f} MiB for m rows padded to their large "
+                        "batch's longest (target: at most that)"}]
         out += [
             {"id": f"{kind}-speed", "status": harness.status(length["vs_rows"] >= 2.0),
              "summary": f"{kind}: by length {length['vs_rows']:.2f}x the tokens/s of the row "
@@ -312,8 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {
         "question": QUESTION, "command": harness.command("sequences", argv), "units": UNITS,
         "machine": info, "settings": asdict(s), "results": results, "checks": checks(results),
-        "notes": ["The token budget (micro-batches sized in tokens, not rows) is not built "
-                  "yet: every method runs at the same B and m rows."]}
+        "notes": [f"tokens: a budget of m rows of the longest row, {budget(s):,} tokens "
+                  f"per micro-batch; the other methods run m = {s.micro_batch_size} rows."]}
     report["seconds"] = clock()
     harness.conclude(harness.out_dir(args), "sequences", report, markdown(report))
     return 0

@@ -557,18 +557,22 @@ def test_sequences_quick_run(tmp_path):
     # The shares are counted, not timed: the cut by length feeds the same real tokens
     # with less padding than the row cut, as the bare loop does on the same cut.
     assert result["by_length"]["padding_share"] == result["bare_loop"]["padding_share"]
+    assert result["tokens"]["padding_share"] == result["bare_loop_tokens"]["padding_share"]
     assert result["by_length"]["padding_share"] < result["rows"]["padding_share"]
     assert all(r["tokens_per_s"] > 0 for r in result.values())
 
 
 def test_sequences_checks_follow_the_figures():
-    def run(vs_rows, vs_bare, share):
-        return {"vs_rows": vs_rows, "vs_bare_loop": vs_bare, "padding_share": share}
+    def run(vs_rows, vs_bare, share, peak=100.0):
+        return {"vs_rows": vs_rows, "vs_bare_loop": vs_bare, "padding_share": share,
+                "tokens_per_s": 1000.0 * vs_rows, "peak_mib": peak}
 
-    results = {"gru": {"rows": run(1.0, 0.3, 0.8), "by_length": run(2.5, 0.95, 0.35)}}
-    assert [c["status"] for c in sequences.checks(results)] == ["PASS"] * 3
+    results = {"gru": {"rows": run(1.0, 0.3, 0.8), "by_length": run(2.5, 0.95, 0.35),
+                       "tokens": run(3.0, 0.95, 0.4, peak=90.0)}}
+    assert [c["status"] for c in sequences.checks(results)] == ["PASS"] * 6
     results["gru"]["by_length"] = run(1.9, 0.85, 0.45)
-    assert [c["status"] for c in sequences.checks(results)] == ["MISS"] * 3
+    results["gru"]["tokens"] = run(1.9, 0.85, 0.45, peak=110.0)
+    assert [c["status"] for c in sequences.checks(results)] == ["MISS"] * 6
 
 
 @pytest.mark.slow
