@@ -103,7 +103,9 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
     pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where,
                             by_length=cut)
     step = step_for(model, pipeline, jit_compile=jit_compile, batch_norm=args.batch_norm)
-    warn_if_inexact(model, accumulation_steps=split.accumulation_steps, rows=step.rows,
+    # In tokens, a large batch has as many micro-batches as it needs: it may be split.
+    steps = max(split.accumulation_steps, 2) if tokens else split.accumulation_steps
+    warn_if_inexact(model, accumulation_steps=steps, rows=step.rows,
                     batch_size=args.batch_size, pooled=bool(step.update.pool),
                     adds_losses=step.update.plan.forward_losses,
                     per_batch_losses=step.update.plan.per_batch_ratios,

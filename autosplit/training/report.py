@@ -38,9 +38,11 @@ class FitReport:
     batch_size: int
     """The effective batch B, over every replica."""
     micro_batch_size: int
-    """Rows per micro-batch, per replica, at the end (after any out-of-memory recovery)."""
+    """Rows per micro-batch, per replica, at the end (after any out-of-memory recovery);
+    with ``tokens``, the most rows a micro-batch holds."""
     accumulation_steps: int
-    """Micro-batches per large batch, per replica, at ``micro_batch_size``."""
+    """Micro-batches per large batch, per replica, at ``micro_batch_size`` (with
+    ``tokens``, as many as each large batch needs: ``cut`` counts them)."""
     padded_rows: int
     """Zero-weight rows that even out each replica's micro-batches at that size."""
     micro_batch_reason: str
