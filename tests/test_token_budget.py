@@ -275,3 +275,29 @@ def test_the_cli_under_a_real_cap_finds_a_token_budget_below_the_whole_batch():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "chosen      micro_batch_tokens=" in done.stdout
     assert "(rows of 500 tokens)" in done.stdout and "OOM" in done.stdout
+
+
+def test_validation_runs_in_micro_batches_of_the_rows_the_budget_holds_at_the_longest_row(
+        monkeypatch):
+    # Validation is cut by rows: as many rows of the longest row sampled (of the first
+    # large batch) as TOKENS holds.
+    from autosplit.training import fit
+
+    made = []
+
+    def recorded(adapter, batch_size, rows, *args, **kwargs):
+        made.append(rows)
+        return MicroBatches(adapter, batch_size, rows, *args, **kwargs)
+
+    monkeypatch.setattr(fit, "MicroBatches", recorded)
+    kind = "lm_sample_weight"
+    seqs, held_out = _sequences(), _sequences(64, seed=1)
+    reference, model = _model(kind), _model(kind)
+    expected = reference.fit(_dataset(seqs, kind).padded_batch(B), epochs=1, verbose=0,
+                             validation_data=_dataset(held_out, kind).padded_batch(B))
+    got = autosplit.fit_large_batch(model, _dataset(seqs, kind).padded_batch(16), batch_size=B,
+                                    micro_batch_tokens=TOKENS, epochs=1, verbose=0,
+                                    validation_data=_dataset(held_out, kind).padded_batch(B))
+    for name in ("val_loss", "val_accuracy"):
+        np.testing.assert_allclose(got.history[name], expected.history[name], rtol=1e-5)
+    assert made == [TOKENS // max(len(s) - 1 for s in seqs[:B])]

@@ -24,9 +24,10 @@ class CutStats(NamedTuple):
 def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None:
     """Micro-batches per large batch of ``pipeline`` and the share of padding they feed,
     over the first ``large_batches`` of an epoch in the input's own order, read on the host
-    (no step runs); None unless cut by length. A row's tokens are its
-    ``lengths.real_lengths``, its cells the micro-batch's padded length."""
-    if pipeline.by_length is None:
+    (no step runs); None unless cut by length, or for an input read once (a generator).
+    A row's tokens are its ``lengths.real_lengths``, its cells the micro-batch's padded
+    length."""
+    if pipeline.by_length is None or not pipeline.adapter.reiterable:
         return None
     pre = pipeline.by_length.padded is not None and pipeline.by_length.padded.pre
     read = pieces = real = cells = 0

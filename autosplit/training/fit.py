@@ -253,7 +253,8 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: Plan,
             break  # no epoch to report: a 0.0 loss would mislead EarlyStopping and co.
         epoch_logs = _epoch_logs(plan.step, loop.logs)
         if validation is not None and (epoch + 1) % args.validation_freq == 0:
-            epoch_logs.update(validation(model, recovery.rows, callback_list))
+            epoch_logs.update(validation(model, plan.validation_rows(recovery.rows),
+                                         callback_list))
         adapter.on_epoch_end()
         sizes.append(recovery.rows)
         callback_list.on_epoch_end(epoch, epoch_logs)

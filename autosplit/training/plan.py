@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter
 from autosplit.data.layout import Layout, layout
-from autosplit.data.lengths import LengthCut
+from autosplit.data.lengths import LengthCut, longest_row
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import Split, split_batch
 from autosplit.errors import BatchSizeError, UnsupportedModelError
@@ -45,7 +45,14 @@ class Plan:
     reason: str
     shuffle_seed: int | None = None  # every epoch's order (arrays); the same on every worker
     padding: str | None = None  # FitReport.padding
-    tokens: int | None = None  # the micro-batch's token budget (None: rows)
+    length: int | None = None  # in tokens: the longest row sampled, which validation's rows fit
+
+    def validation_rows(self, rows: int) -> int:
+        """Rows of a validation micro-batch: training's ``rows``, or in tokens as many
+        rows of the longest row sampled as the budget holds (validation is cut by rows)."""
+        tokens = self.pipeline.tokens
+        return rows if not tokens or self.length is None else max(1, min(
+            rows, tokens // self.length))
 
 
 def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compile: bool | None,
@@ -95,9 +102,12 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
             if micro < args.micro_batch_size:
                 reason = (f"given {args.micro_batch_size}; a trial step in a child process "
                           f"ran out of memory, so training starts at {micro}")
+    length = None  # of the sample's longest row, where micro-batches are sized in tokens
     if tokens and cut is not None:  # of up to `tokens` tokens and the rows given, or of B's
         cut = cut._replace(tokens=tokens)
         micro = min(args.micro_batch_size or local, local)
+        length = (probe_result.reference_length if probe_result is not None else
+                  longest_row(adapter.sample(local), cut.padded, cut.multiple))
         padding = f"{padding}; micro-batches of up to {tokens} tokens"
     split = split_batch(local, micro)
     pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where,
@@ -113,7 +123,7 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
                     batch_norm_in_training=any(
                         calls for _, calls in step.update.plan.batch_norm_calls))
     return Plan(split, where, pipeline, step, probe_result, reason,
-                 _shuffle_seed(step, where, adapter), padding, tokens or None)
+                 _shuffle_seed(step, where, adapter), padding, length)
 
 
 def _tokens(cut: LengthCut | None, args: Args, where: Layout, jit: bool) -> int | None:
