@@ -301,3 +301,28 @@ def test_validation_runs_in_micro_batches_of_the_rows_the_budget_holds_at_the_lo
     for name in ("val_loss", "val_accuracy"):
         np.testing.assert_allclose(got.history[name], expected.history[name], rtol=1e-5)
     assert made == [TOKENS // max(len(s) - 1 for s in seqs[:B])]
+
+
+def test_a_generator_of_padded_batches_is_probed_in_tokens_on_its_sample():
+    # A generator is read once: the probe's trials cut a sample of its padded rows (as
+    # arrays) by length in tokens, and training cuts the generator's own rows so.
+    seqs = _sequences()
+    labels = np.array([s.sum() % 2 for s in seqs], "float32")
+
+    def batches():
+        for start in range(0, len(seqs), 16):
+            yield (keras.utils.pad_sequences(seqs[start:start + 16], padding="post"),
+                   labels[start:start + 16])
+
+    reference, model = _model("gru"), _model("gru")
+    expected = reference.fit(_dataset(seqs, "gru").padded_batch(B), epochs=1, verbose=0)
+    got = autosplit.fit_large_batch(model, batches(), batch_size=B, epochs=1, verbose=0,
+                                    cache=False)
+    report = got.autosplit
+    assert report.tokens == report.probe.tokens is not None
+    # the longest of the batches Keras's adapter peeked at
+    assert report.probe.reference_length in {max(len(s) for s in seqs[:n])
+                                             for n in range(16, B + 1, 16)}
+    for e, a in zip(reference.get_weights(), model.get_weights(), strict=True):
+        assert tensor_relative_error(e, a) <= 1e-5
+    np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)

@@ -64,7 +64,7 @@ class KerasInput(InputAdapter):
         if self.generator:  # peeked batches, put back by Keras's adapter
             first = _keras.peeked_batches(self.adapter)
             batches = [tuple(tf.nest.map_structure(tf.convert_to_tensor, b)) for b in first]
-            rows = tf.nest.map_structure(lambda *t: tf.concat(t, 0)[:n], *batches)
+            rows = tf.nest.map_structure(lambda *t: _concat_padded(t)[:n], *batches)
             return self.materialize(rows)
         return super().sample(n)
 
@@ -73,6 +73,14 @@ class KerasInput(InputAdapter):
 
     def on_epoch_end(self) -> None:
         self.adapter.on_epoch_end()
+
+
+def _concat_padded(parts: tuple) -> tf.Tensor:
+    """``parts`` (batches) as one, each padded at its end with zeros to the longest along
+    every axis after the rows (a generator's padded batches of sequences)."""
+    longest = tf.reduce_max(tf.stack([tf.shape(t)[1:] for t in parts]), axis=0)
+    return tf.concat([tf.pad(t, tf.concat([[[0, 0]], tf.stack(
+        [tf.zeros_like(longest), longest - tf.shape(t)[1:]], axis=1)], 0)) for t in parts], 0)
 
 
 def _with_y_check(generator):

@@ -166,6 +166,9 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     local_batch = batch_size // where.replicas
     trial_input = adapter if adapter.reiterable else ArrayInput(
         *adapter.sample(local_batch), shuffle=False)
+    if by_length is not None and not adapter.reiterable:  # a sample of padded sequences
+        padded = padded_sequences(adapter.sample(local_batch), takes_any_length=True)
+        by_length = None if padded is None else by_length._replace(padded=padded)
     pipeline = MicroBatches(trial_input, batch_size, min(local_batch, 8), where)
     spec = pipeline.dataset(shuffle_seed=TRIAL_SHUFFLE_SEED).element_spec
     # Built before the meter's baseline, which then holds the weights and the optimizer
