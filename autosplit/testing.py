@@ -86,19 +86,20 @@ class FaultyStep:
         self.applied += 1
         return logs
 
-    def run_if_any(self, iterator: Any, count: int) -> dict | None:
+    def run_if_any(self, iterator: Any, count: int, *, marked: bool = False) -> dict | None:
         self._maybe_fail(1)
-        logs = self.step.run_if_any(iterator, count)
+        logs = self.step.run_if_any(iterator, count, marked=marked)
         self.applied += logs is not None
         return logs
 
     def run_local(self, iterator: Any, count: int, *, resume: bool = False,
-                  pieces: int = 1) -> int:
+                  pieces: int = 1, marked: bool = False) -> int:
         if not resume:
             self._maybe_fail(pieces)
         else:
             self._faulted = False
-        return self.step.run_local(iterator, count, resume=resume, pieces=pieces)
+        return self.step.run_local(iterator, count, resume=resume, pieces=pieces,
+                                   marked=marked)
 
     def finish(self) -> dict:
         logs = self.step.finish()
@@ -168,5 +169,5 @@ def traced_graph(step: TrainStep, iterator: Any, *, known_length: bool = True) -
     """The traced graph of ``step.run`` on ``iterator`` (for tests that walk it:
     placement, shapes, collectives); with ``known_length=False``, of
     ``step.run_if_any``, which pulls as an input of unknown length needs."""
-    function = step.train_function if known_length else step.function_if_any
+    function = step.train_function if known_length else step.function_if_any()
     return function.get_concrete_function(iterator, tf.constant(1, tf.int32)).graph

@@ -73,11 +73,11 @@ class FakeStep:
         self.run_local(iterator, count)
         return self.finish()
 
-    def run_if_any(self, iterator, count):
+    def run_if_any(self, iterator, count, *, marked=False):
         self.run_local(iterator, count)
         return self.finish() if self.local_rows() else None
 
-    def run_local(self, iterator, count, *, resume=False, pieces=1):
+    def run_local(self, iterator, count, *, resume=False, pieces=1, marked=False):
         self.calls.append((count, resume, pieces))
         self.pulled, self.exhausted = 0, False
         if resume and self.pending:

@@ -380,23 +380,24 @@ class _Hungry(keras.layers.Layer):
         return x + tf.cast(tf.reduce_sum(tf.zeros(tf.reshape(size, [1]))), x.dtype)
 
 
+def _hungry_gru():
+    """A masked GRU classifier behind a :class:`_Hungry` layer."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None,), dtype="int32"), _Hungry(),
+                              keras.layers.Embedding(VOCAB, 16, mask_zero=True),
+                              keras.layers.GRU(16), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.5), keras.losses.BinaryCrossentropy(
+        from_logits=True), metrics=["accuracy"])
+    return model
+
+
 @pytest.mark.slow
 def test_an_oom_in_a_micro_batch_cut_by_length_redoes_it_in_pieces_exactly():
     # The out-of-memory error comes in the first epoch; the second epoch's pipeline is
     # rebuilt at the smaller size, still cut by length. The reference: model.fit.
     seqs = [s % (VOCAB - 1) + (s == VOCAB - 1) for s in _sequences()]
     seqs[70][0] = VOCAB - 1  # in the second large batch
-
-    def make():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((None,), dtype="int32"), _Hungry(),
-                                  keras.layers.Embedding(VOCAB, 16, mask_zero=True),
-                                  keras.layers.GRU(16), keras.layers.Dense(1)])
-        model.compile(keras.optimizers.SGD(0.5), keras.losses.BinaryCrossentropy(
-            from_logits=True), metrics=["accuracy"])
-        return model
-
-    reference, model = make(), make()
+    reference, model = _hungry_gru(), _hungry_gru()
     reference.layers[0].armed = False
     expected = reference.fit(_dataset(seqs, "gru").padded_batch(B), epochs=2, verbose=0)
     with pytest.warns(UserWarning, match="finishing the same batch"):

@@ -27,7 +27,7 @@ from tests.test_sequences import (
     VOCAB,
     B,
     _dataset,
-    _Hungry,
+    _hungry_gru,
     _in_each_large_batch_reversed,
     _model,
     _sequences,
@@ -151,17 +151,7 @@ def test_an_oom_in_a_token_micro_batch_redoes_it_in_pieces_and_the_next_epoch_ha
     seqs = [s % (VOCAB - 1) + (s == VOCAB - 1) for s in _sequences()]
     short = sorted(range(64, 128), key=lambda i: len(seqs[i]))[15]
     seqs[short][0] = VOCAB - 1
-
-    def make():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((None,), dtype="int32"), _Hungry(),
-                                  keras.layers.Embedding(VOCAB, 16, mask_zero=True),
-                                  keras.layers.GRU(16), keras.layers.Dense(1)])
-        model.compile(keras.optimizers.SGD(0.5), keras.losses.BinaryCrossentropy(
-            from_logits=True), metrics=["accuracy"])
-        return model
-
-    reference, model = make(), make()
+    reference, model = _hungry_gru(), _hungry_gru()
     reference.layers[0].armed = False
     expected = reference.fit(_dataset(seqs, "gru").padded_batch(B), epochs=2, verbose=0)
     with pytest.warns(UserWarning, match="finishing the same batch"):

@@ -86,10 +86,6 @@ class TrainStep:
             jit=self.compilation.jit_compile and not self.compilation.run_eagerly)
         self.replicas = self.update.replicas.count
         self._dirty = False  # the sums may hold a partial large batch
-        # The pipeline marks each epoch's end (MicroBatches.dataset(marked=True)): the
-        # loops of an input of unknown length stop there. fit_large_batch sets it for
-        # its call; the counted loop (run) never meets a marker.
-        self.end_marker = False
         self._ended: bool | None = False  # the last call reached the end (None: not read)
         self.rebind(element_spec, full=full, rows=rows)
 
@@ -147,12 +143,12 @@ class TrainStep:
         Keras's ``model.train_function`` (the plain function under ``run_eagerly``)."""
         return self._function("fused", self._fused, full=self.full)
 
-    @property
-    def function_if_any(self):
+    def function_if_any(self, *, marked: bool = False):
         """The compiled function :meth:`run_if_any` calls, ``(iterator, count) ->
-        (applied, ended, logs)``: it pulls until the input (or with ``end_marker``, the
-        epoch) ends, if it ends before ``count``; ``ended`` says whether it did."""
-        return self._function("fused_if_any", self._fused_if_any, marked=self.end_marker,
+        (applied, ended, logs)``: it pulls until the input ends (``marked``: until an
+        element with no row marks an end), if it ends before ``count``; ``ended`` says
+        whether it did."""
+        return self._function("fused_if_any", self._fused_if_any, marked=marked,
                               full=self.full)
 
     def tracing_count(self) -> int:
@@ -171,24 +167,28 @@ class TrainStep:
         self._dirty = False
         return logs
 
-    def run_if_any(self, iterator, count: int) -> dict | None:
+    def run_if_any(self, iterator, count: int, *, marked: bool = False) -> dict | None:
         """:meth:`run` for an input whose end only its iterator tells (one replica): the
         apply runs in the same call, if any row came; None (nothing applied) if the
-        input ended (with ``end_marker``, the epoch's marker came) before the large batch
-        began. :meth:`input_ended` then says whether this call reached that end."""
+        input ended (``marked``: a marker came, ``MicroBatches.dataset(marked=True)`` or
+        with tokens each large batch's) before the large batch began.
+        :meth:`input_ended` then says whether this call reached that end."""
         self._dirty = True
-        applied, ended, logs = self.function_if_any(iterator, tf.constant(count, tf.int32))
+        applied, ended, logs = self.function_if_any(marked=marked)(
+            iterator, tf.constant(count, tf.int32))
         self._dirty = False
         self._ended = bool(ended)
         return logs if bool(applied) else None
 
-    def run_local(self, iterator, count: int, *, resume: bool = False, pieces: int = 1) -> int:
-        """Commit up to ``count`` elements (after the stash, with ``resume``); returns the
-        number pulled. Runs no collective: safe for one worker to fail alone."""
+    def run_local(self, iterator, count: int, *, resume: bool = False, pieces: int = 1,
+                  marked: bool = False) -> int:
+        """Commit up to ``count`` elements (after the stash, with ``resume``; ``marked``
+        as :meth:`run_if_any` takes it); returns the number pulled. Runs no collective:
+        safe for one worker to fail alone."""
         self._dirty = True
         self._ended = None
         fn = self._function("local", self._local, resume=resume, pieces=pieces,
-                            marked=self.end_marker, full=self.full)
+                            marked=marked, full=self.full)
         return int(fn(iterator, tf.constant(count, tf.int32)))
 
     def input_ended(self) -> bool:
@@ -263,7 +263,6 @@ def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | 
         else:
             step.rebind(spec, full=pipeline.always_full(), rows=pipeline.rows)
             step.discard()
-    step.end_marker = False  # a fit_large_batch call whose input is marked sets it
     return step
 
 

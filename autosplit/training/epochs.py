@@ -4,6 +4,7 @@ and the callbacks told how batches are split (:func:`publish`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -20,58 +21,75 @@ if TYPE_CHECKING:
     from autosplit.training.arguments import Args
     from autosplit.training.plan import Plan
 
-__all__ = ["Epochs", "publish", "rebuild"]
+__all__ = ["Epochs", "Iteration", "iteration_of", "publish", "rebuild"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Iteration:
+    """How a call reads its epochs from the pipeline: chosen once (:func:`iteration_of`)."""
+
+    keep_iterator: bool  # one iterator across epochs, as model.fit keeps it
+    repeat: bool  # one iterator of the pipeline repeated, every epoch's elements known
+    epochs_marked: bool  # one iterator repeated, each epoch ended by a marker
+    batches_marked: bool  # each large batch ended by a marker (micro-batches in tokens)
+    rereads: bool  # with steps_per_epoch, the data read again once it runs out
+
+    @property
+    def marked(self) -> bool:
+        """The step's loops stop at a marker (``Recovery``'s ``marked``)."""
+        return self.epochs_marked or self.batches_marked
+
+
+def iteration_of(adapter: InputAdapter, plan: Plan, args: Args) -> Iteration:
+    """The :class:`Iteration` of a call.
+
+    ``model.fit`` keeps one iterator across epochs when ``steps_per_epoch`` is given or
+    the input is read once. Where every epoch's elements are known in advance, one
+    iterator of the pipeline repeated after the cut reads every epoch (each one restarts
+    the cut, shuffled by its own epoch's seed): making an iterator instantiates the
+    pipeline's functions every time (benchmarks.step_costs). Not for several workers or
+    a PyDataset's epoch hooks. An input that does not know its length gets the same one
+    iterator, with each epoch's end marked by an element of no real row: the step's loop
+    stops there. With steps_per_epoch, a reiterable input is read again once its large
+    batches run out, the epoch that reached the end ending early, as model.fit does.
+    """
+    one_iterator = (args.steps_per_epoch is None and adapter.reiterable
+                    and not adapter.epoch_hooks and not plan.layout.multi_worker)
+    return Iteration(
+        keep_iterator=args.steps_per_epoch is not None or not adapter.reiterable,
+        repeat=one_iterator and adapter.rows is not None,
+        epochs_marked=one_iterator and adapter.rows is None and plan.pipeline.can_mark(),
+        batches_marked=bool(plan.pipeline.tokens),
+        rereads=args.steps_per_epoch is not None and adapter.reiterable)
 
 
 class Epochs:
     """The large batches of each epoch: the iterator, the step count and the last logs,
-    kept across epochs."""
+    kept across epochs, read as ``mode`` says."""
 
     def __init__(self, model: keras.Model, adapter: InputAdapter, plan: Plan, args: Args,
-                 callback_list: keras.callbacks.CallbackList, recovery: Recovery) -> None:
+                 callback_list: keras.callbacks.CallbackList, recovery: Recovery,
+                 mode: Iteration) -> None:
         self.model, self.adapter, self.plan, self.args = model, adapter, plan, args
-        self.callback_list, self.recovery = callback_list, recovery
+        self.callback_list, self.recovery, self.mode = callback_list, recovery, mode
         self.steps = args.steps_per_epoch or plan.pipeline.steps()  # None: not known yet
-        # model.fit keeps one iterator across epochs when steps_per_epoch is given.
-        self.keep_iterator = args.steps_per_epoch is not None or not adapter.reiterable
-        # Where every epoch's elements are known in advance, one iterator of the pipeline
-        # repeated after the cut reads every epoch (each one restarts the cut, shuffled
-        # by its own epoch's seed): making an iterator instantiates the pipeline's
-        # functions every time (benchmarks.step_costs). Not for several workers or a
-        # PyDataset's epoch hooks.
-        one_iterator = (args.steps_per_epoch is None and adapter.reiterable
-                        and not adapter.epoch_hooks and not plan.layout.multi_worker)
-        self.repeat = one_iterator and adapter.rows is not None
-        # An input that does not know its length (a batched dataset, a dataset of unknown
-        # cardinality) gets the same one iterator, with each epoch's end marked by an
-        # element of no real row: the step's loop stops there, and no epoch pays for a
-        # new iterator and its slower first large batch.
-        self.marked = (one_iterator and adapter.rows is None
-                       and plan.pipeline.can_mark())
-        # With tokens, the pipeline marks each large batch's end, and its loop stops there.
-        self.tokens = bool(plan.pipeline.tokens)
-        plan.step.end_marker = self.marked or self.tokens
         self.iterator: Any = None
         self.seen = 0  # large batches read from the iterator in use
-        # With steps_per_epoch, a reiterable input is read again once its large batches
-        # run out, the epoch that reached the end ending early, as model.fit does (Keras
-        # 3's EpochIterator counts an input's batches, or learns the count where the
-        # data first ends). A generator, read once, stops training there.
-        self.rereads = args.steps_per_epoch is not None and adapter.reiterable
         self.known = plan.pipeline.steps()  # large batches in a pass (None: not yet known)
         self.global_step = 0
         self.logs: dict[str, Any] = {}
 
     def epoch(self, epoch: int) -> int:
         """Train one epoch's large batches; returns how many ran."""
-        plan, recovery, callback_list = self.plan, self.recovery, self.callback_list
+        plan, recovery, callback_list, mode = (self.plan, self.recovery, self.callback_list,
+                                               self.mode)
         self._start(epoch)
         ran = 0
         ended = False  # the input's end (or, marked, the epoch's) was reached
         for index in _steps(self.steps):
-            if self.rereads and self.known is not None and self.seen >= self.known:
+            if mode.rereads and self.known is not None and self.seen >= self.known:
                 break  # every large batch of the data read: this epoch ends early
-            if self.rereads:
+            if mode.rereads:
                 count = plan.pipeline.elements(self.seen)
             elif self.args.steps_per_epoch is None:
                 count = plan.pipeline.elements(index)
@@ -79,7 +97,7 @@ class Epochs:
                 count = plan.pipeline.per_batch
             callback_list.on_train_batch_begin(index)
             result = recovery.run(self.iterator, count, self.global_step)
-            if result is None and self.rereads and self.seen:
+            if result is None and mode.rereads and self.seen:
                 self.known = self.seen  # the data ended: now its length is known
                 if ran == 0:  # with the last epoch: this one reads it again
                     self.release()
@@ -95,15 +113,15 @@ class Epochs:
             ran += 1
             if self.model.stop_training:
                 break
-            if self.marked and not self.tokens and plan.step.input_ended():
+            if mode.epochs_marked and not mode.batches_marked and plan.step.input_ended():
                 ended = True  # this large batch ran up to the epoch's end marker
                 break
-        if self.marked and not ended and not self.model.stop_training:
+        if mode.epochs_marked and not ended and not self.model.stop_training:
             # As many large batches as the first epoch counted: the epoch ends here, as
             # in model.fit, and its marker (after any rows past them) is read.
-            skip_to_end_marker(self.iterator, batches_marked=self.tokens)
+            skip_to_end_marker(self.iterator, batches_marked=mode.batches_marked)
         self._check_ran(ran)
-        if self.rereads and self.known is not None and self.seen >= self.known:
+        if mode.rereads and self.known is not None and self.seen >= self.known:
             self.release()  # the next epoch reads the data again, from a new iterator
         if ran and self.steps is None:
             self.steps = ran  # learnt from the first epoch, as model.fit does
@@ -113,17 +131,18 @@ class Epochs:
     def _start(self, epoch: int) -> None:
         """A new iterator for the epoch, unless model.fit would keep the last one or the
         repeated pipeline goes on."""
-        if self.iterator is not None and self.keep_iterator:
+        mode = self.mode
+        if self.iterator is not None and mode.keep_iterator:
             return
         if self.recovery.pieces > 1 and self.adapter.reiterable:
             rebuild(self.plan, self.recovery)
-        elif self.iterator is not None and (self.repeat or self.marked):
+        elif self.iterator is not None and (mode.repeat or mode.epochs_marked):
             return  # the last epoch pulled all of its elements: this one starts here
         self.release()
         self.seen = 0
         self.iterator = iter(self.plan.pipeline.dataset(
-            repeat=self.repeat or self.marked, shuffle_seed=self.plan.shuffle_seed,
-            epoch=epoch, marked=self.marked))
+            repeat=mode.repeat or mode.epochs_marked, shuffle_seed=self.plan.shuffle_seed,
+            epoch=epoch, marked=mode.epochs_marked))
 
     def release(self) -> None:
         """Let go of the iterator (deleted on a thread of its own: ``pipeline.release``)."""
@@ -134,7 +153,7 @@ class Epochs:
     def _check_ran(self, ran: int) -> None:
         """Warn and stop, as model.fit does, when the input ran out of data."""
         wanted = self.args.steps_per_epoch
-        if (self.rereads and wanted is not None and 0 < ran < wanted
+        if (self.mode.rereads and wanted is not None and 0 < ran < wanted
                 and not self.model.stop_training):
             warn_user(
                 f"Your input ran out of data after {ran} of the {wanted} large batches of "

@@ -27,7 +27,7 @@ from autosplit.keras_hooks.custom_step import flat_logs, metrics_or_last
 from autosplit.step.model_state import model_state
 from autosplit.step.train_step import TrainStep
 from autosplit.training.arguments import Args, check_input, split_off_validation, validate_fit
-from autosplit.training.epochs import Epochs, publish
+from autosplit.training.epochs import Epochs, iteration_of, publish
 from autosplit.training.evaluate import Evaluator, validation_input
 from autosplit.training.plan import Plan, plan_run
 from autosplit.training.recovery import Recovery
@@ -234,8 +234,9 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: Plan,
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_history=True, add_progbar=args.verbose != 0, verbose=args.verbose,
         epochs=args.epochs, steps=args.steps_per_epoch or plan.pipeline.steps(), model=model)
-    recovery = _recovery(plan, adapter, args, callback_list)
-    loop = Epochs(model, adapter, plan, args, callback_list, recovery)
+    mode = iteration_of(adapter, plan, args)
+    recovery = _recovery(plan, adapter, args, callback_list, marked=mode.marked)
+    loop = Epochs(model, adapter, plan, args, callback_list, recovery, mode)
     traces_before = plan.step.tracing_count()
     model.stop_training = False
     callback_list.on_train_begin()
@@ -279,8 +280,9 @@ def _epoch_logs(step: TrainStep, last: dict[str, Any]) -> dict[str, Any]:
 
 
 def _recovery(plan: Plan, adapter: InputAdapter, args: Args,
-              callback_list: keras.callbacks.CallbackList) -> Recovery:
-    """The out-of-memory recovery of this call, which tells the callbacks of each shrink."""
+              callback_list: keras.callbacks.CallbackList, *, marked: bool) -> Recovery:
+    """The out-of-memory recovery of this call, which tells the callbacks of each shrink
+    (``marked``: the loops stop at markers, ``Iteration.marked``)."""
     def on_shrink(*_: int) -> None:
         if plan.probe is not None:  # an OOM proved the cached answer wrong
             from autosplit.search.trials import invalidate_cache
@@ -291,8 +293,7 @@ def _recovery(plan: Plan, adapter: InputAdapter, args: Args,
     recovery = Recovery(
         plan.step, on_oom=args.on_oom, multi_worker=plan.layout.multi_worker,
         known_fits=plan.probe.fitting_sizes() if plan.probe is not None else (),
-        fused=(adapter.rows is not None and args.steps_per_epoch is None
-               and not plan.pipeline.tokens),  # with tokens, the end of a large batch is marked
+        fused=adapter.rows is not None and args.steps_per_epoch is None, marked=marked,
         on_shrink=on_shrink)
     publish(callback_list, recovery, args, plan)
     return recovery

@@ -67,15 +67,18 @@ class RecoverableStep(Protocol):
         """``run_local(iterator, count)`` then ``finish()``, in one call, for an input that
         knows its length: the iterator holds ``count`` more elements."""
 
-    def run_if_any(self, iterator: Any, count: int) -> dict[str, Any] | None:
+    def run_if_any(self, iterator: Any, count: int, *, marked: bool = False
+                   ) -> dict[str, Any] | None:
         """:meth:`run` (one replica), except that it applies nothing and returns None
-        when no row came: the input had ended before the large batch began."""
+        when no row came: the input had ended (``marked``: an element with no row came)
+        before the large batch began."""
 
     def run_local(self, iterator: Any, count: int, *, resume: bool = False,
-                  pieces: int = 1) -> int:
-        """Commit up to ``count`` more elements, each cut into ``pieces``; first, with
-        ``resume``, the stashed element's rows not yet committed. Returns the elements
-        pulled; runs no collective."""
+                  pieces: int = 1, marked: bool = False) -> int:
+        """Commit up to ``count`` more elements, each cut into ``pieces``, stopping at
+        the input's end (``marked``: at an element with no row); first, with ``resume``,
+        the stashed element's rows not yet committed. Returns the elements pulled; runs
+        no collective."""
 
     def finish(self) -> dict[str, Any]:
         """Apply the committed sums once and zero them; returns the logs."""
@@ -139,18 +142,21 @@ class Recovery:
             runs the loop and the apply. Otherwise, on one replica, one call runs the
             loop and applies only if a row came (``run_if_any``); on several, the apply
             waits until the loop shows the batch is not empty.
+        marked: the loops stop at an element with no row (the pipeline marks each
+            epoch's end, or with tokens each large batch's: ``Iteration.marked``).
         on_shrink: called with (step_number, failed_rows, new_rows) after each OOM.
     """
 
     def __init__(self, step: RecoverableStep, *, on_oom: str = "recover",
                  known_fits: Sequence[int] = (), multi_worker: bool = False,
-                 fused: bool = True,
+                 fused: bool = True, marked: bool = False,
                  on_shrink: Callable[[int, int, int], None] | None = None) -> None:
         self.step = step
         self.on_oom = on_oom
         self.known_fits = list(known_fits)
         self.multi_worker = multi_worker
-        self.fused = fused and not multi_worker
+        self.fused = fused and not multi_worker and not marked
+        self.marked = marked
         self.on_shrink = on_shrink
         self.pieces = 1  # each element of the pipeline is cut into this many micro-batches
         self.records: list[OomRecovery] = []
@@ -189,8 +195,9 @@ class Recovery:
                     if self.fused:
                         return self.step.run(iterator, remaining)
                     if self.step.replicas == 1:
-                        return self.step.run_if_any(iterator, remaining)
-                self.step.run_local(iterator, remaining, resume=resume, pieces=self.pieces)
+                        return self.step.run_if_any(iterator, remaining, marked=self.marked)
+                self.step.run_local(iterator, remaining, resume=resume, pieces=self.pieces,
+                                    marked=self.marked)
                 break
             except tf.errors.ResourceExhaustedError as error:
                 remaining -= self._pulled()
@@ -207,7 +214,8 @@ class Recovery:
         while True:
             failure = None
             try:
-                self.step.run_local(iterator, remaining, resume=resume, pieces=self.pieces)
+                self.step.run_local(iterator, remaining, resume=resume, pieces=self.pieces,
+                                    marked=self.marked)
                 remaining = 0
             except tf.errors.ResourceExhaustedError as error:
                 failure = error
