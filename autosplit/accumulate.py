@@ -4,7 +4,7 @@
 iterator of micro-batches) run the micro-batches in a ``tf.while_loop``
 (``parallel_iterations=1``: one micro-batch's activations at a time), sum each one's
 contribution (``autosplit.step.piece``) in loop-carried float32 tensors and return
-``Accumulated(loss, gradients)`` to apply once. Validation (``autosplit.training.evaluate``)
+``Accumulated(loss, gradients)`` to apply once. Validation (``autosplit.step.evaluate``)
 sums its loss terms in the same loop, :func:`sum_loop`. The train step
 (``autosplit.step.update``) runs the same per-micro-batch code with its sums kept in
 variables, so that a failed micro-batch loses nothing that came before it.

@@ -1,5 +1,1 @@
-"""What reaches into Keras: its private names (``internals``), BatchNormalization's pooled
-statistics (``batchnorm``), models with their own ``train_step`` (``custom_step``),
-facts read off a trace and the trace itself (``traced``), the checks of a model every
-entry point makes (``checks``).
-"""
+"""Every reach into Keras's private names, and the behaviours built on them."""

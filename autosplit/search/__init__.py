@@ -1,5 +1,1 @@
-"""The probe: the pure search over micro-batch sizes and the shrink rule after an
-out-of-memory error (``policy``), real trial steps
-(``trials``), trials in a child process (``isolation``) and the result cache
-(``cache``).
-"""
+"""The probe: real trial steps of sizes a pure search picks, and what it found."""

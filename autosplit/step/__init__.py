@@ -1,5 +1,1 @@
-"""The compiled split step: one ``tf.function`` (``compiled``) that loops over micro-
-batches (``loop``), sums float32 gradients and loss parts (``sums``, ``piece``,
-``reduction``) and applies them once (``update``), per replica (``replicas``);
-whether a model ignores padding (``padding``).
-"""
+"""The compiled steps, training's and validation's: micro-batches summed, applied once."""

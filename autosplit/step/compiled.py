@@ -9,7 +9,7 @@ module:
   else as ``model.compile`` resolved them (for the train step, its cache key and the
   probe's).
 - :class:`FunctionCache`: the compiled functions of a train step (``autosplit.step.train_step``)
-  or of validation (``autosplit.training.evaluate``), each built once per key with
+  or of validation (``autosplit.step.evaluate``), each built once per key with
   ``reduce_retracing=True``, their traces counted.
 - :func:`trace`: a throwaway trace on specs that runs nothing, which the loss plan and
   a custom step's facts are learnt from (``autosplit.step.loss_plan``,

@@ -71,7 +71,7 @@ class ModelState:
     key: CompileKey
     steps: dict = field(default_factory=dict)  # step_key(...) -> TrainStep
     plans: dict = field(default_factory=dict)  # repr of (x, y, sample_weight) specs -> LossPlan
-    evaluator: Any = None  # autosplit.training.evaluate.Evaluator
+    evaluator: Any = None  # autosplit.step.evaluate.Evaluator
     # (batch_size, micro_batch_size, jit_compile) -> the size whose trial step ran in a
     # child process (autosplit.search.isolation.checked_micro_batch)
     checked: dict = field(default_factory=dict)

@@ -172,7 +172,7 @@ def combined_loss(numerators: Sequence, denominators: Sequence, forward, rows, *
     ``regularization + forward[0] / rows + forward[1] + sum_j weights[j] * per_output[j]``, as
     ``model.compute_loss`` adds it up. A zero denominator (no real rows, no weight)
     gives 0. The arithmetic is TensorFlow's, in the dtype of the sums: float32 in the
-    train step, float64 where ``autosplit.training.evaluate`` has added up a whole validation set.
+    train step, float64 where ``autosplit.step.evaluate`` has added up a whole validation set.
 
     Args:
         numerators, denominators: per compiled loss, ``LossTerms`` summed over the batch.

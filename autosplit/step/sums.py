@@ -192,7 +192,7 @@ def sum_loop(step: Callable[[tf.Tensor, Totals], tuple[Totals, tf.Tensor]],
     """``totals, stop = step(i, totals)`` for micro-batches ``i < count``, until ``stop``.
 
     The loop of ``accumulate_gradients``, ``accumulate_iterator`` and validation
-    (``autosplit.training.evaluate``): the sums are loop-carried tensors, returned with whether a
+    (``autosplit.step.evaluate``): the sums are loop-carried tensors, returned with whether a
     step stopped early (its input ran out).
     """
     def body(i: tf.Tensor, totals: Totals, stop: tf.Tensor

@@ -1,3 +1,1 @@
-"""``fit_large_batch`` (``fit``) and what it orchestrates: argument checks (``arguments``),
-out-of-memory recovery (``recovery``) and validation (``evaluate``).
-"""
+"""``fit_large_batch`` and what it orchestrates: arguments, plan, epochs, recovery, report."""

@@ -24,11 +24,11 @@ from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import split_batch
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import flat_logs, metrics_or_last
+from autosplit.step.evaluate import Evaluator, validation_input
 from autosplit.step.model_state import model_state
 from autosplit.step.train_step import TrainStep
 from autosplit.training.arguments import Args, check_input, split_off_validation, validate_fit
 from autosplit.training.epochs import Epochs, iteration_of, publish
-from autosplit.training.evaluate import Evaluator, validation_input
 from autosplit.training.plan import Plan, plan_run
 from autosplit.training.recovery import Recovery
 from autosplit.training.report import FitReport
@@ -173,7 +173,7 @@ def fit_large_batch(
 
 
 class _Validation:
-    """Validation logs after an epoch, in micro-batches (``autosplit.training.evaluate``)."""
+    """Validation logs after an epoch, in micro-batches (``autosplit.step.evaluate``)."""
 
     def __init__(self, data: Any, args: Args, model: keras.Model) -> None:
         self.adapter, self.steps = validation_input(data, args.validation_steps, model)

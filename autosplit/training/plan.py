@@ -93,15 +93,7 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
     elif args.micro_batch_size is None:
         micro, reason = local, f"micro_batch_tokens={tokens} given"
     else:
-        micro = args.micro_batch_size
-        reason = "given"
-        if where.replicas == 1 and kernels_may_crash() and crash_prone_layers(model):
-            micro = checked_micro_batch(
-                model, adapter.sample(args.batch_size), args.batch_size, micro,
-                jit, args.on_oom)
-            if micro < args.micro_batch_size:
-                reason = (f"given {args.micro_batch_size}; a trial step in a child process "
-                          f"ran out of memory, so training starts at {micro}")
+        micro, reason = _given_size(model, adapter, args, where, jit)
     length = None  # of the sample's longest row, where micro-batches are sized in tokens
     if tokens and cut is not None:  # of up to `tokens` tokens and the rows given, or of B's
         cut = cut._replace(tokens=tokens)
@@ -124,6 +116,21 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
                         calls for _, calls in step.update.plan.batch_norm_calls))
     return Plan(split, where, pipeline, step, probe_result, reason,
                  _shuffle_seed(step, where, adapter), padding, length)
+
+
+def _given_size(model: keras.Model, adapter: InputAdapter, args: Args, where: Layout,
+                jit: bool) -> tuple[int, str]:
+    """The given micro-batch size and why; smaller where a trial step of it in a child
+    process ran out of memory (kernels that may crash under a CPU cap)."""
+    micro = given = args.micro_batch_size
+    assert given is not None
+    if where.replicas == 1 and kernels_may_crash() and crash_prone_layers(model):
+        micro = checked_micro_batch(model, adapter.sample(args.batch_size), args.batch_size,
+                                    given, jit, args.on_oom)
+        if micro < given:
+            return micro, (f"given {given}; a trial step in a child process ran out of "
+                           f"memory, so training starts at {micro}")
+    return given, "given"
 
 
 def _tokens(cut: LengthCut | None, args: Args, where: Layout, jit: bool) -> int | None:
