@@ -48,7 +48,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.overhead
 
 bench-quick: $(STAMP)
-	$(PY) -m pytest -q tests/test_benchmarks.py
+	$(PY) -m pytest -q tests/bench
 
 bench-gpu: $(STAMP)
 	$(PY) -m benchmarks.gpu_check

@@ -14,7 +14,7 @@ import pytest
 
 from autosplit.cli import EXIT_NOTHING_FITS, EXIT_OK, EXIT_USAGE, _demo_summary, main
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(autouse=True)

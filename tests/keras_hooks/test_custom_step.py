@@ -1,7 +1,7 @@
 """Models with their own ``train_step`` (Keras's guide): the step runs per micro-batch,
 its one ``apply_gradients`` is caught and applied once per large batch. Reference:
 ``model.fit`` at the same large batch. Refusals come before anything changes. (The Keras
-VAE example, graph and XLA, is in ``tests/examples/test_custom.py``.)
+VAE example, graph and XLA, is in ``tests/scenarios/examples/test_custom.py``.)
 """
 
 from __future__ import annotations

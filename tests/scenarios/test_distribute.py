@@ -17,7 +17,7 @@ from conftest import assert_weights_close
 
 from autosplit.capped import capped_cpu_env
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/, beside the child scripts
 pytestmark = pytest.mark.slow
 
 

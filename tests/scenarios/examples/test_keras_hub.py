@@ -167,7 +167,7 @@ def test_a_vit_image_classifier_trains_as_under_model_fit():
 def test_a_bert_classifier_in_mixed_float16_scales_its_loss_as_under_model_fit():
     """float16 activations round differently per CPU and per graph (autosplit traces a
     static batch dimension, model.fit a dynamic one: as far off with one micro-batch), so
-    each group is judged against tests/test_mixed_precision.py's tolerance or, where
+    each group is judged against tests/step/test_mixed_precision.py's tolerance or, where
     more, 3x how far model.fit itself moves with each batch's rows reversed."""
     x, y = bert_inputs()
 

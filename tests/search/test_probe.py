@@ -19,7 +19,7 @@ from autosplit.errors import MemoryLimitError
 from autosplit.memory.peak_meter import PeakMeter
 from autosplit.search.trials import ProbeResult, invalidate_cache, probe
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/, beside the child scripts
 
 
 def small_model():
