@@ -13,8 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from common import relative_error
-from conftest import assert_weights_close
+from common import assert_weights_close, relative_error
 
 import autosplit
 from autosplit.data.adapter import HOST

@@ -16,8 +16,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from common import relative_error
-from conftest import classifier, labelled
+from common import classifier, labelled, relative_error
 
 import autosplit
 from autosplit.memory.device import read_device

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_weights_close
+from common import assert_weights_close
 
 from autosplit.capped import capped_cpu_env
 

@@ -13,7 +13,7 @@ import h5py
 import keras
 import numpy as np
 import pytest
-from conftest import assert_weights_close
+from common import assert_weights_close
 
 import autosplit
 

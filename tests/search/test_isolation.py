@@ -11,7 +11,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from conftest import classifier, labelled
+from common import classifier, labelled
 from test_probe import run_child
 
 import autosplit

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import classifier, labelled
+from common import classifier, labelled
 
 import autosplit
 from autosplit.capped import run_capped

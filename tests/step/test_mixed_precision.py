@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from conftest import assert_weights_close, twin
+from common import assert_weights_close, twin
 
 from autosplit.testing import train_on_large_batch
 

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_weights_close, dense_reference_step, twin
+from common import assert_weights_close, dense_reference_step, twin
 
 from autosplit import accumulate_gradients
 from autosplit.testing import train_on_large_batch

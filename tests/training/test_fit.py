@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_weights_close, twin
+from common import assert_weights_close, twin
 
 import autosplit
 from autosplit.data.arrays import ArrayInput

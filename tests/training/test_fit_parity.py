@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 import tensorflow as tf
-from conftest import assert_weights_close, classifier
+from common import assert_weights_close, classifier
 
 import autosplit
 

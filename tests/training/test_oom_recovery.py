@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_weights_close, classifier, labelled, twin
+from common import assert_weights_close, classifier, labelled, twin
 from test_probe import run_child
 
 import autosplit
