@@ -75,3 +75,22 @@ def assert_weights_close(expected, actual, rtol):
         err = tensor_relative_error(e, a)
         assert err <= rtol, (f"weight {index} {np.shape(e)}: relative error {err:.2e} > "
                              f"{rtol:.0e}")
+
+
+class GuideStep(keras.Model):
+    """The Keras guide's custom train_step: compute_loss, the loss tracker, compute_metrics
+    (per-example metrics, sample weights)."""
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred, sample_weight=sample_weight)
+        return {m.name: m.result() for m in self.metrics}

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _compare import ADAM_RTOL, SGD_RTOL, assert_exact, twins
+from common import GuideStep
 from keras import layers, ops
 
 import autosplit
@@ -116,23 +117,7 @@ def test_the_guide_s_lower_level_step_with_its_own_loss_and_trackers():
 # ----------------------------------------------- "Supporting sample_weight & class_weight"
 
 
-class WeightedStep(keras.Model):
-    def train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
-        gradients = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables, strict=True))
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred, sample_weight=sample_weight)
-        return {m.name: m.result() for m in self.metrics}
-
-
-def weighted_classifier(cls=WeightedStep):
+def weighted_classifier(cls=GuideStep):
     model = functional(cls)
     model.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -152,7 +137,7 @@ def test_the_guide_s_step_with_sample_weights(weights):
 # ----------------------------------------------- "Providing your own evaluation step"
 
 
-class OwnEvaluation(WeightedStep):
+class OwnEvaluation(GuideStep):
     def test_step(self, data):
         x, y = data
         y_pred = self(x, training=False)
