@@ -17,6 +17,14 @@ def labelled(n, features, classes, seed=0):
             rng.integers(0, classes, size=(n,)).astype("int32"))
 
 
+def three_classes(n, seed=0):
+    """Six normal features; the label counts which of x[0] > 0 and x[1] > 1 hold (0 to 2)."""
+    r = np.random.default_rng(seed)
+    x = r.normal(size=(n, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 1).astype("int32")
+    return x, y
+
+
 def tensor_relative_error(expected, actual) -> float:
     """Largest absolute difference over the expected tensor's largest entry."""
     e, a = np.asarray(expected, np.float64), np.asarray(actual, np.float64)

@@ -13,7 +13,7 @@ import h5py
 import keras
 import numpy as np
 import pytest
-from common import assert_weights_close
+from common import assert_weights_close, three_classes
 
 import autosplit
 
@@ -21,10 +21,7 @@ N, B, M = 200, 50, 20  # 4 large batches an epoch, each cut 20 + 20 + 10 rows
 
 
 def data(n=N, seed=0):
-    r = np.random.default_rng(seed)
-    x = r.normal(size=(n, 6)).astype("float32")
-    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 1).astype("int32")
-    return x, y
+    return three_classes(n, seed)
 
 
 def mlp(batch_norm=False):
