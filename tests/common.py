@@ -96,9 +96,15 @@ class GuideStep(keras.Model):
             loss = self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
         grads = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred, sample_weight=sample_weight)
-        return {m.name: m.result() for m in self.metrics}
+        return update_metrics(self, loss, y, y_pred, sample_weight)
+
+
+def update_metrics(model, loss, y, y_pred, sample_weight=None):
+    """The guide's metric updates: the loss tracker with ``loss``, every other metric with
+    the rows; the results, by name."""
+    for metric in model.metrics:
+        if metric.name == "loss":
+            metric.update_state(loss)
+        else:
+            metric.update_state(y, y_pred, sample_weight=sample_weight)
+    return {m.name: m.result() for m in model.metrics}

@@ -11,17 +11,6 @@ import math
 import pytest
 from _bench import PNG
 
-from benchmarks import (
-    batchnorm_stats,
-    gpu_check,
-    memory_scaling,
-    overhead,
-    probe_choices,
-    probe_search,
-    sequences,
-    step_costs,
-)
-
 
 def read(folder, name):
     assert (folder / f"{name}.md").read_text().startswith("# ")
@@ -30,6 +19,8 @@ def read(folder, name):
 
 @pytest.mark.slow
 def test_memory_scaling_quick_run_under_a_real_cap(tmp_path):
+    from benchmarks import memory_scaling
+
     methods = "autosplit_batched,keras"
     assert memory_scaling.main(["--quick", "--jobs", "3", "--methods", methods,
                                 "--out", str(tmp_path)]) == 0
@@ -52,6 +43,8 @@ def test_memory_scaling_quick_run_under_a_real_cap(tmp_path):
 
 @pytest.mark.slow
 def test_overhead_quick_run(tmp_path):
+    from benchmarks import overhead
+
     assert overhead.main(["--quick", "--out", str(tmp_path)]) == 0
     report = read(tmp_path, "overhead")
     cases = report["cases"]
@@ -76,6 +69,7 @@ def test_overhead_quick_run(tmp_path):
 @pytest.mark.slow
 def test_step_costs_quick_run_restores_the_library(tmp_path):
     from autosplit.step import sums, update
+    from benchmarks import step_costs
 
     before = (sums.Stash.put, update.update_metrics, sums.Stash.record)
     assert step_costs.main(["--quick", "--out", str(tmp_path)]) == 0
@@ -91,6 +85,8 @@ def test_step_costs_quick_run_restores_the_library(tmp_path):
 
 @pytest.mark.slow
 def test_probe_search_quick_run_under_a_real_cap(tmp_path):
+    from benchmarks import probe_search
+
     assert probe_search.main(["--quick", "--jobs", "2", "--out", str(tmp_path)]) == 0
     report = read(tmp_path, "probe_search")
     assert report["raw"]["exhaustive"]["unsplit_fits"] is True  # the quick cap holds B = 256
@@ -105,6 +101,8 @@ def test_probe_search_quick_run_under_a_real_cap(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_quick_run_on_the_cpu_path(tmp_path):
+    from benchmarks import gpu_check
+
     assert gpu_check.main(["--quick", "--out", str(tmp_path)]) == 0
     report = read(tmp_path, "gpu_check")
     assert report["device"]["kind"] in ("CPU", "GPU")
@@ -122,6 +120,8 @@ def test_gpu_check_quick_run_on_the_cpu_path(tmp_path):
 
 @pytest.mark.slow
 def test_sequences_quick_run(tmp_path):
+    from benchmarks import sequences
+
     assert sequences.main(["--quick", "--models", "gru", "--out", str(tmp_path)]) == 0
     result = read(tmp_path, "sequences")["results"]["gru"]
     assert set(result) == set(sequences.METHODS)
@@ -133,6 +133,8 @@ def test_sequences_quick_run(tmp_path):
 
 
 def test_sequences_checks_follow_the_figures():
+    from benchmarks import sequences
+
     def run(vs_rows, vs_bare, share):
         return {"vs_rows": vs_rows, "vs_bare_loop": vs_bare, "padding_share": share}
 
@@ -144,6 +146,8 @@ def test_sequences_checks_follow_the_figures():
 
 @pytest.mark.slow
 def test_batchnorm_stats_quick_run(tmp_path):
+    from benchmarks import batchnorm_stats
+
     assert batchnorm_stats.main(["--quick", "--out", str(tmp_path)]) == 0
     report = read(tmp_path, "batchnorm_stats")
     [model] = report["models"].values()  # quick: bn_first only
@@ -169,6 +173,8 @@ def test_batchnorm_stats_quick_run(tmp_path):
 
 @pytest.mark.slow
 def test_probe_choices_quick_run_through_the_command_line(tmp_path):
+    from benchmarks import probe_choices
+
     assert probe_choices.main(["--quick", "--out", str(tmp_path)]) == 0
     report = read(tmp_path, "probe_choices")
     runs = [r for runs in report["same"].values() for r in runs]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _custom_steps import B, M, N, assert_same_as_fit, classifier
-from common import GuideStep
+from common import GuideStep, update_metrics
 
 import autosplit
 from autosplit.errors import UnsupportedModelError
@@ -192,12 +192,7 @@ class OwnTestStep(GuideStep):
         x, y = data
         y_pred = self(x, training=False)
         loss = self.compute_loss(y=y, y_pred=y_pred)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {"probe_loss": loss} | {m.name: m.result() for m in self.metrics}
+        return {"probe_loss": loss} | update_metrics(self, loss, y, y_pred)
 
 
 class ValidationHooks(keras.callbacks.Callback):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _compare import ADAM_RTOL, SGD_RTOL, assert_exact, twins
-from common import GuideStep
+from common import GuideStep, update_metrics
 from keras import layers, ops
 
 import autosplit
@@ -40,6 +40,24 @@ def functional(cls, outputs=3):
     return cls(inputs, layers.Dense(outputs)(hidden))
 
 
+def compiled(model, optimizer):
+    """``model`` compiled as the guides compile their classifiers: logits, accuracy."""
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def assert_exact_with_momentum(cls):
+    """``functional(cls)`` compiled with SGD and momentum: trained by fit_large_batch exactly
+    as by ``model.fit``."""
+    def make():
+        return compiled(functional(cls), keras.optimizers.SGD(0.1, momentum=0.9))
+
+    x, y = data()
+    assert_exact(make, x, y, n=N, batch_size=B, micro_batch_size=M, rtol=SGD_RTOL)
+
+
 # ----------------------------------------------- "A first simple example", Keras 3 form
 
 
@@ -54,24 +72,11 @@ class CompiledLossStep(keras.Model):
             loss = self.compute_loss(y=y, y_pred=y_pred)
         gradients = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables, strict=True))
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
+        return update_metrics(self, loss, y, y_pred)
 
 
 def test_the_guide_s_step_with_the_compiled_loss_and_metrics():
-    def make():
-        model = functional(CompiledLossStep)
-        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-        return model
-
-    x, y = data()
-    assert_exact(make, x, y, n=N, batch_size=B, micro_batch_size=M, rtol=SGD_RTOL)
+    assert_exact_with_momentum(CompiledLossStep)
 
 
 # ----------------------------------------------- "Going lower-level"
@@ -118,11 +123,7 @@ def test_the_guide_s_lower_level_step_with_its_own_loss_and_trackers():
 
 
 def weighted_classifier(cls=GuideStep):
-    model = functional(cls)
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
+    return compiled(functional(cls), keras.optimizers.SGD(0.1))
 
 
 @pytest.mark.parametrize("weights", ["sample_weight", "class_weight"])
@@ -142,12 +143,7 @@ class OwnEvaluation(GuideStep):
         x, y = data
         y_pred = self(x, training=False)
         loss = self.compute_loss(y=y, y_pred=y_pred)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
+        return update_metrics(self, loss, y, y_pred)
 
 
 def test_the_guide_s_own_test_step_validates_as_in_model_fit():
@@ -236,15 +232,7 @@ class Penalised(keras.Model):
 
 
 def test_a_compute_loss_override_over_the_compiled_loss():
-    def make():
-        model = functional(Penalised)
-        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-        return model
-
-    x, y = data()
-    assert_exact(make, x, y, n=N, batch_size=B, micro_batch_size=M, rtol=SGD_RTOL)
+    assert_exact_with_momentum(Penalised)
 
 
 # ----------------------------------------------- "Wrapping up: an end-to-end GAN example"
