@@ -27,13 +27,18 @@ def child_env(**extra):
     return env
 
 
-def test_mirrored_strategy_two_logical_cpus(tmp_path):
-    out = tmp_path / "mirrored.json"
-    done = subprocess.run([sys.executable, str(HERE / "strategy_child.py"), "mirrored",
+def run_scenario(scenario, tmp_path):
+    """strategy_child.py's ``scenario`` in a child process: the report it wrote."""
+    out = tmp_path / f"{scenario}.json"
+    done = subprocess.run([sys.executable, str(HERE / "strategy_child.py"), scenario,
                            str(out)], env=child_env(), capture_output=True, text=True,
                           timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_mirrored_strategy_two_logical_cpus(tmp_path):
+    report = run_scenario("mirrored", tmp_path)
     assert report["replicas"] == 2
     assert report["sgd"] <= 1e-5 and report["adam"] <= 1e-4, report
     assert report["sgd_iterations"] == report["adam_iterations"] == 6  # 2 epochs x 3
@@ -55,12 +60,7 @@ def test_called_inside_the_strategy_scope_trains_as_outside(tmp_path):
     """Users indent everything under `with strategy.scope():`, and model.fit works there:
     fit_large_batch (its validation too), probe, check and accumulate_gradients give what
     they give outside it."""
-    out = tmp_path / "scope.json"
-    done = subprocess.run([sys.executable, str(HERE / "strategy_child.py"), "scope",
-                           str(out)], env=child_env(), capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = run_scenario("scope", tmp_path)
     for name, created in (("mirrored", "MirroredVariable"), ("one_device", "ResourceVariable"),
                           ("default", "ResourceVariable")):
         result = report[name]
