@@ -33,7 +33,10 @@ def pytest_terminal_summary(terminalreporter, config):
 def _seed():
     keras.utils.set_random_seed(1234)
     yield
-    keras.backend.clear_session()
+    # Keras's global state reset; the full gc.collect() clear_session would add took a
+    # second a test late in a run (TensorFlow's objects make the heap large), more than
+    # most tests themselves. Python's own collector still runs.
+    keras.backend.clear_session(free_memory=False)
 
 
 @pytest.fixture(autouse=True)
