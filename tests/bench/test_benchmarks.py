@@ -178,6 +178,7 @@ def test_bare_loop_is_one_exact_full_batch_step():
                             callback=clock)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, rows, k, applies", [
     ("autosplit_examples", 32, 4, 2), ("autosplit_arrays", 32, 4, 2),
     ("autosplit_batched", 32, 4, 2), ("keras", 128, 1, 2), ("keras_at_m", 32, 1, 8),

@@ -39,6 +39,7 @@ def _fit_batched(dataset, *, marked, epochs=3):
     return model.get_weights(), history.history["loss"], [k for k in made if "repeat" in k]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [N, 4 * B])  # a short last batch, or an exact end
 def test_an_input_of_unknown_length_is_read_by_one_iterator_with_marked_epochs(rows):
     # A new iterator every epoch cost 12 ms and a slower first large batch; one
@@ -59,6 +60,7 @@ def test_an_input_of_unknown_length_is_read_by_one_iterator_with_marked_epochs(r
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_marked_epoch_longer_than_the_first_ends_where_model_fit_ends_it():
     # model.fit runs the large batches its first epoch counted and leaves the rest of a
     # longer epoch: the marked iterator drops those rows up to the epoch's marker.
@@ -106,6 +108,7 @@ class _Events(keras.callbacks.Callback):
         self.seen.append(("epoch", epoch))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("pipeline", "rows"), [
     (lambda ds: ds.batch(30), 260),
     (lambda ds: ds.batch(30, drop_remainder=True), 240),  # 4 large batches, not 5
@@ -134,6 +137,7 @@ def test_a_batched_dataset_of_known_length_is_counted_from_the_first_epoch(pipel
     assert seen["batched"][0] == ("steps", math.ceil(rows / B))
 
 
+@pytest.mark.slow
 def test_a_pipeline_ending_in_batch_is_not_read_before_training():
     # Its parts stack the same examples, so they share a row count: the look at its
     # first batch (an iterator more, 7-25 ms a call) is left to pipelines that do not
@@ -155,6 +159,7 @@ def test_a_pipeline_ending_in_batch_is_not_read_before_training():
     assert runs[0] == "training begins"
 
 
+@pytest.mark.slow
 def test_a_map_after_the_batch_leaves_the_length_to_the_first_epoch():
     # A map may change a batch's rows (augmented copies appended): the count is learnt
     # where the first epoch ends, as for a generator. 260 rows, doubled: 9 large batches.
@@ -168,6 +173,7 @@ def test_a_map_after_the_batch_leaves_the_length_to_the_first_epoch():
     assert events.seen.count(("end", 8)) == 2 and ("end", 9) not in events.seen
 
 
+@pytest.mark.slow
 def test_a_miscounted_batched_dataset_stops_rather_than_borrow_the_next_epoch(monkeypatch):
     # Every epoch boundary of the repeated pipeline rests on the count: one too large
     # must stop training, not read the next epoch's rows into this one.

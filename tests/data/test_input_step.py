@@ -35,6 +35,7 @@ def walk(graph, seen=None):
                         yield from walk(function.graph, seen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["arrays", "examples", "batched"])
 def test_the_traced_step_holds_no_tensor_of_b_rows_and_reads_input_on_the_host(kind):
     batch, micro, rows = 4096, 64, 5000
@@ -85,6 +86,7 @@ def test_class_weight_with_nested_targets_is_refused_up_front(kind):
                                   class_weight={0: 2.0}, verbose=0, **source)
 
 
+@pytest.mark.slow
 def test_class_weight_is_exact():
     x, y, _ = data()
     class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
@@ -100,6 +102,7 @@ def test_class_weight_is_exact():
         assert_weights_close(reference.get_weights(), model.get_weights(), 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["batched", "PyDataset", "generator", "arrays"])
 def test_validation_steps_count_batches_as_model_fit_does(kind):
     # model.fit counts validation_steps in the input's own batches (here of 20 rows);

@@ -15,6 +15,8 @@ from common import assert_weights_close
 
 import autosplit
 
+pytestmark = pytest.mark.slow  # every input kind trained against model.fit
+
 KINDS = {
     "arrays": lambda x, y, w: dict(x=x, y=y, sample_weight=w, shuffle=False),
     "examples": lambda x, y, w: dict(x=tf.data.Dataset.from_tensor_slices((x, y, w))),

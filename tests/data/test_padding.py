@@ -24,6 +24,7 @@ def test_ragged_parts_are_refused_up_front():
                                   micro_batch_size=8, verbose=0)
 
 
+@pytest.mark.slow
 def test_variable_length_examples_are_padded_per_large_batch_as_padded_batch_pads():
     # Examples of varying length (from_generator, unbatched): autosplit pads them itself,
     # each large batch to its longest row, so that a model that reads its padding (a
@@ -55,6 +56,7 @@ def test_variable_length_examples_are_padded_per_large_batch_as_padded_batch_pad
     np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["list", "object_array", "ragged"])
 def test_sequences_given_as_a_list_or_ragged_are_padded_per_large_batch(kind):
     # model.fit takes such sequences only padded; autosplit pads each large batch to its
@@ -82,6 +84,7 @@ def test_sequences_given_as_a_list_or_ragged_are_padded_per_large_batch(kind):
     np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_probe_runs_its_trials_on_variable_length_examples_padded():
     # The probe's sample of such rows is padded to its longest (adapter.sample), as the
     # pipeline pads a large batch; its trials run, and training starts at the size found.
@@ -101,6 +104,7 @@ def test_the_probe_runs_its_trials_on_variable_length_examples_padded():
     assert int(model.optimizer.iterations) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [22, 64])
 def test_padded_batches_of_varying_length_are_cut_across_their_batches(m):
     # A padded_batch of sequences of varying length: each input batch is padded to its
@@ -144,6 +148,7 @@ def _per_token(pooled):
     return keras.Model(inputs, keras.layers.Dense(30)(hidden))  # one value per token
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pooled", [False, True], ids=["sample_weight_mask", "no_mask"])
 def test_every_micro_batch_is_padded_to_its_large_batch_s_longest_row(pooled):
     # Keras's sum_over_batch_size over per-token losses masked by sample_weight divides

@@ -173,6 +173,7 @@ def test_the_repeated_pipeline_reads_each_epoch_as_a_fresh_iterator_would(shuffl
         assert all((a == b).all() for e in epochs for a, b in zip(e, fresh, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shuffle", [True, "batch"])
 def test_a_seeded_epoch_has_one_order_whichever_pipeline_reads_it(shuffle):
     # fit orders each epoch of arrays by (seed, epoch) alone. After an out-of-memory
@@ -212,6 +213,7 @@ def test_a_seed_leaves_the_order_of_an_input_that_keeps_its_own():
     assert all((a == b).all() for a, b in zip(plain, seeded, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", ["shuffle", "random_map"])
 def test_a_pipeline_that_draws_random_numbers_is_not_read_ahead(pipeline):
     # keras-io mixup's form: shuffle(n, seed).batch(B). Its batches' row counts are known

@@ -70,6 +70,7 @@ def feeds(kind, xa, xb, y):
     return (generator(B, tuple),), (generator(15, list),)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("same_shape", [True, False], ids=["same-shape", "other-shape"])
 @pytest.mark.parametrize("kind", ["list", "dict", "dataset", "pydataset", "generator"])
 def test_multi_input_structures_equal_model_fit(kind, same_shape):
@@ -93,6 +94,7 @@ def test_multi_input_structures_equal_model_fit(kind, same_shape):
         np.testing.assert_allclose(got.history[name], values, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_list_targets_and_weights_of_a_multi_output_model():
     inputs = keras.Input((5,))
     h = keras.layers.Dense(8, activation="relu")(inputs)
@@ -141,6 +143,7 @@ def test_parts_without_a_shared_row_count_are_refused(kind):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_later_batch_without_a_shared_row_count_stops_training():
     # The first batch is checked before anything changes (above); a later one is
     # refused by the pipeline's rebatch, which checks every batch, with tf.data's error.
@@ -154,6 +157,7 @@ def test_a_later_batch_without_a_shared_row_count_stops_training():
         autosplit.fit_large_batch(model, data, batch_size=8, micro_batch_size=2, verbose=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["arrays", "dataset"])
 def test_a_loss_on_some_outputs_only_takes_one_target_per_loss(kind):
     # keras-io's miniature GPT: outputs [logits, hidden], loss=[fn, None], one target.

@@ -30,6 +30,7 @@ class MixingLoss(keras.losses.Loss):
         return keras.ops.mean(keras.ops.square(centred), axis=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", [False, True], ids=["plain", "sample-weights"])
 def test_exact_mlp_leaves_state_bitwise_unchanged(weights):
     model = mlp()
@@ -54,6 +55,7 @@ def test_unbuilt_model_is_built_and_checked():
     assert model.built and report.exact
 
 
+@pytest.mark.slow
 def test_batch_norm_is_a_culprit_and_its_statistics_are_restored():
     model = mlp(keras.layers.BatchNormalization(momentum=0.5))
     x, y, _ = data(48)
@@ -78,6 +80,7 @@ def test_frozen_batch_norm_uses_moving_statistics_and_is_exact():
     assert report.exact and report.culprits == ()
 
 
+@pytest.mark.slow
 def test_dropout_is_a_culprit_and_its_seed_is_restored():
     model = mlp(keras.layers.Dropout(0.5))
     x, y, _ = data(48)
@@ -103,6 +106,7 @@ def test_batch_mixing_layer_is_found_empirically_with_the_hint():
     assert "hint" in report.format() and "NOT exact" in report.format()
 
 
+@pytest.mark.slow
 def test_masked_embedding_model_is_exact():
     vocab, length = 30, 9
     r = rng(3)
@@ -121,6 +125,7 @@ def test_masked_embedding_model_is_exact():
     assert report.exact and report.max_relative_difference < 1e-5 and report.decomposes
 
 
+@pytest.mark.slow
 def test_multi_output_model_is_exact_and_its_loss_trackers_are_restored():
     inputs = keras.Input((12,))
     hidden = keras.layers.Dense(16, activation="tanh")(inputs)
@@ -175,6 +180,7 @@ def test_unreduced_loss_cannot_be_split():
     json.loads(report.to_json())
 
 
+@pytest.mark.slow
 def test_activity_regularizer_is_exact_with_padding_rows():
     """Keras divides an activity regulariser by each call's batch size: a per-example
     mean, exact once padding rows never reach the model."""

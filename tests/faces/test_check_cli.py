@@ -35,6 +35,7 @@ def test_cli_check_batch_norm_exits_1(tmp_path, monkeypatch, capsys):
     assert "NOT exact" in out and "BatchNormalization" in out
 
 
+@pytest.mark.slow
 def test_cli_check_mobilenet_v2_exits_1(capsys):
     code = main(["check", "--model", "mobilenet_v2", "--input-shape", "32,32,3",
                  "--batch-size", "8", "--micro-batch-size", "4", "--json"])

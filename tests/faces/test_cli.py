@@ -22,6 +22,7 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
 
 
+@pytest.mark.slow
 def test_probe_json_in_process(capsys):
     code = main(["probe", "--model", "mlp", "--input-shape", "32", "--batch-size", "256",
                  "--json", "--no-cache"])
@@ -33,6 +34,7 @@ def test_probe_json_in_process(capsys):
                                  "seconds"} <= set(result["trials"][0])
 
 
+@pytest.mark.slow
 def test_probe_table_with_report(capsys):
     code = main(["probe", "--model", "cnn", "--input-shape", "16,16,3", "--batch-size", "64",
                  "--report"])
@@ -57,6 +59,7 @@ def test_usage_errors_exit_2(argv, capsys):
     assert capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_module_function_model(tmp_path, monkeypatch, capsys):
     (tmp_path / "mymodels.py").write_text(
         "import keras\n"

@@ -53,6 +53,7 @@ def quiet_and_exact(make, x, y, *, batch_size, micro_batch_size, quiet_about, rt
     assert relative_error(reference.get_weights(), candidate.get_weights()) < rtol
 
 
+@pytest.mark.slow
 def test_fit_warnings_name_the_callers_line():
     x, y = labelled(64, 8, 3)
     model = classifier(8, 16, 3)
@@ -69,6 +70,7 @@ def test_fit_warnings_name_the_callers_line():
     assert_here(found, line)
 
 
+@pytest.mark.slow
 def test_running_out_of_data_names_the_callers_line():
     x, y = labelled(64, 8, 3)
 
@@ -85,6 +87,7 @@ def test_running_out_of_data_names_the_callers_line():
     assert "(4 here)" in str(found[0].message)
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_recovery_names_the_callers_line():
     # The error is injected (autosplit.testing): where the warning points does not depend
     # on where the error came from; recovery from real ones is tested under a real cap
@@ -98,6 +101,7 @@ def test_an_out_of_memory_recovery_names_the_callers_line():
     assert_here(found, line)
 
 
+@pytest.mark.slow
 def test_deprecations_and_device_warnings_name_the_callers_line():
     x, y = labelled(64, 8, 3)
     history = autosplit.fit_large_batch(classifier(8, 16, 3), x, y, batch_size=32,
@@ -139,6 +143,7 @@ def _tokens(optimizer, loss="sparse_categorical_crossentropy"):
     return model
 
 
+@pytest.mark.slow
 def test_sparse_gradients_with_a_nonlinear_optimizer_are_named_and_differ_from_model_fit():
     # Keras's Adam squares each occurrence's gradient of an Embedding row (tf.IndexedSlices
     # values), where autosplit's dense sums give the square of the batch's gradient: the
@@ -185,6 +190,7 @@ class PatchesAndPositions(keras.layers.Layer):
         return patches + self.position(keras.ops.expand_dims(keras.ops.arange(0, count), 0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("from_shape", [False, True])
 def test_a_position_embedding_names_each_row_once_and_is_not_warned_about(from_shape):
     # Its gradient is tf.IndexedSlices of indices 0..5, once each: applied per occurrence
@@ -204,6 +210,7 @@ def test_a_position_embedding_names_each_row_once_and_is_not_warned_about(from_s
                     quiet_about="sparse gradients", rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_loss_of_one_value_per_batch_is_named_when_split():
     # keras-io NER's CustomNonPaddingTokenLoss form: a mean over the batch's unmasked
     # tokens, one value per batch, which a split weighed by rows does not reproduce.
@@ -232,6 +239,7 @@ def _contrastive_mean(y_true, y_pred):  # keras-io siamese_contrastive's loss, a
     return keras.ops.mean(losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", [
     _contrastive_mean,
     lambda y_true, y_pred: 0.5 * keras.ops.mean(keras.ops.square(y_pred - y_true)),
@@ -256,6 +264,7 @@ def test_a_mean_over_the_rows_returned_as_one_value_is_exact_and_quiet(loss):
                     quiet_about="one value per batch", rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_mean_of_values_that_mix_rows_is_named_when_split():
     # keras-io's supervised-contrastive loss takes a mean over a similarity matrix of
     # the batch's rows (y_pred @ y_pred.T): one value per batch that no weighing of the
@@ -275,6 +284,7 @@ def test_a_mean_of_values_that_mix_rows_is_named_when_split():
     assert_here(found, line)
 
 
+@pytest.mark.slow
 def test_a_custom_step_that_differentiates_a_ratio_trains_as_model_fit_quietly():
     # keras-io image captioning: a custom train_step whose loss is a mean over the
     # unmasked tokens, sum(l * mask) / sum(mask). Weighed by rows it was 0.28 relative
@@ -306,6 +316,7 @@ def test_a_custom_step_that_differentiates_a_ratio_trains_as_model_fit_quietly()
                     rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_ghost_batch_norm_note_only_for_layers_that_normalise_with_batch_statistics():
     """SimSiam's and the siamese example's steps call their encoder without
     ``training=True``: Keras 3 then runs BatchNormalization in inference mode, the split

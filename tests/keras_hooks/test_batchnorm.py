@@ -83,6 +83,7 @@ def test_conv_inputs_count_spatial_positions():
     assert_moving_close(moving(reference), moving(candidate))
 
 
+@pytest.mark.slow
 def test_masked_time_steps_count_unmasked_positions():
     """Embedding(mask_zero=True) -> BatchNormalization over time steps: the mask decides
     what is counted (the embedding is row-wise, so micro-batch rows are the batch's)."""
@@ -148,6 +149,7 @@ def resnet_like():
     return model
 
 
+@pytest.mark.slow
 def test_deeper_layers_pool_the_micro_batches_activations():
     """A ResNet-style block: each layer's moving statistics after one large batch equal
     Keras's update with the pooled statistics of the same micro-batches' activations at
@@ -181,6 +183,7 @@ def test_deeper_layers_pool_the_micro_batches_activations():
         np.testing.assert_allclose(layer.moving_variance.numpy(), var, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_out_of_memory_recovery_leaves_the_statistics_of_the_run_without_it():
     """Step 1 fails and is redone in smaller micro-batches: the pooled statistics of a
     first-layer BatchNormalization do not depend on the cut, nor count anything twice."""
@@ -197,6 +200,7 @@ def test_out_of_memory_recovery_leaves_the_statistics_of_the_run_without_it():
     assert_moving_close(moving(reference), moving(candidate), tol=1e-5)
 
 
+@pytest.mark.slow
 def test_mixed_float16_pools_in_float32():
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -260,6 +264,7 @@ def two_views_custom():
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [B, M], ids=["no-split", "split"])
 @pytest.mark.parametrize("kind", ["functional", "custom-step"])
 def test_a_layer_called_on_two_views_updates_once_per_call_as_model_fit_does(kind, m):

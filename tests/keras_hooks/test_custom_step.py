@@ -17,6 +17,7 @@ import autosplit
 from autosplit.errors import UnsupportedModelError
 
 
+@pytest.mark.slow
 def test_guide_train_step_with_compiled_loss_and_metrics_equals_model_fit():
     r = np.random.default_rng(1)
     x = r.normal(size=(N, 6)).astype("float32")
@@ -210,6 +211,7 @@ class ValidationHooks(keras.callbacks.Callback):
         self.events.append(f"end {sorted(logs)}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [GuideStep, FlipAtTest, OwnTestStep])
 @pytest.mark.parametrize("how", ["validation_data", "validation_split", "dataset"])
 def test_validation_runs_the_model_s_own_test_step_as_model_fit_does(cls, how):

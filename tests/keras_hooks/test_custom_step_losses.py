@@ -45,6 +45,7 @@ class Distiller(keras.Model):
         return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [8, 22])
 def test_loss_tensors_a_step_returns_are_the_large_batch_s_as_in_model_fit(m):
     # Returned as they are, they were the last micro-batch's: student_loss 2.39 / 2.25 at
@@ -197,6 +198,7 @@ class Reconstruct(keras.Model):
         return {"loss": self.tracker.result()}
 
 
+@pytest.mark.slow
 def test_validation_split_of_inputs_alone_as_model_fit():
     # model.fit splits x alone when there are no targets; autosplit refused ("Expected
     # arrays with validation_split") though x was an array.
@@ -236,6 +238,7 @@ class OwnTargets(keras.Model):
         return self.compute_metrics(x, x, y_pred, sample_weight=None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("called_first", [False, True])
 def test_a_step_feeding_its_own_targets_runs_whether_or_not_the_model_was_called(called_first):
     # Called before fitting (model.summary(), loading weights), the model was built, and
@@ -258,6 +261,7 @@ def test_a_step_feeding_its_own_targets_runs_whether_or_not_the_model_was_called
     assert_same_as_fit(reference, candidate, expected, got, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regularizer", ["kernel", "activity"])
 def test_the_guide_s_step_with_a_regularised_model_equals_model_fit(regularizer):
     # Keras's compute_loss stacks the compiled loss and the model's penalties and sums

@@ -51,6 +51,7 @@ class WithEma(keras.Model):
         return {"loss": self.tracker.result()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ema", [False, True])
 def test_a_step_that_keeps_state_of_its_own_is_refused_and_layer_state_is_not(ema):
     r = np.random.default_rng(6)
@@ -167,6 +168,7 @@ class Counting(keras.Model):
         return self._track(x, keras.ops.mean(keras.ops.square(self(x) - y)))
 
 
+@pytest.mark.slow
 def test_trackers_of_counts_count_the_large_batch_as_model_fit_does():
     # A count of the batch's rows is a sum over its micro-batches, not a mean: weighed
     # n / B like a loss, `seen` ended at 13.4 where model.fit's was 40. A constant per

@@ -112,6 +112,7 @@ def data():
     return r.normal(size=(N, T, 4)).astype("float32"), r.integers(0, 5, size=(N, T))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_a_step_s_loss_trains_and_logs_as_model_fit(name):
     x, y = data()
@@ -134,6 +135,7 @@ def test_a_step_s_loss_trains_and_logs_as_model_fit(name):
 # A tracker's update adds up to one update with the large batch's value: a sum, a mean,
 # a penalty, and sums of them, weighed part by part; a ratio of sums (a masked or
 # weighted mean) by putting the tracker back and updating it with the value so far.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sum", "compute_average_loss", "mean_plus_sum",
                                   "tutorial_with_regularization", "sum_over_a_constant",
                                   "masked_mean", "boolean_mask_mean", "weighted_mean",
@@ -169,6 +171,7 @@ def test_a_gradient_transform_in_the_step_is_refused_with_the_optimizer_s_own(na
     _refused(make(LOSSES["masked_mean"], CLIPS[name]), "global_clipnorm")
 
 
+@pytest.mark.slow
 def test_the_optimizer_s_own_clipping_acts_once_on_the_large_batch():
     # What the refusal advises: global_clipnorm on the optimizer, as model.fit applies it.
     x, y = data()
@@ -181,6 +184,7 @@ def test_the_optimizer_s_own_clipping_acts_once_on_the_large_batch():
     assert relative_error(reference.get_weights(), candidate.get_weights()) <= 1e-5
 
 
+@pytest.mark.slow
 def test_gradients_scaled_by_a_constant_or_added_up_before_the_apply_train_as_model_fit():
     x, y = data()
 
@@ -203,6 +207,7 @@ TRANSFORMS = {None: None, "scaled": lambda g: [0.5 * t for t in g], **CLIPS}
 TRIED: dict[str, int] = {"trained": 0, "refused": 0}  # -s and a print show the split
 
 
+@pytest.mark.slow
 @settings(max_examples=16, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(parts=st.lists(st.tuples(st.sampled_from(sorted(PARTS)),
@@ -247,6 +252,7 @@ class Scheduled(Step):
                 "count_after": tf.cast(self.optimizer.iterations, tf.float32)}
 
 
+@pytest.mark.slow
 def test_what_a_step_reads_after_its_apply_is_read_after_the_one_real_apply():
     x, y = data()
     models = []
@@ -285,6 +291,7 @@ class GradientNorm(Step):
                 "kernel_norm": tf.norm(grads[0])}
 
 
+@pytest.mark.slow
 def test_a_norm_of_the_gradients_is_the_large_batch_s():
     # global_norm of the gradients the step applies, and tf.norm of one of them: the
     # norm of the summed gradients, as model.fit logs it, not a mean of the

@@ -156,6 +156,7 @@ def test_real_resource_exhausted_under_bfc_cap_and_process_survives():
     assert out["current"] < 1 * MiB
 
 
+@pytest.mark.slow
 def test_run_capped_stops_a_silent_child_at_its_timeout_and_closes_its_pipes():
     # Captured stdout used to be read to its end before the timeout applied: a child
     # that wrote nothing and never ended held the caller forever, and the pipes were

@@ -42,6 +42,7 @@ def state(model):
             + [np.array(v.numpy(), copy=True) for v in model.metrics_variables])
 
 
+@pytest.mark.slow
 def test_probe_leaves_state_bitwise_unchanged_and_round_trips(cache_home):
     model = small_model()
     autosplit.keras_hooks.internals.symbolic_build(model, (data()[0][:8], data()[1][:8], None))
@@ -58,6 +59,7 @@ def test_probe_leaves_state_bitwise_unchanged_and_round_trips(cache_home):
     assert again == result
 
 
+@pytest.mark.slow
 def test_trials_scan_only_new_objects_and_the_collector_is_left_as_found(cache_home):
     # Between trials what survived the last collection is frozen (gc.freeze), so each
     # collection scans only that trial's objects; afterwards nothing stays frozen.
@@ -81,6 +83,7 @@ def test_trials_scan_only_new_objects_and_the_collector_is_left_as_found(cache_h
         gc.unfreeze()
 
 
+@pytest.mark.slow
 def test_trials_pull_trainings_elements_with_autotuning_off(cache_home, monkeypatch):
     # A trial is too short for tf.data's autotuning to tune anything: its thread only
     # took CPU from the step, and deleting a trial's iterator waited up to 1.2 s for it.
@@ -107,6 +110,7 @@ def test_trials_pull_trainings_elements_with_autotuning_off(cache_home, monkeypa
                        zip(tf_flat(a), tf_flat(b), strict=True))
 
 
+@pytest.mark.slow
 def test_a_trial_over_the_budget_after_one_measured_step_stops_there(monkeypatch):
     # Real trial steps and a real meter; only the budget is chosen: 1 byte (every
     # measured step is over it) or unbounded.
@@ -157,11 +161,13 @@ def tf_flat(element):
     return [np.asarray(t) for t in keras.tree.flatten(element)]
 
 
+@pytest.mark.slow
 def test_whole_batch_fits_means_no_split(cache_home):
     result = probe(small_model(), data(), batch_size=64, cache=False)
     assert result.micro_batch_size == 64 and result.accumulation_steps == 1
 
 
+@pytest.mark.slow
 def test_cache_hit_bypass_and_invalidation(cache_home):
     model = small_model()
     first = probe(model, data(), batch_size=128)
@@ -188,6 +194,7 @@ def test_bad_memory_strings(bad, cache_home):
         probe(small_model(), data(), batch_size=64, memory_limit=bad, cache=False)
 
 
+@pytest.mark.slow
 def test_fit_with_auto_micro_batch(cache_home):
     x, y = data(300)
     history = autosplit.fit_large_batch(small_model(), (x, y), batch_size=100, verbose=0)
@@ -198,6 +205,7 @@ def test_fit_with_auto_micro_batch(cache_home):
     json.dumps(report.to_dict())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [300, 290])
 def test_training_runs_the_step_its_probe_traced_at_the_chosen_size(cache_home, rows):
     # A trial traces the step as training at its size will run it (whole elements where
@@ -211,6 +219,7 @@ def test_training_runs_the_step_its_probe_traced_at_the_chosen_size(cache_home, 
     assert report.traces == 0
 
 
+@pytest.mark.slow
 def test_a_seeded_fit_that_probes_shuffles_as_one_given_its_micro_batch(cache_home):
     # keras.utils.set_random_seed fixes TensorFlow's sequence of op seeds, and the
     # training shuffle takes one. The probe's trial pipelines must take none, or the
@@ -282,6 +291,7 @@ def test_the_choice_on_arrays_trains_from_every_input_kind(tmp_path):
         assert report["kinds"][kind]["micro_batch_size"] == m
 
 
+@pytest.mark.slow
 def test_objective_speed_times_real_trials_and_says_why(cache_home):
     model = small_model()
     autosplit.keras_hooks.internals.symbolic_build(model, (data()[0][:8], data()[1][:8], None))

@@ -48,6 +48,7 @@ def twins(make):
     return reference, candidate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["arrays", "dataset"])
 def test_endpoint_layer_model_equals_model_fit(kind):
     inputs, val = data(), data(60, seed=1)
@@ -86,6 +87,7 @@ class SummedEndpoint(keras.layers.Layer):
         return keras.ops.softmax(logits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vector", [True, False], ids=["per_example_vector", "ops_sum"])
 def test_an_added_loss_summed_over_the_rows_equals_model_fit(vector):
     # A sum over the rows: each micro-batch's sum counts whole. Before, the vector
@@ -134,6 +136,7 @@ class PerUnitPenalty(keras.layers.Layer):
         return h
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", ["training_only_then_per_row", "per_unit_as_many_as_m"])
 def test_added_losses_are_told_apart_by_what_they_are_not_where_they_stand(layers):
     # Review of the summed added losses (helper 26): validation matched the losses of a
@@ -167,6 +170,7 @@ def test_added_losses_are_told_apart_by_what_they_are_not_where_they_stand(layer
                                    err_msg=name)
 
 
+@pytest.mark.slow
 def test_added_loss_next_to_a_compiled_loss_under_xla():
     """A per-example-mean added loss plus a compiled one, jit-compiled: the short
     micro-batch without its padding is a second compiled shape."""

@@ -9,6 +9,8 @@ from common import assert_weights_close, twin
 
 from autosplit.testing import train_on_large_batch
 
+pytestmark = pytest.mark.slow  # each case trains a model under mixed precision
+
 # After 3 Adam steps; bfloat16 keeps 8 bits of mantissa (2**-8 = 3.9e-3 per rounding).
 TOLERANCE = {"mixed_float16": 2e-3, "mixed_bfloat16": 6e-2}
 

@@ -138,6 +138,7 @@ def adamw():
     return keras.optimizers.AdamW(1e-2, weight_decay=0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("batch", "micro"),
     [(64, 16), (50, 16), (37, 37), (37, 100), (12, 1), (50, 7)],
@@ -147,6 +148,7 @@ def test_mlp_sgd_with_sample_weights(batch, micro):
     run_case(mlp(sgd, regularize=True), mlp_data, batch, micro, tol=SGD_TOL, weights=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", [adam, adamw, momentum_clip],
                          ids=["adam", "adamw", "sgd-momentum-clipnorm"])
 def test_mlp_optimizers(optimizer):
@@ -154,50 +156,59 @@ def test_mlp_optimizers(optimizer):
     run_case(mlp(optimizer), mlp_data, 50, 16, tol=tol)
 
 
+@pytest.mark.slow
 def test_clipnorm_is_on_the_large_batch_gradient():
     """With a clip that does bind, the clipped norm is that of the whole-batch gradient."""
     run_case(mlp(lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.05)), mlp_data, 48, 16,
              tol=SGD_TOL)
 
 
+@pytest.mark.slow
 def test_small_cnn_adam():
     run_case(cnn(adam), cnn_data, 30, 8, tol=ADAM_TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", [False, True], ids=["tokens", "tokens+weights"])
 def test_masked_token_loss_divides_by_unmasked_tokens_of_the_whole_batch(weights):
     run_case(masked_tagger(adam), masked_data, 40, 6, tol=ADAM_TOL, weights=weights,
              dense_reference=True)
 
 
+@pytest.mark.slow
 def test_masked_token_loss_sgd_matches_plain_keras():
     # SGD applies an IndexedSlices gradient exactly as its dense form: plain Keras is
     # the reference here, with no densifying.
     run_case(masked_tagger(sgd), masked_data, 40, 6, tol=SGD_TOL)
 
 
+@pytest.mark.slow
 def test_mean_with_sample_weight_reduction():
     loss = keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, reduction="mean_with_sample_weight")
     run_case(mlp(sgd, loss=loss), mlp_data, 50, 16, tol=SGD_TOL, weights=True)
 
 
+@pytest.mark.slow
 def test_sum_reduction():
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
     run_case(mlp(lambda: keras.optimizers.SGD(1e-3), loss=loss), mlp_data, 50, 16,
              tol=SGD_TOL, weights=True)
 
 
+@pytest.mark.slow
 def test_activity_regularizer_is_a_per_example_mean():
     run_case(mlp(sgd, activity=True, regularize=True), mlp_data, 64, 16, tol=SGD_TOL)
 
 
+@pytest.mark.slow
 def test_weight_regularizer_counted_once_with_padding():
     """50 = 3*16 + 2: the last micro-batch is padded; L2 must still count once."""
     _, candidate, _ = run_case(mlp(sgd, regularize=True), mlp_data, 50, 16, tol=SGD_TOL)
     assert candidate.losses  # the model does carry regularization losses
 
 
+@pytest.mark.slow
 def test_multi_output_with_loss_weights():
     def make():
         inputs = keras.Input((6,))
@@ -233,20 +244,24 @@ def test_multi_output_with_loss_weights():
     assert_weights_close(reference.get_weights(), candidate.get_weights(), SGD_TOL)
 
 
+@pytest.mark.slow
 def test_embedding_adam_uses_the_dense_gradient():
     """Keras's Adam sums squared duplicates of a sparse gradient; autosplit's is dense."""
     run_case(masked_tagger(adam), masked_data, 32, 8, tol=ADAM_TOL, dense_reference=True)
 
 
+@pytest.mark.slow
 def test_xla_matches():
     run_case(mlp(adam, jit_compile=True), mlp_data, 50, 16, tol=ADAM_TOL, weights=True,
              jit_compile=True)
 
 
+@pytest.mark.slow
 def test_run_eagerly_matches():
     run_case(mlp(sgd), mlp_data, 50, 16, tol=SGD_TOL, run_eagerly=True)
 
 
+@pytest.mark.slow
 def test_metrics_exclude_padding_rows():
     batch, micro = 50, 16
     x, y, w = mlp_data(batch, 0, weights=True)
@@ -278,6 +293,7 @@ def test_hand_computed_mean_of_four_gradients():
     np.testing.assert_allclose(model.get_weights()[0], [[2.5]], rtol=1e-7)
 
 
+@pytest.mark.slow
 def test_accumulate_gradients_in_a_custom_loop_equals_the_full_batch_gradient():
     make = mlp(sgd, regularize=True)
     x, y, w = mlp_data(45, 3, weights=True)

@@ -18,6 +18,7 @@ import autosplit
 from autosplit.data.pipeline import MicroBatches
 
 
+@pytest.mark.slow
 def test_fit_equals_model_fit_over_epochs_with_a_short_last_batch():
     x, y = data(230)  # 230 = 3 * 64 + 38: a short last large batch each epoch
     reference, candidate = twin(make_mlp, (x[:16], y[:16], None))
@@ -34,6 +35,7 @@ def test_fit_equals_model_fit_over_epochs_with_a_short_last_batch():
     assert len(history.history["loss"]) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["arrays", "examples", "generator"])
 def test_one_iterator_reads_every_epoch_where_the_epoch_is_known(kind, monkeypatch):
     # Making an iterator instantiates the pipeline's functions (13-20 ms an epoch): where
@@ -66,6 +68,7 @@ def test_one_iterator_reads_every_epoch_where_the_epoch_is_known(kind, monkeypat
     assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
 
 
+@pytest.mark.slow
 def test_a_full_collection_only_where_memory_is_measured_or_capped(monkeypatch):
     # gc.collect() frees an earlier call's pipelines before the probe measures, under a
     # cap and on a GPU; on a plain CPU it is left to Python, as after model.fit (it cost
@@ -175,6 +178,7 @@ def test_callbacks_see_large_batches_and_stop_training():
     assert int(model.optimizer.iterations) == 5
 
 
+@pytest.mark.slow
 def test_early_stopping_checkpoint_tensorboard_and_validation(tmp_path):
     x, y = data(200)
     model = make_mlp()
@@ -210,6 +214,7 @@ def test_steps_per_epoch_with_repeated_dataset():
     assert int(model.optimizer.iterations) == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("steps", "epochs", "iterations"), [(3, 4, 8), (2, 3, 6), (5, 2, 8)])
 def test_steps_per_epoch_past_the_data_ends_the_epoch_and_reads_it_again(steps, epochs,
                                                                         iterations):
@@ -235,6 +240,7 @@ def test_steps_per_epoch_past_the_data_ends_the_epoch_and_reads_it_again(steps, 
     assert bool(short) == (4 % steps != 0)  # an epoch ended early
 
 
+@pytest.mark.slow
 def test_batch_norm_warns_once_per_step_build():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
                               keras.layers.BatchNormalization(), keras.layers.Dense(3)])
@@ -247,6 +253,7 @@ def test_batch_norm_warns_once_per_step_build():
         autosplit.fit_large_batch(model, (x, y), batch_size=64, micro_batch_size=64, verbose=0)
 
 
+@pytest.mark.slow
 def test_shuffle_batch_keeps_each_large_batch_so_it_trains_as_unshuffled():
     """Keras's shuffle="batch": large batch i holds rows [i*B, (i+1)*B) in a new order
     each epoch; a large batch's gradient does not depend on that order. (A full shuffle,
@@ -277,6 +284,7 @@ class HookLog(keras.callbacks.Callback):
         self.events.append(("end", round(logs["loss"], 5), round(logs["accuracy"], 5)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["arrays", "batched"])
 def test_validation_calls_the_test_hooks_as_model_fit_does(kind):
     # model.fit validates through model.evaluate with its callbacks: on_test_begin, a
@@ -328,6 +336,7 @@ def test_a_loss_that_overflows_logs_inf_as_model_fit_with_padding_rows():
     assert int(candidate.optimizer.iterations) == int(reference.optimizer.iterations)
 
 
+@pytest.mark.slow
 def test_rereading_shuffled_arrays_every_epoch_builds_the_cut_once(monkeypatch):
     # With steps_per_epoch each pass over the data is a new iterator. Cut per epoch and
     # cached, shuffled arrays grew by 47 MB over 300 epochs; one cut, whose epoch is a
@@ -348,6 +357,7 @@ def test_rereading_shuffled_arrays_every_epoch_builds_the_cut_once(monkeypatch):
     assert len(built) <= 2  # the element spec's unseeded cut, and the seeded one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batched", [True, False])
 def test_steps_per_epoch_past_an_input_of_unknown_length_reads_it_again(batched):
     # Keras learns the count of batches where the data first ends and reads the data

@@ -131,6 +131,7 @@ def test_unreduced_loss_is_refused():
                                   verbose=0)
 
 
+@pytest.mark.slow
 def test_batched_dataset_is_rebatched_not_refused():
     """A pipeline ending in .batch(n), whatever n, trains exactly like its examples."""
     x, y = data(230)

@@ -68,6 +68,7 @@ def test_the_gradient_sums_are_zeroed_after_the_optimizer_wrote_every_variable()
         assert set(writes) <= _ancestors(op), op.name
 
 
+@pytest.mark.slow
 def test_one_trace_serves_an_epoch_and_graph_size_does_not_grow_with_k():
     x, y = data(64)
     sizes = {}
@@ -127,6 +128,7 @@ def _sequential():
                      weighted_metrics=["accuracy"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [_dict_outputs, _list_of_one_output, _sequential])
 def test_a_built_functional_model_is_built_from_its_output_spec_as_keras_builds_it(make):
     # A freshly compiled Functional or Sequential model: Keras's symbolic build would
@@ -164,6 +166,7 @@ def _stack(layers, *, optimizer="adam"):
     return model
 
 
+@pytest.mark.slow
 def test_whole_elements_reach_the_metrics_without_a_padding_check_only_where_none_comes():
     # A pipeline whose elements hold real rows only (MicroBatches.always_full) updates
     # the metrics from each whole element: no tf.cond per micro-batch to drop padding
@@ -196,6 +199,7 @@ def test_whole_elements_reach_the_metrics_without_a_padding_check_only_where_non
     assert not steps[256].full
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("known_length", [True, False])
 def test_control_edges_grow_with_the_graph_not_the_square_of_the_variables(known_length):
     # Ordering each of the optimizer's ops (some 15 a variable) after every gradient
@@ -243,6 +247,7 @@ def test_an_input_of_many_tensors_is_stashed_through_one_token():
     assert _fan_in(definition) == []
 
 
+@pytest.mark.slow
 def test_accumulate_gradients_orders_metrics_after_the_gradients_through_one_token():
     x, y = data(64)
 

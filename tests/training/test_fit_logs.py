@@ -34,6 +34,7 @@ def exact_validation(model, x, targets):
     return model.evaluate(x, targets, batch_size=20, verbose=0, return_dict=True)
 
 
+@pytest.mark.slow
 def test_per_output_and_validation_logs_equal_model_fit():
     x, y = data()
     targets = {"a": y, "b": np.stack([x[:, 2], x[:, 3]], axis=1)}
@@ -55,6 +56,7 @@ def test_per_output_and_validation_logs_equal_model_fit():
         np.testing.assert_allclose(history[f"val_{name}"][-1], value, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_validation_split_steps_and_batch_size_as_in_model_fit():
     x, y = data()
     reference, candidate = pair(mlp)
@@ -101,6 +103,7 @@ class CategoricalTruePositives(keras.metrics.Metric):
         self.true_positives.assign(0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["custom_metric", "mean_iou"])
 def test_metrics_see_the_rows_model_fit_gives_them(case):
     # Metrics were given the padding mask as a sample_weight that model.fit never
@@ -148,6 +151,7 @@ def test_metrics_see_the_rows_model_fit_gives_them(case):
     assert_weights_close(reference.get_weights(), candidate.get_weights(), 1e-5)
 
 
+@pytest.mark.slow
 def test_validation_split_reads_a_tuple_x_as_without_it():
     # The tuple form (x, y, w) is split as its three parts; a tuple x next to a
     # sample_weight= is not that form, as get_input reads it: before, the split read
@@ -195,6 +199,7 @@ def tagger(loss):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["masked tokens", "sum", "weighted mean"])
 @pytest.mark.parametrize("val_rows", [100, 90])  # two equal batches; a short last one
 def test_val_loss_is_model_fit_s_mean_of_batch_losses(loss, val_rows):
@@ -232,6 +237,7 @@ class _TestBatches(keras.callbacks.Callback):
         self.heard.append((batch, round(float(logs["loss"]), 4)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("loss", "listens"), [
     ("sum", None), ("masked tokens", None), ("mean", "subclass"), ("mean", "lambda")])
 def test_a_batched_validation_dataset_is_scored_in_its_own_batches(loss, listens):

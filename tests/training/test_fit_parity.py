@@ -58,6 +58,7 @@ class Interrupt(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
+@pytest.mark.slow
 def test_backup_and_restore_resumes_to_the_uninterrupted_weights(tmp_path):
     x, y = data()
     uninterrupted, resumed = pair(mlp)
@@ -76,6 +77,7 @@ def test_backup_and_restore_resumes_to_the_uninterrupted_weights(tmp_path):
     assert_weights_close(uninterrupted.get_weights(), resumed.get_weights(), 1e-6)
 
 
+@pytest.mark.slow
 def test_reduce_lr_csv_logger_and_learning_rate_scheduler_as_in_model_fit(tmp_path):
     x, y = data()
     reference, candidate = pair(mlp)
@@ -149,6 +151,7 @@ def test_add_loss_in_call_warns_when_split():
         autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M, verbose=0)
 
 
+@pytest.mark.slow
 def test_the_search_shows_one_line_per_trial_only_when_verbose(capsys, tmp_path,
                                                                monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -162,6 +165,7 @@ def test_the_search_shows_one_line_per_trial_only_when_verbose(capsys, tmp_path,
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
 def test_calling_it_again_reuses_the_step_and_memory_stays_flat():
     x, y = data(1024)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(256, activation="relu"),

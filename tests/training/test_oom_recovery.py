@@ -26,6 +26,7 @@ def data(n=256):
     return labelled(n, 6, 3)
 
 
+@pytest.mark.slow
 def test_injected_oom_redoes_the_same_batch_exactly():
     x, y = data()
     reference, candidate = twin(make, (x[:8], y[:8], None))
@@ -45,6 +46,7 @@ def test_injected_oom_redoes_the_same_batch_exactly():
     np.testing.assert_allclose(history.history["accuracy"], ref_history.history["accuracy"])
 
 
+@pytest.mark.slow
 def test_injected_oom_in_a_marked_epoch_of_a_batched_dataset_is_exact():
     # A batched dataset of unknown length (a filter hides it) is read by one iterator
     # whose epochs end at a marker: a resumed large batch (run_local, in pieces) must
@@ -76,6 +78,7 @@ def test_on_oom_raise():
                                   on_oom="raise", verbose=0)
 
 
+@pytest.mark.slow
 def test_a_failed_step_leaves_weights_and_optimizer_untouched():
     """A real failure part-way through the loop: the optimizer has not run."""
     x, y = data(64)
