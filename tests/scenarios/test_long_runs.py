@@ -17,8 +17,6 @@ from common import assert_weights_close, three_classes
 
 import autosplit
 
-pytestmark = pytest.mark.slow  # long runs, each trained against model.fit
-
 N, B, M = 200, 50, 20  # 4 large batches an epoch, each cut 20 + 20 + 10 rows
 
 

@@ -12,8 +12,6 @@ from common import relative_error
 import autosplit
 from autosplit.step.model_state import model_state
 
-pytestmark = pytest.mark.slow  # each case trains twin models again and again
-
 N, B, M = 120, 60, 25  # an uneven split: 3 micro-batches of 20
 
 

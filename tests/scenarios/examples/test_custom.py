@@ -30,8 +30,6 @@ from _compare import (
 )
 from keras import layers, ops
 
-pytestmark = pytest.mark.slow  # real programs: keras.io examples, trained
-
 
 # making_new_layers_and_models_via_subclassing.py: Linear with add_weight, MLPBlock of
 # three of them, lazily built, inside a subclassed Model.

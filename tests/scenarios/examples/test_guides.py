@@ -24,8 +24,6 @@ from keras import layers, ops
 
 import autosplit
 
-pytestmark = pytest.mark.slow  # real programs: the Keras guides' steps, trained
-
 N, B, M = 96, 32, 12  # 3 micro-batches of 11, 11, 10 rows per large batch
 
 

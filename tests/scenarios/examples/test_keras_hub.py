@@ -18,8 +18,6 @@ from common import relative_error
 
 import autosplit
 
-pytestmark = pytest.mark.slow  # real programs: keras_hub models, trained
-
 N, B, M = 96, 32, 12
 SEQUENCE = 12
 VOCABULARY = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",

@@ -26,8 +26,6 @@ from keras import layers, ops
 
 import autosplit
 
-pytestmark = pytest.mark.slow  # real programs: keras.io examples, trained
-
 
 # bidirectional_lstm_imdb.py: 20000 words, 200 tokens, LSTM(64) twice, Adam, batch 32.
 @pytest.mark.slow

@@ -16,8 +16,6 @@ from keras import layers, ops
 
 import autosplit
 
-pytestmark = pytest.mark.slow  # real programs: keras.io examples, trained
-
 
 # siamese_contrastive.py: pairs of 28x28 MNIST digits through one tower (BatchNormalization,
 # two tanh Conv2D and AveragePooling, BatchNormalization, Dense(10, tanh)), the Euclidean

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 from _compare import ADAM_RTOL, assert_exact
 from keras import layers
-
-pytestmark = pytest.mark.slow  # real programs: keras.io examples, trained
 
 
 def heart_table(n, seed=0):

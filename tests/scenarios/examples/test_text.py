@@ -12,12 +12,9 @@ from __future__ import annotations
 import _compare
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 from _compare import ADAM_RTOL, assert_exact, assert_same_training, fit_both, steps, twins
 from keras import layers, ops
-
-pytestmark = pytest.mark.slow  # real programs: keras.io examples, trained
 
 WORDS = ["the", "movie", "was", "great", "bad", "awful", "film", "plot", "actor", "loved",
          "hated", "boring", "fun", "story", "scene", "music", "long", "short", "best",

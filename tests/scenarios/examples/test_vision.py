@@ -25,8 +25,6 @@ from keras import layers, ops
 
 import autosplit
 
-pytestmark = pytest.mark.slow  # real programs: keras.io examples, trained
-
 
 def images(n, shape, classes, seed=0):
     rng = np.random.default_rng(seed)
