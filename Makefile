@@ -1,14 +1,16 @@
 # Two entry points do all the set-up on a fresh machine with python3 and make:
 #   make demo   -- trains a small model with fit_large_batch(batch_size=4096)
 #   make test   -- ruff, mypy, the doctests, the docs built strict, then the whole test suite
-#                  (slow tests included)
+#                  (slow tests included); CI's command
+# make test-fast: ruff, mypy and every test not marked slow (under 2 minutes on 2 cores), for
+# the edit-and-test loop.
 # make docs builds the documentation site into site/ (make docs-serve: a live preview).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck doctest docs docs-serve bench bench-quick bench-gpu clean
+.PHONY: demo test test-fast lint typecheck doctest docs docs-serve bench bench-quick bench-gpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,11 +46,14 @@ doctest: $(STAMP)
 test: lint typecheck doctest docs
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -ra -n 2 $(PYTEST_ARGS)
 
+test-fast: lint typecheck
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -ra -n 2 -m "not slow" $(PYTEST_ARGS)
+
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead
 
 bench-quick: $(STAMP)
-	$(PY) -m pytest -q tests/test_benchmarks.py
+	$(PY) -m pytest -q tests/bench
 
 bench-gpu: $(STAMP)
 	$(PY) -m benchmarks.gpu_check

@@ -25,7 +25,7 @@ ratio is 0.95 or better.
 
 Without a GPU the same code runs on ``CPU:0`` (peaks from TensorFlow's allocator when
 the process starts with ``TF_CPU_ALLOCATOR_USE_BFC=true``, else the process's
-resident high-water mark); ``tests/test_benchmarks.py`` runs it so with ``--quick``.
+resident high-water mark); ``tests/bench/`` runs it so with ``--quick``.
 
 Units: MiB (2**20 bytes) of the device's allocator; samples/s = training examples per
 wall-clock second over the timed epochs.

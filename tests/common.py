@@ -1,8 +1,13 @@
-"""Plain helpers shared by the tests and their child processes (no pytest, no TensorFlow)."""
+"""Helpers shared by the tests and their child processes: data, small models, a plain
+full-batch reference step and the comparisons (no pytest)."""
 
 from __future__ import annotations
 
+import keras
 import numpy as np
+import tensorflow as tf
+
+from autosplit.keras_hooks import internals as _keras
 
 
 def labelled(n, features, classes, seed=0):
@@ -10,6 +15,14 @@ def labelled(n, features, classes, seed=0):
     rng = np.random.default_rng(seed)
     return (rng.normal(size=(n, features)).astype("float32"),
             rng.integers(0, classes, size=(n,)).astype("int32"))
+
+
+def three_classes(n, seed=0):
+    """Six normal features; the label counts which of x[0] > 0 and x[1] > 1 hold (0 to 2)."""
+    r = np.random.default_rng(seed)
+    x = r.normal(size=(n, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 1).astype("int32")
+    return x, y
 
 
 def tensor_relative_error(expected, actual) -> float:
@@ -24,3 +37,74 @@ def relative_error(expected, actual) -> float:
     """The largest :func:`tensor_relative_error` over lists of weights."""
     assert len(expected) == len(actual)
     return max(tensor_relative_error(e, a) for e, a in zip(expected, actual, strict=True))
+
+
+def classifier(features, hidden, classes, optimizer=None, metrics=("accuracy",)):
+    """The small model most tests train: Dense(hidden, relu) -> Dense(classes) logits."""
+    model = keras.Sequential([keras.Input((features,)),
+                              keras.layers.Dense(hidden, activation="relu"),
+                              keras.layers.Dense(classes)])
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=list(metrics))
+    return model
+
+
+def twin(make_model, sample):
+    """Two identical compiled models (same initial weights), built on ``sample``."""
+    reference, candidate = make_model(), make_model()
+    for model in (reference, candidate):
+        _keras.symbolic_build(model, sample)
+    candidate.set_weights(reference.get_weights())
+    return reference, candidate
+
+
+def dense_reference_step(model, x, y, sample_weight=None):
+    """A full-batch step whose gradient is made dense before the optimizer sees it.
+
+    Equal to ``model.train_on_batch`` except for Embedding gradients: Keras applies an
+    ``IndexedSlices`` gradient with repeated indices row by row (Adam then sums the
+    squares of duplicates), autosplit applies the true, dense gradient of the batch.
+    """
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(x, y, y_pred, sample_weight, training=True)
+    grads = tape.gradient(loss, model.trainable_variables)
+    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+    model.optimizer.apply_gradients(
+        [(g, v) for g, v in zip(grads, model.trainable_variables, strict=True) if g is not None])
+    return float(loss)
+
+
+def assert_weights_close(expected, actual, rtol):
+    """Every weight tensor equal to ``rtol`` relative to the tensor's largest entry."""
+    assert len(expected) == len(actual)
+    for index, (e, a) in enumerate(zip(expected, actual, strict=True)):
+        err = tensor_relative_error(e, a)
+        assert err <= rtol, (f"weight {index} {np.shape(e)}: relative error {err:.2e} > "
+                             f"{rtol:.0e}")
+
+
+class GuideStep(keras.Model):
+    """The Keras guide's custom train_step: compute_loss, the loss tracker, compute_metrics
+    (per-example metrics, sample weights)."""
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return update_metrics(self, loss, y, y_pred, sample_weight)
+
+
+def update_metrics(model, loss, y, y_pred, sample_weight=None):
+    """The guide's metric updates: the loss tracker with ``loss``, every other metric with
+    the rows; the results, by name."""
+    for metric in model.metrics:
+        if metric.name == "loss":
+            metric.update_state(loss)
+        else:
+            metric.update_state(y, y_pred, sample_weight=sample_weight)
+    return {m.name: m.result() for m in model.metrics}

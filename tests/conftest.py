@@ -1,4 +1,6 @@
-"""Shared fixtures: small real Keras models and a plain full-batch reference step."""
+"""Fixtures every test gets: fixed seeds, a fresh Keras session, its own probe cache.
+
+The helpers the tests share are in common.py, beside this file."""
 
 from __future__ import annotations
 
@@ -7,14 +9,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
-import numpy as np
 import pytest
-import tensorflow as tf
-from common import labelled, tensor_relative_error
-
-from autosplit.keras_hooks import internals as _keras
-
-__all__ = ["assert_weights_close", "classifier", "dense_reference_step", "labelled", "twin"]
 
 
 def pytest_configure(config):
@@ -38,56 +33,13 @@ def pytest_terminal_summary(terminalreporter, config):
 def _seed():
     keras.utils.set_random_seed(1234)
     yield
-    keras.backend.clear_session()
+    # Keras's global state reset; the full gc.collect() clear_session would add took a
+    # second a test late in a run (TensorFlow's objects make the heap large), more than
+    # most tests themselves. Python's own collector still runs.
+    keras.backend.clear_session(free_memory=False)
 
 
 @pytest.fixture(autouse=True)
 def _probe_cache(tmp_path, monkeypatch):
     """Each test its own probe cache: a result one test stored is another's cache hit."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-
-
-def classifier(features, hidden, classes, optimizer=None, metrics=("accuracy",)):
-    """The small model most tests train: Dense(hidden, relu) -> Dense(classes) logits."""
-    model = keras.Sequential([keras.Input((features,)),
-                              keras.layers.Dense(hidden, activation="relu"),
-                              keras.layers.Dense(classes)])
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=list(metrics))
-    return model
-
-
-def twin(make_model, sample):
-    """Two identical compiled models (same initial weights), built on ``sample``."""
-    reference, candidate = make_model(), make_model()
-    for model in (reference, candidate):
-        _keras.symbolic_build(model, sample)
-    candidate.set_weights(reference.get_weights())
-    return reference, candidate
-
-
-def dense_reference_step(model, x, y, sample_weight=None):
-    """A full-batch step whose gradient is made dense before the optimizer sees it.
-
-    Equal to ``model.train_on_batch`` except for Embedding gradients: Keras applies an
-    ``IndexedSlices`` gradient with repeated indices row by row (Adam then sums the
-    squares of duplicates), autosplit applies the true, dense gradient of the batch.
-    """
-    with tf.GradientTape() as tape:
-        y_pred = model(x, training=True)
-        loss = model.compute_loss(x, y, y_pred, sample_weight, training=True)
-    grads = tape.gradient(loss, model.trainable_variables)
-    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-    model.optimizer.apply_gradients(
-        [(g, v) for g, v in zip(grads, model.trainable_variables, strict=True) if g is not None])
-    return float(loss)
-
-
-def assert_weights_close(expected, actual, rtol):
-    """Every weight tensor equal to ``rtol`` relative to the tensor's largest entry."""
-    assert len(expected) == len(actual)
-    for index, (e, a) in enumerate(zip(expected, actual, strict=True)):
-        err = tensor_relative_error(e, a)
-        assert err <= rtol, (f"weight {index} {np.shape(e)}: relative error {err:.2e} > "
-                             f"{rtol:.0e}")

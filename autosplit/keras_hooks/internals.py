@@ -9,7 +9,7 @@ TensorFlow's behaviour sit behind one function each in the other modules of this
 (``batchnorm.recording``: BatchNormalization's ``_moments`` and moving-variable
 ``assign``; ``interception.intercept``, ``watch_targets``, ``watch_writes``: the
 optimizer's apply, ``tf.GradientTape.gradient``, variables' ``assign*``). Elsewhere
-autosplit uses public names only. ``tests/test_keras_canaries.py`` checks every one of
+autosplit uses public names only. ``tests/keras_hooks/test_keras_canaries.py`` checks every one of
 these reliances directly and names the function to update when a release changes it;
 :data:`CHECKED_ON` is the last versions they were checked on.
 """
@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 
-# Keras 3.0 to these: what tests/test_keras_canaries.py passed on last.
+# Keras 3.0 to these: what tests/keras_hooks/test_keras_canaries.py passed on last.
 CHECKED_ON = "Keras 3.15.1, TensorFlow 2.21.0"
 
 class FlatLoss(NamedTuple):

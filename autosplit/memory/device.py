@@ -9,7 +9,7 @@ kernel enforces (cgroups, ``RLIMIT_AS``) and what TensorFlow's own CPU allocator
 enforces when it is a capped BFC allocator. The idea of measuring rather than
 guessing follows accelerate's ``utils/memory.py`` (PR #3684, "Stop halving my batch").
 What TensorFlow's allocator does under a cap is shown by the real-cap tests in
-``tests/test_memory.py``.
+``tests/memory/test_device.py``.
 """
 
 from __future__ import annotations

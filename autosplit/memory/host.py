@@ -3,7 +3,7 @@
 The smallest of what psutil says is available, what the cgroup (v2 or v1) allows,
 ``RLIMIT_AS`` and, when TensorFlow's CPU allocator is a capped BFC allocator, that cap.
 What TensorFlow's allocator does under such a cap is shown by the real-cap tests in
-``tests/test_memory.py``.
+``tests/memory/test_host.py``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ allocator retries before it gives up), so the search is built to provoke few.
 :func:`search` is a generator: it yields ``(size, again)`` requests and receives the
 :class:`Trial` for each, so the same logic runs one trial at a time in one process or
 in lockstep across the workers of a multi-worker job, and is tested with a fake trial
-in milliseconds (``tests/test_search.py``). No TensorFlow here.
+in milliseconds (``tests/search/test_search.py``). No TensorFlow here.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ agreement, so that the others stop with it instead of waiting for it.
 
 :class:`Recovery` is control flow only: it drives any :class:`RecoverableStep`, the
 few operations of ``autosplit.step.train_step.TrainStep`` it needs, and is tested with a
-pure-Python fake of them (``tests/test_recovery_logic.py``).
+pure-Python fake of them (``tests/training/test_recovery_logic.py``).
 """
 
 from __future__ import annotations

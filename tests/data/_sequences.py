@@ -1,0 +1,130 @@
+"""The sequences, models and layers the tests of the cut by length share."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+B, M, VOCAB = 64, 16, 50
+
+
+def sequences(n=192, seed=0, median=10, longest=60):
+    """Token ids (1..VOCAB-1) of lognormal lengths, as a text corpus's (3 to ``longest``)."""
+    r = np.random.default_rng(seed)
+    lengths = np.clip(r.lognormal(np.log(median), 0.6, n).astype(int), 3, longest)
+    return [r.integers(1, VOCAB, n_).astype("int32") for n_ in lengths]
+
+
+def in_each_large_batch_reversed(rows):
+    return [row for start in range(0, len(rows), B) for row in reversed(rows[start:start + B])]
+
+
+def examples(seqs, kind):
+    """(generator of rows, their spec) for a model ``kind``: a classifier's (tokens,
+    label), a language model's (tokens, next tokens, mask weights), GPT-2's dict."""
+    if kind in ("lm_sample_weight", "lm_keras_mask"):
+        spec = (tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32))
+        if kind == "lm_sample_weight":
+            spec += (tf.TensorSpec([None], tf.float32),)
+        return (lambda: ((s[:-1], s[1:], np.ones(len(s) - 1, "float32"))[:len(spec)]
+                         for s in seqs)), spec
+    if kind == "gpt2":
+        spec = ({"token_ids": tf.TensorSpec([None], tf.int32),
+                 "padding_mask": tf.TensorSpec([None], tf.bool)},
+                tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.float32))
+        return (lambda: (({"token_ids": s[:-1], "padding_mask": np.ones(len(s) - 1, bool)},
+                          s[1:], np.ones(len(s) - 1, "float32")) for s in seqs)), spec
+    return (lambda: ((s, np.float32(s.sum() % 2)) for s in seqs)), (
+        tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.float32))
+
+
+def dataset(seqs, kind):
+    if kind in ("features", "masked_features"):
+        return features(seqs)
+    rows, spec = examples(seqs, kind)
+    return tf.data.Dataset.from_generator(rows, output_signature=spec)
+
+
+def model_of(kind, jit_compile=False):
+    if kind == "features":
+        return reads_padding()
+    keras.utils.set_random_seed(0)
+    if kind == "masked_features":  # Masking: a step whose features are all 0 is padding
+        model = keras.Sequential([keras.Input((None, 3)), keras.layers.Masking(),
+                                  keras.layers.GRU(8), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.5),
+                      keras.losses.BinaryCrossentropy(from_logits=True))
+        return model
+    binary = keras.losses.BinaryCrossentropy(from_logits=True)
+    tokens = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if kind == "gpt2":
+        keras_hub = pytest.importorskip("keras_hub")
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=16,
+            intermediate_dim=32, max_sequence_length=64, dropout=0.0)
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        model.compile(keras.optimizers.SGD(0.5), tokens,
+                      weighted_metrics=["sparse_categorical_accuracy"])
+        return model
+    inputs = keras.Input((None,), dtype="int32")
+    hidden = keras.layers.Embedding(VOCAB, 16, mask_zero=kind != "lm_sample_weight")(inputs)
+    if kind in ("lm_sample_weight", "lm_keras_mask"):
+        model = keras.Model(inputs, keras.layers.Dense(VOCAB)(
+            keras.layers.Dense(16, activation="relu")(hidden)))
+        model.compile(keras.optimizers.SGD(0.5), tokens, jit_compile=jit_compile,
+                      **({"weighted_metrics": ["accuracy"]} if kind == "lm_sample_weight"
+                         else {"metrics": ["accuracy"]}))
+        return model
+    if kind == "mha":
+        hidden = keras.layers.MultiHeadAttention(2, 8)(hidden, hidden)
+        hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+    else:
+        hidden = {"gru": keras.layers.GRU, "lstm": keras.layers.LSTM}[kind](16)(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile(keras.optimizers.SGD(0.5), binary, metrics=["accuracy"],
+                  jit_compile=jit_compile)
+    return model
+
+
+def reads_padding():
+    """A model without a mask: its mean over every position reads the padding."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None, 3)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.5), keras.losses.BinaryCrossentropy(from_logits=True))
+    return model
+
+
+def features(seqs):
+    def rows():
+        for s in seqs:
+            yield np.stack([s, s % 7, s % 3], axis=1).astype("float32"), np.float32(s[0] % 2)
+    return tf.data.Dataset.from_generator(rows, output_signature=(
+        tf.TensorSpec([None, 3], tf.float32), tf.TensorSpec([], tf.float32)))
+
+
+class Hungry(keras.layers.Layer):
+    """Identity on token ids, except that a micro-batch of more than 8 rows holding the
+    token VOCAB - 1 asks TensorFlow for 4 TB: a real ResourceExhaustedError."""
+
+    armed = True
+
+    def call(self, x):
+        if not self.armed:
+            return x
+        marked = tf.reduce_any(tf.equal(x, VOCAB - 1)) & (tf.shape(x)[0] > 8)
+        size = tf.where(marked, tf.constant(10**12, tf.int64), tf.constant(1, tf.int64))
+        return x + tf.cast(tf.reduce_sum(tf.zeros(tf.reshape(size, [1]))), x.dtype)
+
+
+def hungry_gru():
+    """A masked GRU classifier behind a :class:`Hungry` layer."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None,), dtype="int32"), Hungry(),
+                              keras.layers.Embedding(VOCAB, 16, mask_zero=True),
+                              keras.layers.GRU(16), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.5), keras.losses.BinaryCrossentropy(
+        from_logits=True), metrics=["accuracy"])
+    return model
