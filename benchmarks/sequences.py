@@ -40,7 +40,7 @@ already loaded, the process's resident high-water mark).
 
 Reproduce::
 
-    python -m benchmarks.sequences            # ~5 min on 2 cores
+    python -m benchmarks.sequences            # ~11 min on 2 cores
     python -m benchmarks.sequences --quick    # a smoke run, seconds
 """
 

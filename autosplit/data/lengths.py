@@ -378,8 +378,8 @@ def _token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None
     The longest piece comes first, then the shortest, then the rest from short to long:
     the first two a trial step pulls (``autosplit.search.runner``) are the two ends,
     where the memory per token is highest (under attention, and with costs per row).
-    After them comes an empty piece, ``(n, n)``: the large batch's end, whose element
-    has no row (``autosplit.data.pipeline.is_end_marker``)."""
+    Last comes an empty piece, ``(n, n)``: the large batch's end, whose element has no
+    row (``autosplit.data.pipeline.is_end_marker``)."""
     n = tf.size(lengths, out_type=tf.int64)
 
     def body(end, found):
