@@ -122,6 +122,49 @@ def _code_lines(lines: list[str], node: ast.AST) -> int:
                and lines[number - 1].strip() and not lines[number - 1].strip().startswith("#"))
 
 
+_NAMEDTUPLE = {"_replace", "_asdict", "_fields", "_make", "_getframe"}  # public, "_" or not
+
+
+def _private_reaches(tree: ast.AST) -> list[str]:
+    """Private names of other objects a module reaches: ``x._name`` on anything but
+    self or cls, ``getattr(x, "_name")``, imports of ``tensorflow.python`` or ``keras.src``."""
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__") and node.attr not in _NAMEDTUPLE
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            found.append(f"line {node.lineno}: .{node.attr}")
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                "getattr", "hasattr", "setattr") and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and str(node.args[1].value).startswith("_")
+                and not str(node.args[1].value).startswith("__")):
+            found.append(f"line {node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+        if isinstance(node, ast.ImportFrom | ast.Import):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [
+                alias.name for alias in node.names]
+            found += [f"line {node.lineno}: import {name}" for name in names
+                      if name.startswith(("tensorflow.python", "keras.src"))]
+    return found
+
+
+def test_private_names_are_reached_only_through_keras_hooks():
+    # The wall: every private Keras, TensorFlow or tf.data name sits in keras_hooks/,
+    # each with a canary in tests/keras_hooks/test_keras_canaries.py.
+    outside = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "keras_hooks" in path.relative_to(PACKAGE).parts:
+            continue
+        reaches = _private_reaches(ast.parse(path.read_text()))
+        if reaches:
+            outside[str(path.relative_to(PACKAGE))] = reaches
+    assert not outside, f"private names reached outside keras_hooks/: {outside}"
+    assert sorted(_private_reaches(ast.parse("import tensorflow.python.util\nx._inputs()\n"
+                                             "getattr(m, '_loss_tracker')"))) == [
+        "line 1: import tensorflow.python.util", "line 2: ._inputs",
+        "line 3: getattr(..., '_loss_tracker')"]
+
+
 def test_modules_and_functions_stay_short():
     """A module holds one job (at most 450 lines), a function one step (at most 60 lines
     of code): past that, cut at a seam (docs/development.md)."""

@@ -8,10 +8,11 @@ upgrade touches one file; each function says what it reads. The patches of Keras
 TensorFlow's behaviour sit behind one function each in the other modules of this package
 (``batchnorm.recording``: BatchNormalization's ``_moments`` and moving-variable
 ``assign``; ``interception.intercept``, ``watch_targets``, ``watch_writes``: the
-optimizer's apply, ``tf.GradientTape.gradient``, variables' ``assign*``). Elsewhere
-autosplit uses public names only. ``tests/keras_hooks/test_keras_canaries.py`` checks every one of
-these reliances directly and names the function to update when a release changes it;
-:data:`CHECKED_ON` is the last versions they were checked on.
+optimizer's apply, ``tf.GradientTape.gradient``, variables' ``assign*``), and what a
+``tf.data`` graph holds is read in ``tf_data``. Elsewhere autosplit uses public names
+only (``tests/test_package.py`` checks it). ``tests/keras_hooks/test_keras_canaries.py``
+checks every one of these reliances directly and names the function to update when a
+release changes it; :data:`CHECKED_ON` is the last versions they were checked on.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "all_metrics",
     "call_has_training_arg",
     "compile_loss_built",
+    "compile_state",
     "data_adapter",
     "flat_losses",
     "flatten_layers",
@@ -38,6 +40,7 @@ __all__ = [
     "has_compiled_loss",
     "loss_tracker",
     "metric_lists",
+    "onednn_enabled",
     "output_loss_trackers",
     "outside_strategy_scope",
     "peeked_batches",
@@ -214,6 +217,22 @@ def all_metrics(model: keras.Model) -> list:
 def loss_tracker(model: keras.Model) -> keras.metrics.Metric | None:
     """The ``Mean`` metric behind the ``loss`` entry of the logs."""
     return getattr(model, "_loss_tracker", None)
+
+
+def compile_state(model: keras.Model) -> tuple[Any, Any, Any]:
+    """What ``model.compile`` made, by identity: (the loss tracker, the compiled loss,
+    the compiled metrics) (``Trainer._loss_tracker``, ``_compile_loss``,
+    ``_compile_metrics``); a new ``compile()`` makes new ones."""
+    return (getattr(model, "_loss_tracker", None), getattr(model, "_compile_loss", None),
+            getattr(model, "_compile_metrics", None))
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow runs its oneDNN kernels (``TF_ENABLE_ONEDNN_OPTS``): TensorFlow's
+    ``_pywrap_util_port.IsMklEnabled``, which has no public accessor."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def resume_epoch(model: keras.Model) -> int | None:

@@ -66,9 +66,9 @@ def kernels_may_crash() -> bool:
 
 def onednn_enabled() -> bool:
     """Whether TensorFlow runs its oneDNN kernels (``TF_ENABLE_ONEDNN_OPTS``)."""
-    from tensorflow.python.util import _pywrap_util_port  # no public accessor
+    from autosplit.keras_hooks.internals import onednn_enabled as enabled
 
-    return bool(_pywrap_util_port.IsMklEnabled())
+    return enabled()
 
 
 class IsolatedTrials:

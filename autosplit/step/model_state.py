@@ -29,6 +29,7 @@ from typing import Any
 
 import keras
 
+from autosplit.keras_hooks import internals as _keras
 from autosplit.step.compiled import Compilation
 
 __all__ = ["CompileKey", "ModelState", "model_state", "step_key"]
@@ -49,10 +50,11 @@ class CompileKey:
     @classmethod
     def of(cls, model: keras.Model) -> CompileKey:
         """The key of ``model`` now."""
+        loss_tracker, compile_loss, compile_metrics = _keras.compile_state(model)
         return cls(
-            loss_tracker=getattr(model, "_loss_tracker", None),
-            compile_loss=getattr(model, "_compile_loss", None),
-            compile_metrics=getattr(model, "_compile_metrics", None),
+            loss_tracker=loss_tracker,
+            compile_loss=compile_loss,
+            compile_metrics=compile_metrics,
             optimizer=getattr(model, "optimizer", None),
             trainable=tuple(model.trainable_variables) if model.built else (),
         )

@@ -115,3 +115,50 @@ def test_the_global_seed_generator_lives_in_keras_global_state():
     assert global_state.get_global_attribute("global_seed_generator") is generator, _broken(
         "the global SeedGenerator is no longer kept as global_state's "
         "'global_seed_generator'", "keras_hooks.internals.global_seed_generator_kept")
+
+
+def test_a_compile_makes_new_state_where_compile_state_reads_it():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse", metrics=["mae"])
+    first = internals.compile_state(model)
+    assert all(part is not None for part in first), _broken(
+        "the model's loss tracker, compiled loss or compiled metrics moved",
+        "keras_hooks.internals.compile_state")
+    model.compile("sgd", "mse", metrics=["mae"])
+    assert all(a is not b for a, b in zip(first, internals.compile_state(model), strict=True)), (
+        _broken("a second compile() keeps its compile state objects",
+                "keras_hooks.internals.compile_state"))
+
+
+def test_tensorflow_says_whether_onednn_runs():
+    assert internals.onednn_enabled() in (True, False), _broken(
+        "_pywrap_util_port.IsMklEnabled is gone", "keras_hooks.internals.onednn_enabled")
+
+
+def test_tf_data_graphs_hold_what_tf_data_reads():
+    from autosplit.keras_hooks import tf_data
+
+    examples = tf.data.Dataset.range(10)
+    batched = examples.batch(4, drop_remainder=True)
+    assert type(batched).__name__ in tf_data._BATCHES and type(
+        examples.padded_batch(4)).__name__ in tf_data._BATCHES, _broken(
+        "batch() and padded_batch() datasets have other class names", "keras_hooks.tf_data")
+    assert (int(batched._batch_size), bool(batched._drop_remainder),
+            batched._input_dataset) == (4, True, examples), _broken(
+        "a batch dataset no longer holds _batch_size, _drop_remainder, _input_dataset",
+        "keras_hooks.tf_data.counted_rows")
+    assert tf_data.counted_rows(batched.prefetch(1).cache().shuffle(2)) == 8, _broken(
+        "prefetch, cache or shuffle datasets have other class names or inputs",
+        "keras_hooks.tf_data._KEEP_ROWS")
+    zipped = tf.data.Dataset.zip((batched, batched))
+    assert list(zipped._inputs()) == [batched, batched], _broken(
+        "a dataset's _inputs() no longer lists its inputs", "keras_hooks.tf_data._dataset_inputs")
+    assert tf_data.batch_rows(tf.data.Dataset.from_tensors(np.zeros((5, 2)))) == 5, _broken(
+        "from_tensors has another class name", "keras_hooks.tf_data.batch_rows")
+    assert tf_data.draws_randomness(examples.map(lambda x: x + tf.random.uniform([], 0, 2,
+                                                                                 tf.int64))), (
+        _broken("a map dataset no longer holds its function's graph",
+                "keras_hooks.tf_data.draws_randomness"))
+    assert not tf_data.draws_randomness(examples.map(lambda x: x + 1))
+    assert tf_data.counted_rows(batched.cache("/tmp/autosplit-canary-cache")) is None, _broken(
+        "a cache in a file no longer holds _filename", "keras_hooks.tf_data._batching")
