@@ -32,13 +32,9 @@ class ArrayInput(InputAdapter):
     kind = "arrays"
     rows: int  # arrays always know their length
     row_numbers = True  # rows_dataset yields row numbers; materialize gathers them
-    # tf.data rewrites a pipeline when its first iterator is made, and to rewrite it
-    # serializes the graph, the arrays the gather captures included, in every call and
-    # every probe trial: a cost that grows with the data. Every stage here is
-    # autosplit's (row numbers, the cut, the gather), and the one rewrite that did
-    # anything for them, the gather run in parallel where tf.data autotunes (a GPU
-    # host), the pipeline asks for itself (MicroBatches._build). Epochs run as fast
-    # without the rewrites (benchmarks.overhead).
+    # No tf.data rewrites: each serializes the graph with the arrays the gather captures,
+    # and none sped these stages up (benchmarks.overhead; MicroBatches._build asks for
+    # the parallel gather itself).
     graph_rewrites = False
 
     def __init__(self, x: Any, y: Any, sample_weight: Any = None, *,

@@ -90,15 +90,9 @@ class DatasetInput(InputAdapter):
             rows = leading_rows(parts)
             if (len(rows) > 1 and None in rows.values() and not ends_in_batch(dataset)
                     and not draws_randomness(dataset)):
-                # Row counts only known at run time: look at one batch now (one batch
-                # read twice, as Keras peeks a generator). A later batch whose parts
-                # differ stops training with tf.data's InvalidArgumentError ("Input
-                # element must have the same batch size in each component"): the
-                # pipeline's rebatch checks every batch, at no cost of ours. Not where
-                # the pipeline draws random numbers: an iterator more moves a seeded
-                # shuffle on, and training would see another order than model.fit's.
-                # Not where it ends in a batch(), whose parts stack the same examples:
-                # the look would be half of the adapter's set-up, for nothing.
+                # Row counts known only at run time: look at one batch now (later ones
+                # are checked by the pipeline's rebatch); not where a look would move a
+                # seed, nor after a batch(), whose parts share their rows.
                 for first in dataset.take(1):
                     check_shared_rows(first if self._arity else (first,), f"`{name}`")
         # Examples of varying shape (sequences of varying length) are padded per large

@@ -279,12 +279,8 @@ def build_for(model: keras.Model, element_spec: Any, local_replicas: int = 1) ->
             "its loss in call().")
     with model.distribute_strategy.scope():
         if custom:
-            # As model.fit does without a strategy: a model whose train_step is its own
-            # (and may have no call(), as the Keras VAE) is built by tracing that step
-            # (the step plan's throwaway trace), and so are its compiled loss and
-            # metrics, on the (y, y_pred) the step gives them (keras-io's masked
-            # autoencoder feeds them its own targets: built on the input's y = None,
-            # they raised). A model already built has its optimizer built now.
+            # As model.fit does: a model with its own train_step is built by tracing
+            # that step (the step plan's trace); one already built gets its optimizer.
             if not model.built:
                 return
             if model.optimizer is not None and not model.optimizer.built:

@@ -140,12 +140,7 @@ def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
     clipping = [name for name in ("clipvalue", "clipnorm", "global_clipnorm")
                 if getattr(optimizer, name, None) is not None]
     if sparse_gradients and (clipping or not isinstance(optimizer, keras.optimizers.SGD)):
-        # Keras applies an IndexedSlices gradient per occurrence of a row where its
-        # update is not linear in the gradient (ops.square and co. act on the slices'
-        # values): Adam's second moment adds each occurrence's square, not the square
-        # of their sum; clipping clips each occurrence (clipvalue) or counts each in the
-        # norm (clipnorm, global_clipnorm). autosplit's sums are dense, so its step is
-        # the true gradient's.
+        # Keras applies sparse gradients per occurrence of a row; autosplit's are dense.
         how = (f" with {' and '.join(clipping)} set. Keras clips a sparse gradient per "
                "occurrence of a row (each occurrence's value clipped, or counted apart in "
                "the norm), not the sum of a row's occurrences" if clipping else

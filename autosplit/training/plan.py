@@ -60,12 +60,8 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
           objective: str = "memory") -> Plan:
     if (args.micro_batch_size is None or memory_limit is not None
             or bfc_enabled(os.environ) or tf.config.list_logical_devices("GPU")):
-        # An earlier call's pipelines (their traced functions hold the arrays) and a
-        # dropped model's variables live in reference cycles until a collection: free
-        # them before the search measures memory, on an accelerator, and under
-        # TensorFlow's CPU cap (where host arrays count). On a plain CPU Python's own
-        # collector frees them, as after model.fit: a full collection costs 0.1-0.3 s
-        # in a process that has built a few models, a tenth of a short call.
+        # Earlier pipelines and dropped models sit in reference cycles: free them before
+        # memory is measured or capped (on a plain CPU Python's collector does, in time).
         gc.collect()
     where = layout(model.distribute_strategy)
     if args.batch_size % where.replicas:
