@@ -88,4 +88,6 @@ def test_under_a_real_cap_a_trial_that_ends_its_process_costs_one_trial(tmp_path
                for w in report["warnings"]), report["warnings"]
     assert fit["oom_recoveries"] == [], fit  # the checked size ran here too
     assert report["iterations"] == 2
+    # the same micro-batches (BatchNormalization normalises each with its own statistics)
+    assert report["reference_sizes"] == [fit["micro_batch_size"], 0], report
     assert report["error"] <= 1e-5, report["error"]
