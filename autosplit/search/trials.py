@@ -11,6 +11,7 @@ Out-of-memory is detected by type (``tf.errors.ResourceExhaustedError``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import time
 from collections.abc import Callable
@@ -164,10 +165,10 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     where = layout(model.distribute_strategy)
     limit = _checked(objective, isolate, memory_limit, headroom, where)
     local_batch = batch_size // where.replicas
-    trial_input = adapter if adapter.reiterable else ArrayInput(
-        *adapter.sample(local_batch), shuffle=False)
+    sample = functools.cache(lambda: adapter.sample(local_batch))  # taken once, if needed
+    trial_input = adapter if adapter.reiterable else ArrayInput(*sample(), shuffle=False)
     if by_length is not None and not adapter.reiterable:  # a sample of padded sequences
-        padded = padded_sequences(adapter.sample(local_batch), takes_any_length=True)
+        padded = padded_sequences(sample(), takes_any_length=True)
         by_length = None if padded is None else by_length._replace(padded=padded)
     pipeline = MicroBatches(trial_input, batch_size, min(local_batch, 8), where)
     spec = pipeline.dataset(shuffle_seed=TRIAL_SHUFFLE_SEED).element_spec
@@ -187,9 +188,9 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     if cached is not None:
         return cached
     say = _reporter(verbose, on_trial, budget)
-    length = 1 if by_length is None else longest_row(
-        trial_input.sample(local_batch), by_length.padded, by_length.multiple)
-    isolated = _isolated(model, trial_input, local_batch, budget, meter, jit, where, isolate,
+    length = 1 if by_length is None else longest_row(sample(), by_length.padded,
+                                                     by_length.multiple)
+    isolated = _isolated(model, sample, local_batch, budget, meter, jit, where, isolate,
                          None if by_length is None else (by_length.multiple, length))
     if isolated is not None:
         with isolated:
@@ -309,12 +310,13 @@ def _reporting(trial: Callable[[int], Trial], say: Callable[[Trial], None]
     return reported
 
 
-def _isolated(model: keras.Model, data: InputAdapter, local_batch: int, budget: int,
-              meter: PeakMeter, jit: bool, where: Layout, isolate: bool | None,
+def _isolated(model: keras.Model, sample: Callable[[], tuple[Any, ...]], local_batch: int,
+              budget: int, meter: PeakMeter, jit: bool, where: Layout, isolate: bool | None,
               tokens: tuple[int, int] | None = None) -> IsolatedTrials | None:
-    """The child process the trials run in (``autosplit.search.isolation``), or None: in this
-    process. ``isolate=None`` isolates where an allocation failure may crash a kernel.
-    ``tokens``: the trials search in tokens (``IsolatedTrials``)."""
+    """The child process the trials run in (``autosplit.search.isolation``) on ``sample()``
+    (the input's first rows), or None: in this process. ``isolate=None`` isolates where
+    an allocation failure may crash a kernel. ``tokens``: the trials search in tokens
+    (``IsolatedTrials``)."""
     if where.replicas > 1:
         if isolate:
             raise ArgumentError(
@@ -326,15 +328,14 @@ def _isolated(model: keras.Model, data: InputAdapter, local_batch: int, budget: 
         isolate = kernels_may_crash()
     if not isolate:
         return None
-    sample = data.sample(local_batch)
-    if tokens is not None and padded_sequences(sample, takes_any_length=True) is None:
+    if tokens is not None and padded_sequences(sample(), takes_any_length=True) is None:
         warn_user("The probe's trials in tokens run in this process: a child process cuts "
                   "sequences of integer token ids by length, and these are not. Under "
                   "TensorFlow's CPU cap a kernel that runs out of memory may end the "
                   "process instead of raising.")
         return None
     try:
-        return IsolatedTrials(model, sample, local_batch, budget,
+        return IsolatedTrials(model, sample(), local_batch, budget,
                               meter.baseline_bytes, jit, step_held=bool(model_state(model).steps),
                               tokens=tokens)
     except IsolationError as error:
