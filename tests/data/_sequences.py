@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from common import tensor_relative_error
+
+import autosplit
 
 B, M, VOCAB = 64, 16, 50
 
@@ -128,3 +133,37 @@ def hungry_gru():
     model.compile(keras.optimizers.SGD(0.5), keras.losses.BinaryCrossentropy(
         from_logits=True), metrics=["accuracy"])
     return model
+
+
+def trains_as_model_fit(kind, given, *, seqs=None, rtol=1e-5, epochs=2, **options):
+    """fit_large_batch on ``given`` (in micro-batches of M rows unless ``options`` size
+    them) equals model.fit on padded_batch(B) of the same rows: weights
+    (:func:`assert_within_reorder_noise`), iterations and logs. Returns the history."""
+    seqs = sequences() if seqs is None else seqs
+    reference, reordered, model = (model_of(kind, options.get("jit_compile", False))
+                                   for _ in range(3))
+    expected = reference.fit(dataset(seqs, kind).padded_batch(B), epochs=epochs, verbose=0)
+    reordered.fit(dataset(in_each_large_batch_reversed(seqs), kind).padded_batch(B),
+                  epochs=epochs, verbose=0)
+    options.pop("jit_compile", None)
+    options.setdefault("verbose", 0)
+    if "micro_batch_tokens" not in options:
+        options.setdefault("micro_batch_size", M)
+    got = autosplit.fit_large_batch(model, given, batch_size=B, epochs=epochs, **options)
+    assert_within_reorder_noise(reference, reordered, model.get_weights(), rtol)
+    # model.fit on a dataset of unknown length counts one more iteration per epoch than
+    # it trains (at the end of the data); the steps are those of the large batches.
+    assert int(model.optimizer.iterations) == epochs * math.ceil(len(seqs) / B)
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(got.history[name], values, rtol=rtol, err_msg=name)
+    return got
+
+
+def assert_within_reorder_noise(reference, reordered, weights, rtol=1e-5):
+    """Each of ``weights`` within ``rtol`` of ``reference``'s, or 3x the distance between
+    ``reference`` and ``reordered`` (trained on each large batch's rows in another order)
+    where that is larger: a gradient that cancels moves with the summation order."""
+    for variable, e, noisy, a in zip(reference.weights, reference.get_weights(),
+                                     reordered.get_weights(), weights, strict=True):
+        bound = max(rtol, 3 * tensor_relative_error(e, noisy))
+        assert tensor_relative_error(e, a) <= bound, (variable.path, bound)

@@ -22,10 +22,10 @@ from _sequences import (
     dataset,
     features,
     hungry_gru,
-    in_each_large_batch_reversed,
     model_of,
     reads_padding,
     sequences,
+    trains_as_model_fit,
 )
 from common import tensor_relative_error
 
@@ -40,41 +40,15 @@ from autosplit.step.train_step import build_for
 pytestmark = pytest.mark.slow  # every test trains models on sequences (2-26 s on 2 cores)
 
 
-def _trains_as_model_fit(kind, given, *, seqs=None, rtol=1e-5, epochs=2, **options):
-    """fit_large_batch on ``given`` equals model.fit on padded_batch(B) of the same
-    rows: weights (each against 3x the reference's own reordering noise where that is
-    larger than ``rtol``), iterations and logs. Returns the history."""
-    seqs = sequences() if seqs is None else seqs
-    reference, reordered, model = (model_of(kind, options.get("jit_compile", False))
-                                   for _ in range(3))
-    expected = reference.fit(dataset(seqs, kind).padded_batch(B), epochs=epochs, verbose=0)
-    reordered.fit(dataset(in_each_large_batch_reversed(seqs), kind).padded_batch(B),
-                  epochs=epochs, verbose=0)
-    options.pop("jit_compile", None)
-    options.setdefault("verbose", 0)
-    got = autosplit.fit_large_batch(model, given, batch_size=B, micro_batch_size=M,
-                                    epochs=epochs, **options)
-    for variable, e, noisy, a in zip(reference.weights, reference.get_weights(),
-                                     reordered.get_weights(), model.get_weights(), strict=True):
-        bound = max(rtol, 3 * tensor_relative_error(e, noisy))
-        assert tensor_relative_error(e, a) <= bound, (variable.path, bound)
-    # model.fit on a dataset of unknown length counts one more iteration per epoch than
-    # it trains (at the end of the data); the steps are those of the large batches.
-    assert int(model.optimizer.iterations) == epochs * math.ceil(len(seqs) / B)
-    for name, values in expected.history.items():
-        np.testing.assert_allclose(got.history[name], values, rtol=rtol, err_msg=name)
-    return got
-
-
 @pytest.mark.parametrize("kind", ["gru", "lstm", "mha", "lm_sample_weight", "lm_keras_mask",
                                   pytest.param("gpt2", marks=pytest.mark.slow)])
-def test_a_model_that_ignores_padding_is_cut_by_length_and_trains_as_model_fit(kind):
+def test_a_model_that_ignores_padding_is_cut_by_length_andtrains_as_model_fit(kind):
     # A Keras mask (GRU, LSTM, attention with a padding mask), a per-token loss weighted
     # by a sample_weight mask (sum_over_batch_size divides by the large batch's rows x
     # its longest row, a micro-batch by its own unless stretched), and keras_hub's GPT-2
     # with its padding_mask. The input comes in padded batches of 16.
     seqs = sequences()
-    got = _trains_as_model_fit(kind, dataset(seqs, kind).padded_batch(16), seqs=seqs)
+    got = trains_as_model_fit(kind, dataset(seqs, kind).padded_batch(16), seqs=seqs)
     assert got.autosplit.padding.startswith("by length: the model ignores padding")
 
 
@@ -94,9 +68,9 @@ def test_bucketed_batches_and_variable_length_examples_are_cut_by_length(given):
     if given == "bucketed":  # the reference: model.fit on B rows in the order they come
         seqs = [np.trim_zeros(x.numpy(), "b") for x, _ in data[0].unbatch()]
     if given in ("ragged", "list"):
-        got = _trains_as_model_fit("gru", data[0], seqs=seqs, y=data[1], shuffle=False)
+        got = trains_as_model_fit("gru", data[0], seqs=seqs, y=data[1], shuffle=False)
     else:
-        got = _trains_as_model_fit("gru", data[0], seqs=seqs)
+        got = trains_as_model_fit("gru", data[0], seqs=seqs)
     assert got.autosplit.padding.startswith("by length")
 
 
@@ -143,7 +117,7 @@ def test_arrays_of_one_length_for_a_model_of_one_length_are_not_sequences():
 
 def test_a_model_that_reads_its_padding_is_padded_as_its_large_batch_and_says_so(capsys):
     seqs = sequences()
-    got = _trains_as_model_fit("features", features(seqs).padded_batch(16), seqs=seqs,
+    got = trains_as_model_fit("features", features(seqs).padded_batch(16), seqs=seqs,
                                verbose=2)
     assert got.autosplit.padding.startswith(
         "to the large batch's longest row: the model does not ignore padding: its gradients")
@@ -155,7 +129,7 @@ def test_rows_of_features_keep_their_feature_axis_and_are_cut_by_length():
     # (rows, length, 3): the feature axis stays static through the cut (it came out as
     # None), and Masking makes padding ignored.
     seqs = sequences()
-    got = _trains_as_model_fit("masked_features", features(seqs).padded_batch(16), seqs=seqs)
+    got = trains_as_model_fit("masked_features", features(seqs).padded_batch(16), seqs=seqs)
     assert got.autosplit.padding.startswith("by length")
 
 
@@ -183,7 +157,7 @@ def test_by_length_asks_for_rows_that_vary_and_a_valid_choice():
 def test_jit_compiled_steps_cut_by_length_train_as_model_fit():
     # Lengths are rounded up to a multiple of 8: XLA compiles one program per length.
     seqs = sequences()
-    got = _trains_as_model_fit("lm_sample_weight", dataset(seqs, "lm_sample_weight")
+    got = trains_as_model_fit("lm_sample_weight", dataset(seqs, "lm_sample_weight")
                                .padded_batch(16), seqs=seqs, jit_compile=True)
     assert got.autosplit.padding.startswith("by length")
 

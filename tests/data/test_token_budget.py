@@ -19,11 +19,12 @@ import tensorflow as tf
 from _sequences import (
     VOCAB,
     B,
+    assert_within_reorder_noise,
     dataset,
     hungry_gru,
-    in_each_large_batch_reversed,
     model_of,
     sequences,
+    trains_as_model_fit,
 )
 from common import tensor_relative_error
 
@@ -37,21 +38,9 @@ TOKENS = 240  # 4 rows of the longest (60), 80 of the shortest (3)
 
 
 def _trains_as_model_fit(kind, given, *, seqs, epochs=2, **options):
-    """fit_large_batch on ``given`` in micro-batches of TOKENS tokens equals model.fit on
-    padded_batch(B): weights, iterations and logs. Returns the history."""
-    reference, reordered, model = (model_of(kind) for _ in range(3))
-    expected = reference.fit(dataset(seqs, kind).padded_batch(B), epochs=epochs, verbose=0)
-    reordered.fit(dataset(in_each_large_batch_reversed(seqs), kind).padded_batch(B),
-                  epochs=epochs, verbose=0)
-    got = autosplit.fit_large_batch(model, given, batch_size=B, micro_batch_tokens=TOKENS,
-                                    epochs=epochs, verbose=0, **options)
-    for variable, e, noisy, a in zip(reference.weights, reference.get_weights(),
-                                     reordered.get_weights(), model.get_weights(), strict=True):
-        bound = max(1e-5, 3 * tensor_relative_error(e, noisy))
-        assert tensor_relative_error(e, a) <= bound, (variable.path, bound)
-    assert int(model.optimizer.iterations) == epochs * math.ceil(len(seqs) / B)
-    for name, values in expected.history.items():
-        np.testing.assert_allclose(got.history[name], values, rtol=1e-5, err_msg=name)
+    """``trains_as_model_fit`` in micro-batches of TOKENS tokens. Returns the history."""
+    got = trains_as_model_fit(kind, given, seqs=seqs, epochs=epochs,
+                              micro_batch_tokens=TOKENS, **options)
     assert got.autosplit.tokens == TOKENS
     return got
 
@@ -240,9 +229,8 @@ def test_under_a_real_cap_the_probe_finds_a_token_budget_that_trains_as_model_fi
     reordered.fit(rows([s for start in (0, 256) for s in reversed(seqs[start:start + 256])]),
                   epochs=2, verbose=0)
     with np.load(folder / "weights.npz") as saved:
-        got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
-    for e, noisy, a in zip(reference.get_weights(), reordered.get_weights(), got, strict=True):
-        assert tensor_relative_error(e, a) <= max(1e-5, 3 * tensor_relative_error(e, noisy))
+        assert_within_reorder_noise(reference, reordered,
+                                    [saved[f"arr_{i}"] for i in range(len(saved.files))])
     assert report["iterations"] == 4
     np.testing.assert_allclose(report["loss"], expected.history["loss"], rtol=1e-5)
 
