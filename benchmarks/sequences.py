@@ -147,6 +147,7 @@ def length_cut(settings: Settings, method: str):
 
 def padding_share(kind: str, settings: Settings, method: str) -> tuple[float, int]:
     """(the share of padding among the token cells a method feeds, real tokens) per epoch."""
+    from autosplit.data.cut_stats import cut_stats
     from autosplit.data.inputs import get_input
     from autosplit.data.pipeline import MicroBatches
 
@@ -158,12 +159,9 @@ def padding_share(kind: str, settings: Settings, method: str) -> tuple[float, in
     rows = settings.batch_size if "tokens" in method else settings.micro_batch_size
     cut = MicroBatches(get_input(ds), settings.batch_size, rows,
                        by_length=None if method == "rows" else length_cut(settings, method))
-    real = cells = 0
-    for x, _, _, valid in cut.dataset():
-        t = (x if method == "rows" else x.inputs).numpy()
-        real += int((t[valid.numpy() > 0] != 0).sum())
-        cells += t.size
-    return 1 - real / cells, real
+    stats = cut_stats(cut, large_batches=-(-settings.rows // settings.batch_size))
+    assert stats is not None  # the examples are a dataset, read more than once
+    return stats.padding_share, stats.tokens
 
 
 def bare_loop(model, kind: str, settings: Settings, epochs: int, meter, method: str

@@ -1,5 +1,5 @@
-"""How a pipeline cut by length fills its micro-batches (:func:`cut_stats`): what
-``FitReport.cut`` reports."""
+"""How a pipeline of sequences fills its micro-batches (:func:`cut_stats`): what
+``FitReport.cut`` reports and ``benchmarks/sequences.py`` measures."""
 
 from __future__ import annotations
 
@@ -19,17 +19,19 @@ class CutStats(NamedTuple):
     large_batches: int  # read (at most the number asked for)
     micro_batches: float  # per large batch, on average
     padding_share: float  # of the token cells fed: 1 - real tokens / cells
+    tokens: int  # real tokens read
 
 
 def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None:
     """Micro-batches per large batch of ``pipeline`` and the share of padding they feed,
     over the first ``large_batches`` of an epoch in the input's own order, read on the host
-    (no step runs); None unless cut by length, or for an input read once (a generator).
-    A row's tokens are its ``lengths.real_lengths``, its cells the micro-batch's padded
-    length."""
-    if pipeline.by_length is None or not pipeline.adapter.reiterable:
+    (no step runs); None for an input read once (a generator). A row's tokens are its
+    ``lengths.real_lengths``, its cells the micro-batch's padded length (arrays padded at
+    their front are read so where cut by length, which knows it)."""
+    if not pipeline.adapter.reiterable:
         return None
-    pre = pipeline.by_length.padded is not None and pipeline.by_length.padded.pre
+    cut = pipeline.by_length
+    pre = cut is not None and cut.padded is not None and cut.padded.pre
     read = pieces = real = cells = 0
     left = None if pipeline.tokens else pipeline.elements(0)  # of this large batch
     for x, _, _, valid in pipeline.dataset(autotune=False):
@@ -51,4 +53,4 @@ def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None
             break
     if left is not None and read < large_batches and left != pipeline.elements(read):
         read += 1  # a short last large batch, of an input that does not tell its length
-    return CutStats(read, pieces / max(read, 1), 1 - real / cells if cells else 0.0)
+    return CutStats(read, pieces / max(read, 1), 1 - real / cells if cells else 0.0, real)

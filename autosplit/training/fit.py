@@ -319,7 +319,7 @@ def _report(plan: Plan, adapter: InputAdapter, args: Args, recovery: Recovery,
         traces=traces,
         padding=plan.padding,
         tokens=plan.pipeline.tokens,
-        cut=cut_stats(plan.pipeline),
+        cut=cut_stats(plan.pipeline) if plan.pipeline.by_length is not None else None,
     )
 
 

@@ -72,8 +72,9 @@ class FitReport:
     sized in tokens (``micro_batch_tokens``); ``micro_batch_size`` then caps their rows.
     None: micro-batches of ``micro_batch_size`` rows."""
     cut: CutStats | None = None
-    """Cut by length: micro-batches per large batch and the share of padding fed, read
-    from the first 4 large batches of an epoch in the input's order. None otherwise."""
+    """Cut by length: micro-batches per large batch, the share of padding fed and the
+    real tokens, read from the first 4 large batches of an epoch in the input's order.
+    None otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values: lists for tuples, dicts for records (the probe's too)."""
