@@ -367,13 +367,12 @@ class MicroBatches:
                                             row_numbers=self.adapter.row_numbers,
                                             whole=self.always_full())
             elif cut.padded is not None:  # this worker's pieces alone
-                ds = cut_rows_by_length(ds, self.pattern, cut.padded, multiple=cut.multiple,
-                                        tokens=cut.tokens, cap=self.rows)
+                ds = cut_rows_by_length(ds, self.pattern, cut, cap=self.rows)
                 element = functools.partial(_trimmed_rows, materialize=materialize,
                                             rows=self.element_rows, padded=cut.padded)
             else:
-                ds = cut_by_length(ds, self.pattern, own_lengths=self.adapter.own_lengths,
-                                   multiple=cut.multiple, tokens=cut.tokens, cap=self.rows)
+                ds = cut_by_length(ds, self.pattern, cut, own_lengths=self.adapter.own_lengths,
+                                   cap=self.rows)
                 element = functools.partial(_trimmed_element, materialize=materialize,
                                             rows=self.element_rows)
             ds = ds.map(element, **(_IN_PARALLEL if parallel else {}))

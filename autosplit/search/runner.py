@@ -126,10 +126,12 @@ class TrialRunner:
             if m is not None:
                 local = self.batch_size // self.where.replicas
                 rows = split_batch(local, m).micro_batch_size
+                # In tokens, micro-batches filled to the budget: training's peak.
                 cut = (MicroBatches(self.data, self.batch_size, rows, self.where)
                        if self.by_length is None else
                        MicroBatches(self.data, self.batch_size, local, self.where,
-                                    by_length=self.by_length._replace(tokens=rows * self.length)))
+                                    by_length=self.by_length._replace(
+                                        tokens=rows * self.length, packing="fullest")))
                 data = trial_dataset(cut)
                 # As training at this size will run: whole elements where none is padded.
                 self.step.rebind(data.element_spec, full=cut.always_full(), rows=cut.rows)
