@@ -11,8 +11,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from common import classifier, labelled
-from test_probe import run_child
+from common import classifier, labelled, run_child
 
 import autosplit
 from autosplit.search.isolation import kernels_may_crash
