@@ -23,7 +23,7 @@ def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
     row): :func:`_least_work` or :func:`_fullest`.
 
     The longest piece comes first, then the shortest, then the rest from short to long:
-    the first two a trial step pulls (``autosplit.search.runner``) are the two ends,
+    the first two a trial step pulls (``autosplit.search.trials``) are the two ends,
     where the memory per token is highest (under attention, and with costs per row).
     Last comes an empty piece, ``(n, n)``: the large batch's end, whose element has no
     row (``autosplit.data.pipeline.is_end_marker``)."""

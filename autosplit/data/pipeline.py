@@ -54,14 +54,14 @@ def host_autotune() -> bool:
     Autotuning grows buffers and in-flight elements as it goes. On a GPU they are host
     memory, outside the device memory the probe budgets. When the step runs on the
     CPU they are the same memory as the step's, and the probe's trials (which run with
-    autotuning off, see ``autosplit.search.runner.trial_dataset``) cannot see them: under
+    autotuning off, see ``autosplit.search.trials.trial_dataset``) cannot see them: under
     a CPU cap, steps then peak above what the trials measured, and epochs are no faster
     with it.
     """
     return bool(tf.config.list_logical_devices("GPU"))
 
 
-def _pad_rows(piece: Any, rows: int | None, *, row_numbers: bool = False, whole: bool = False
+def _pad_rows(piece: Any, rows: int | None, *, row_numbers: bool = False, all_real: bool = False
               ) -> tuple[Any, tf.Tensor]:
     """Pad every leaf of ``piece`` to ``rows`` rows with copies of its last row (None:
     leave its row count as it is).
@@ -71,7 +71,7 @@ def _pad_rows(piece: Any, rows: int | None, *, row_numbers: bool = False, whole:
     gathered always: that costs nothing, and a ``tf.cond`` in a ``tf.data`` map is
     instantiated with every iterator.
 
-    ``whole``: every piece has ``rows`` rows (:meth:`MicroBatches.always_full`), so
+    ``all_real``: every piece has ``rows`` rows (:meth:`MicroBatches.all_real`), so
     nothing is padded and nothing branches (a ``tf.cond`` per leaf doubles the cost of
     building the map and of its first iterator); the static row count is still checked
     (``tf.ensure_shape``), and ``valid`` is all ones.
@@ -81,7 +81,7 @@ def _pad_rows(piece: Any, rows: int | None, *, row_numbers: bool = False, whole:
 
     if rows is None:  # pieces of any row count (LengthCut.tokens), all real
         return piece, tf.ones(tf.shape(tf.nest.flatten(piece)[0])[:1], tf.float32)
-    if whole:
+    if all_real:
         return tf.nest.map_structure(fixed, piece), tf.ones([rows], tf.float32)
     n = tf.shape(tf.nest.flatten(piece)[0])[0]
     index = tf.minimum(tf.range(rows), n - 1)
@@ -108,14 +108,14 @@ def _pad_replicas(element: Any, replicas: int) -> Any:
 
 
 @tf.autograph.experimental.do_not_convert
-def _element(*piece: Any, materialize, rows: int, row_numbers: bool, whole: bool) -> tuple:
+def _element(*piece: Any, materialize, rows: int, row_numbers: bool, all_real: bool) -> tuple:
     """A cut piece of rows -> ``(x, y, sample_weight_or_(), valid)``, padded to ``rows``.
 
     Traced without autograph (``tf.data`` converts a map's function by default): its
     branches are ``tf.cond`` already, and building the pipeline skips the conversion.
     """
     piece = piece[0] if len(piece) == 1 else piece
-    padded, valid = _pad_rows(piece, rows, row_numbers=row_numbers, whole=whole)
+    padded, valid = _pad_rows(piece, rows, row_numbers=row_numbers, all_real=all_real)
     x, y, w = materialize(padded)
     return x, none_to_empty(y), none_to_empty(w), valid
 
@@ -251,7 +251,7 @@ class MicroBatches:
         self._epochs: dict = {}  # (shuffle seed, repeat) -> the epoch the next iteration cuts
         self._datasets: dict = {}  # (repeat, seed, marked, autotune) -> ready to iterate
 
-    def always_full(self) -> bool:
+    def all_real(self) -> bool:
         """Whether every element holds ``rows`` real rows, none of padding: the input
         tells its length, a whole number of large batches, each cut into pieces of
         ``rows`` rows, on one local replica. The train step then drops no padding
@@ -365,7 +365,7 @@ class MicroBatches:
                 ds = self._cut_as_it_comes(ds)
                 element = functools.partial(_element, materialize=materialize, rows=self.rows,
                                             row_numbers=self.adapter.row_numbers,
-                                            whole=self.always_full())
+                                            all_real=self.all_real())
             elif cut.padded is not None:  # this worker's pieces alone
                 ds = cut_rows_by_length(ds, self.pattern, cut, cap=self.rows)
                 element = functools.partial(_trimmed_rows, materialize=materialize,

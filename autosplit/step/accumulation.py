@@ -14,8 +14,14 @@ from keras import tree
 from autosplit.data.split import Split, balanced_sizes
 from autosplit.data.structure import empty_to_none
 from autosplit.keras_hooks import internals as _keras
+from autosplit.step.contribution import (
+    Totals,
+    combine,
+    compute_contribution,
+    update_metrics,
+    without_padding,
+)
 from autosplit.step.loss_plan import LossPlan, forward_totals, loss_plan, step_plan
-from autosplit.step.piece import Totals, combine, compute_piece, update_metrics, without_padding
 from autosplit.step.reduction import combined_loss, output_terms
 from autosplit.step.sums import added, after, sum_loop, zero_totals
 
@@ -50,11 +56,12 @@ def sum_pieces(model: keras.Model, plan: LossPlan, take: Callable[[tf.Tensor], t
     def step(i: tf.Tensor, totals: Totals) -> tuple[Totals, tf.Tensor]:
         x, y, w, valid = take(i)
         x, y, w, valid = without_padding(plan.real_rows_only, x, y, empty_to_none(w), valid)
-        piece = compute_piece(model, plan, x, y, w, valid, batch_size=batch_size, scale=scale)
-        totals = added(totals, piece)
+        contribution = compute_contribution(model, plan, x, y, w, valid, batch_size=batch_size,
+                                            scale=scale)
+        totals = added(totals, contribution)
         if update_metrics_too:
             with tf.control_dependencies([after(tf.nest.flatten(totals.gradients))]):
-                update_metrics(model, piece.y, piece.y_pred, w, valid)
+                update_metrics(model, contribution.y, contribution.y_pred, w, valid)
         return totals, tf.constant(False)
 
     # A while loop carries no None: a variable without a gradient sums a scalar zero.

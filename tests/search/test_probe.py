@@ -15,7 +15,7 @@ import autosplit
 from autosplit.data.inputs import get_input
 from autosplit.errors import MemoryLimitError
 from autosplit.memory.peak_meter import PeakMeter
-from autosplit.search.trials import ProbeResult, invalidate_cache, probe
+from autosplit.search.probe import ProbeResult, invalidate_cache, probe
 
 
 def small_model():
@@ -112,7 +112,7 @@ def test_a_trial_over_the_budget_after_one_measured_step_stops_there(monkeypatch
     # measured step is over it) or unbounded.
     from autosplit.data.layout import ALONE
     from autosplit.data.pipeline import MicroBatches
-    from autosplit.search.runner import TrialRunner
+    from autosplit.search.trials import TrialRunner
     from autosplit.step.snapshot import Snapshot
     from autosplit.step.train_step import build_for, step_for
 
