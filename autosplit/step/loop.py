@@ -4,7 +4,7 @@
 inside a ``tf.while_loop`` and commits each, micro-step by micro-step
 (``autosplit.step.update``). It copies every element to the host-side stash as it pulls it;
 the micro-steps record how many of its rows are in the sums. After an out-of-memory
-error, ``pull(..., resume=True, slices=q)`` first redoes the stashed element's rows not
+error, ``pull(..., Pull(resume=True, slices=q))`` first redoes the stashed element's rows not
 yet committed, then the rest of the large batch, with each element cut into q smaller
 slices: nothing is lost or counted twice (``autosplit.training.recovery`` drives that).
 
@@ -15,7 +15,7 @@ accelerator sees one micro-batch at a time.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import tensorflow as tf
 
@@ -24,7 +24,29 @@ from autosplit.data.pipeline import is_end_marker
 from autosplit.step.sums import after
 from autosplit.step.update import LargeBatchUpdate
 
-__all__ = ["pull", "run_element"]
+__all__ = ["Pull", "pull", "run_element"]
+
+
+class Pull(NamedTuple):
+    """How a compiled loop pulls, chosen once per function (part of its cache key).
+
+    ``ends``: ``"counted"``, the iterator holds ``count`` more elements (an input that
+    knows its length, as every call of its large batches counts them): a plain
+    ``get_next``, without the optional and the ``tf.cond`` that let an input end
+    anywhere (a smaller graph to trace and optimise, in every call and probe trial);
+    ``"input"``, the input may end anywhere; ``"marker"``, the iterator runs on past
+    each epoch (or, in tokens, each large batch), whose end is an element with no real
+    row (``MicroBatches.dataset(marked=True)``): the loop stops there, as at the end
+    of an iterator, and the marker is neither stashed nor counted.
+
+    ``all_real``: the elements hold real rows only (:func:`run_element`).
+    ``resume``: first redo the stashed element's rows not yet committed; ``slices``:
+    each element cut in that many (after an out-of-memory error)."""
+
+    ends: Literal["counted", "input", "marker"] = "input"
+    all_real: bool = False
+    resume: bool = False
+    slices: int = 1
 
 
 def run_element(update: LargeBatchUpdate, element: Any, slices: int, first_row=None, *,
@@ -76,33 +98,19 @@ def run_element(update: LargeBatchUpdate, element: Any, slices: int, first_row=N
     return after([loop])
 
 
-def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
-         slices: int = 1, counted: bool = False, marked: bool = False, all_real: bool = False
-         ) -> tf.Tensor:
-    """Pull up to ``count`` elements and commit them; no collective communication.
-    Returns the number pulled.
-
-    With ``counted`` the iterator holds ``count`` more elements (an input that knows its
-    length, as every call of its large batches counts them): a plain ``get_next``,
-    without the optional and the ``tf.cond`` that let an input end anywhere: a smaller
-    graph to trace and optimise, in every call and every probe trial.
-
-    With ``marked`` the iterator runs on past each epoch, whose end is an element with
-    no real row (``MicroBatches.dataset(marked=True)``): the loop stops there, as at the
-    end of an iterator, and the marker is neither stashed nor counted.
-
-    With ``all_real`` the iterator's elements hold real rows only (:func:`run_element`).
-    """
+def pull(update: LargeBatchUpdate, iterator, count, how: Pull) -> tf.Tensor:
+    """Pull up to ``count`` elements and commit them, as ``how`` says; no collective
+    communication. Returns the number pulled."""
     stash = update.stash
     ops = [stash.pulled.assign(0), stash.exhausted.assign(False)]
     # A custom step's trackers as the last committed micro-batch left them: kept as a call
     # begins, put back before a redo (its failed slice may have counted already).
-    ops.append(update.restore_metrics() if resume else update.keep_metrics())
-    if resume:
+    ops.append(update.restore_metrics() if how.resume else update.keep_metrics())
+    if how.resume:
         with tf.control_dependencies(ops):
             stashed = stash.get(update.element_spec)
             ops = [tf.cond(stash.pending.read_value(),
-                           lambda: run_element(update, stashed, slices,
+                           lambda: run_element(update, stashed, how.slices,
                                                stash.done_rows.read_value()),
                            lambda: tf.constant(True))]
 
@@ -112,7 +120,7 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
             marks = stash.put(element)
         with tf.control_dependencies([after(marks)]):
             element = tf.nest.map_structure(tf.identity, element)
-        return run_element(update, element, slices, all_real=all_real)
+        return run_element(update, element, how.slices, all_real=how.all_real)
 
     def counted_body(i):
         with tf.device(HOST):
@@ -127,7 +135,7 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
         with tf.device(HOST):
             optional = iterator.get_next_as_optional()
             has = optional.has_value()
-            if marked:
+            if how.ends == "marker":
                 # A small branch of its own reads the marker: the micro-step stays in one
                 # tf.cond, as unmarked (inside a second one it would cost more to trace
                 # and optimise).
@@ -148,7 +156,7 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
 
     with tf.control_dependencies(ops):
         start = tf.constant(0, count.dtype if hasattr(count, "dtype") else tf.int32)
-    if counted:
+    if how.ends == "counted":
         loop = tf.while_loop(lambda i: i < count, counted_body, [start],
                              parallel_iterations=1)
     else:

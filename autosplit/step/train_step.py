@@ -33,7 +33,7 @@ from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.checks import check_trainable
 from autosplit.keras_hooks.custom_step import has_custom_step
 from autosplit.step.compiled import Compilation, FunctionCache
-from autosplit.step.loop import pull
+from autosplit.step.loop import Pull, pull
 from autosplit.step.model_state import model_state, step_key
 from autosplit.step.reduction import check_reduction
 from autosplit.step.replicas import without_replica_axis
@@ -122,35 +122,33 @@ class TrainStep:
         call = functools.partial(fn, **static) if static else fn
         return self._functions.get(key, call, run_eagerly=self.compilation.run_eagerly)
 
-    def _fused(self, iterator, count, *, all_real: bool = False):
-        return self.update.apply(pull(self.update, iterator, count, counted=True,
-                                      all_real=all_real))
+    def _fused(self, iterator, count, *, how: Pull):
+        return self.update.apply(pull(self.update, iterator, count, how))
 
-    def _fused_if_any(self, iterator, count, *, marked: bool = False, all_real: bool = False):
-        pulled = pull(self.update, iterator, count, marked=marked, all_real=all_real)
+    def _fused_if_any(self, iterator, count, *, how: Pull):
+        pulled = pull(self.update, iterator, count, how)
         with tf.control_dependencies([pulled]):
             ended = self.update.stash.exhausted.read_value()
         applied, logs = self.update.apply_if_any(pulled)
         return applied, ended, logs
 
-    def _local(self, iterator, count, *, resume: bool = False, slices: int = 1,
-               marked: bool = False, all_real: bool = False):
-        return pull(self.update, iterator, count, resume=resume, slices=slices, marked=marked,
-                    all_real=all_real)
+    def _local(self, iterator, count, *, how: Pull):
+        return pull(self.update, iterator, count, how)
 
     @property
     def train_function(self):
         """The compiled function :meth:`run` calls, ``(iterator, count) -> logs``, as
         Keras's ``model.train_function`` (the plain function under ``run_eagerly``)."""
-        return self._function("fused", self._fused, all_real=self.all_real)
+        return self._function("fused", self._fused,
+                              how=Pull("counted", all_real=self.all_real))
 
     def function_if_any(self, *, marked: bool = False):
         """The compiled function :meth:`run_if_any` calls, ``(iterator, count) ->
         (applied, ended, logs)``: it pulls until the input ends (``marked``: until an
         element with no row marks an end), if it ends before ``count``; ``ended`` says
         whether it did."""
-        return self._function("fused_if_any", self._fused_if_any, marked=marked,
-                              all_real=self.all_real)
+        return self._function("fused_if_any", self._fused_if_any,
+                              how=Pull("marker" if marked else "input", all_real=self.all_real))
 
     def tracing_count(self) -> int:
         """Traces of every compiled function so far (0 under ``run_eagerly``)."""
@@ -188,8 +186,8 @@ class TrainStep:
         safe for one worker to fail alone."""
         self._dirty = True
         self._ended = None
-        fn = self._function("local", self._local, resume=resume, slices=slices,
-                            marked=marked, all_real=self.all_real)
+        fn = self._function("local", self._local, how=Pull(
+            "marker" if marked else "input", all_real=self.all_real, resume=resume, slices=slices))
         return int(fn(iterator, tf.constant(count, tf.int32)))
 
     def input_ended(self) -> bool:

@@ -85,7 +85,7 @@ def test_trials_pull_trainings_elements_with_autotuning_off(cache_home, monkeypa
     # took CPU from the step, and deleting a trial's iterator waited up to 1.2 s for it.
     # Training on this CPU machine runs the same pipeline: autotuning's buffers would
     # be memory the trials never saw.
-    from autosplit.search import runner
+    from autosplit.search import trials
 
     made = []
 
@@ -93,12 +93,12 @@ def test_trials_pull_trainings_elements_with_autotuning_off(cache_home, monkeypa
         made.append((cut, trials_dataset(cut)))
         return made[-1][1]
 
-    trials_dataset = runner.trial_dataset
-    monkeypatch.setattr(runner, "trial_dataset", spy)
+    trials_dataset = trials.trial_dataset
+    monkeypatch.setattr(trials, "trial_dataset", spy)
     result = probe(small_model(), data(), batch_size=256, cache=False)
     assert len(made) == len(result.trials) >= 2
     for cut, pulled in made:
-        training = cut.dataset(repeat=True, shuffle_seed=runner.TRIAL_SHUFFLE_SEED)
+        training = cut.dataset(repeat=True, shuffle_seed=trials.TRIAL_SHUFFLE_SEED)
         assert pulled.options().autotune.enabled is False
         assert training.options().autotune.enabled is False
         for a, b in zip(pulled.take(3), training.take(3), strict=True):

@@ -167,7 +167,7 @@ def _stack(layers, *, optimizer="adam"):
 
 
 @pytest.mark.slow
-def test_whole_elements_reach_the_metrics_without_a_padding_check_only_where_none_comes():
+def test_elements_of_real_rows_reach_the_metrics_without_a_padding_check_only_where_all_are():
     # A pipeline whose elements hold real rows only (MicroBatches.all_real) updates
     # the metrics from each whole element: no tf.cond per micro-batch to drop padding
     # (the CNN with accuracy: ~40 ms less to trace a call). The step of a pipeline with
@@ -182,7 +182,7 @@ def test_whole_elements_reach_the_metrics_without_a_padding_check_only_where_non
         model = make_mlp()
         pipeline = MicroBatches(ArrayInput(x, y), 64, 16)
         step = autosplit.step.train_step.step_for(model, pipeline)
-        assert step.full == (rows == 256)
+        assert step.all_real == (rows == 256)
         counted[rows], steps[rows] = conds(step, pipeline), step
         reference, candidate = twin(make_mlp, (x[:16], y[:16], None))
         expected = reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
@@ -196,7 +196,7 @@ def test_whole_elements_reach_the_metrics_without_a_padding_check_only_where_non
     assert counted[256] == counted[250] - 1, counted
     # A rebind that does not say (an out-of-memory recovery's smaller size) checks again.
     steps[256].rebind(steps[256].update.element_spec)
-    assert not steps[256].full
+    assert not steps[256].all_real
 
 
 @pytest.mark.slow
