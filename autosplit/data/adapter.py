@@ -112,6 +112,7 @@ class InputAdapter:
     own_lengths = True
     row_numbers = False
     graph_rewrites = True
+    shares = False  # elements are this worker's shares of each step (data.sharded)
     _class_weight: Any = None  # (y, sample_weight) -> sample_weight, from ``class_weight``
     _arity = 2  # elements (x, y) = 2, (x, y, w) = 3, x alone (no targets) = 0
 

@@ -20,7 +20,9 @@ from autosplit.data.adapter import InputAdapter
 from autosplit.data.cut_stats import cut_stats
 from autosplit.data.hub import preprocessed, preprocessed_validation, takes_raw_data
 from autosplit.data.inputs import get_input
+from autosplit.data.layout import layout
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sharded import sharded_input
 from autosplit.data.split import split_batch
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import flat_logs, metrics_or_last
@@ -165,6 +167,8 @@ def fit_large_batch(
     with _keras.outside_strategy_scope():
         adapter = get_input(x, y, sample_weight, shuffle=shuffle, class_weight=class_weight,
                             model=model)
+        strategy = model.distribute_strategy
+        adapter = sharded_input(adapter, strategy, layout(strategy), args.batch_size)
         check_input(adapter, args)
         validation = _Validation.make(validation_data, args, model)
         plan = plan_run(model, adapter, args, jit_compile=jit_compile, memory_limit=memory_limit,
