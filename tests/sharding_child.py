@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras
 import numpy as np
 import tensorflow as tf
 from strategy_child import OPTIMIZERS, make
@@ -29,11 +31,12 @@ POLICIES = {"file": tf.data.experimental.AutoShardPolicy.FILE,
             "off": tf.data.experimental.AutoShardPolicy.OFF,
             "auto": tf.data.experimental.AutoShardPolicy.AUTO}
 EPOCHS = 2
-# run -> (how the input is made, its policy or None, batch_size, optimizer)
-RUNS = {"file": ("dataset", "file", 24, "sgd"), "data": ("dataset", "data", 24, "sgd"),
-        "off": ("dataset", "off", 24, "sgd"), "auto": ("dataset", "auto", 24, "sgd"),
-        "distributed": ("distributed", "file", 24, "sgd"),
-        "function": ("function", None, 40, "adam")}
+# run -> (how the input is made, its policy or None, batch_size, optimizer, micro-batch)
+RUNS = {"file": ("dataset", "file", 24, "sgd", 5), "data": ("dataset", "data", 24, "sgd", 5),
+        "off": ("dataset", "off", 24, "sgd", 5), "auto": ("dataset", "auto", 24, "sgd", 5),
+        "searched": ("dataset", "file", 24, "sgd", "auto"),
+        "distributed": ("distributed", "file", 24, "sgd", 5),
+        "function": ("function", None, 40, "adam", 5)}
 
 
 class Reads:
@@ -76,7 +79,7 @@ def by_function(records, reads, batch_size):
 
 
 def make_input(strategy, records, reads, run):
-    how, policy, batch_size, _ = RUNS[run]
+    how, policy, batch_size, *_ = RUNS[run]
     if how == "function":
         return strategy.distribute_datasets_from_function(by_function(records, reads,
                                                                       batch_size))
@@ -101,27 +104,31 @@ def tf_batches(strategy, records, run, out):
 
 
 def train(strategy, records, run, out):
-    _, _, batch_size, optimizer = RUNS[run]
+    _, _, batch_size, optimizer, micro = RUNS[run]
     with strategy.scope():
         model = make(OPTIMIZERS[optimizer])
     reads = Reads()
     x = make_input(strategy, records, reads, run)
-    history = autosplit.fit_large_batch(model, x, batch_size=batch_size, micro_batch_size=5,
-                                        epochs=EPOCHS, verbose=0)
+    history = autosplit.fit_large_batch(model, x, batch_size=batch_size, micro_batch_size=micro,
+                                        epochs=EPOCHS, verbose=0, cache=False)
     np.savez(f"{out}.{run}.npz", *model.get_weights())
     return {"reads_per_epoch": reads.count / EPOCHS,
             "iterations": int(model.optimizer.iterations.numpy()),
-            "logs": history.history}
+            "logs": history.history, "micro_batch_size": history.autosplit.micro_batch_size}
 
 
 def keras_fit(strategy, records):
     """Keras's own model.fit on the FILE-sharded dataset under the same strategy."""
     with strategy.scope():
         model = make(OPTIMIZERS["sgd"])
+    keras.config.disable_traceback_filtering()  # the frames say where it fails
     try:
         model.fit(dataset(records, Reads(), "file", 24), epochs=1, verbose=0)
     except Exception as exc:  # reported to the parent, which checks the type and text
-        return f"{type(exc).__name__}: {exc}"[:3000]
+        where = traceback.extract_tb(exc.__traceback__)
+        frames = [f"{f.filename.rsplit('site-packages/', 1)[-1]}:{f.name}" for f in where]
+        return {"error": f"{type(exc).__name__}: {exc}"[:200] + " ... " + str(exc)[-200:],
+                "frames": frames[-12:]}
     return None
 
 
