@@ -153,6 +153,11 @@ class InputAdapter:
         x, y, *w = rows
         return self._weighted(x, y, w[0] if w else None)
 
+    @property
+    def weighting(self) -> Any:
+        """``class_weight`` as ``(y, sample_weight) -> sample_weight``, or None."""
+        return self._class_weight
+
     def _weighted(self, x: Any, y: Any, w: Any) -> tuple:
         """``(x, y, w)`` with ``class_weight`` applied to ``w``, where one was given."""
         return x, y, (w if self._class_weight is None else self._class_weight(y, w))

@@ -53,6 +53,8 @@ class ShardedInput(InputAdapter):
         distributed: what ``experimental_distribute_dataset`` or
             ``distribute_datasets_from_function`` returned.
         kind: what the user passed, for messages.
+        class_weight: as in ``model.fit``; or ``weighting``, one made already
+            (``InputAdapter.weighting``).
     """
 
     rows = None  # each worker's own count; the epoch ends where every worker's does
@@ -60,7 +62,7 @@ class ShardedInput(InputAdapter):
     shares = True
 
     def __init__(self, distributed: tf.distribute.DistributedDataset, kind: str, *,
-                 class_weight: dict | None = None) -> None:
+                 class_weight: dict | None = None, weighting: Any = None) -> None:
         dataset = worker_pipeline(distributed)
         if dataset is None:
             raise DatasetError(
@@ -81,7 +83,7 @@ class ShardedInput(InputAdapter):
         self._arity = found
         check_class_weight_alone(class_weight, found == 3,
                                  dataset.element_spec[1] if found >= 2 else None)
-        self._class_weight = class_weight_fn(class_weight) if class_weight else None
+        self._class_weight = class_weight_fn(class_weight) if class_weight else weighting
         self.dataset = dataset
 
     def rows_dataset(self, *, shuffle_seed: int | None = None,
@@ -111,9 +113,8 @@ def sharded_input(adapter: InputAdapter, strategy: tf.distribute.Strategy, where
         dataset = dataset.rebatch(batch_size)
     with tf.device(HOST):
         distributed = strategy.experimental_distribute_dataset(dataset)
-    sharded = ShardedInput(distributed, f"{adapter.kind} sharded across workers")
-    sharded._class_weight = adapter._class_weight
-    return sharded
+    return ShardedInput(distributed, f"{adapter.kind} sharded across workers",
+                        weighting=adapter.weighting)
 
 
 def cut_shares(ds: tf.data.Dataset, *, rows: int, local_replicas: int,
