@@ -19,9 +19,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
-from strategy_child import OPTIMIZERS, make
+from strategy_child import OPTIMIZERS, count_all_reduces, make
 
 import autosplit
+from autosplit.data.inputs import get_input
+from autosplit.data.layout import layout
+from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sharded import sharded_input
+from autosplit.step.train_step import step_for
 
 FEATURES = {"x": tf.io.FixedLenFeature([12], tf.float32),
             "y": tf.io.FixedLenFeature([], tf.int64),
@@ -117,6 +122,29 @@ def train(strategy, records, run, out):
             "logs": history.history, "micro_batch_size": history.autosplit.micro_batch_size}
 
 
+def collectives(strategy, records):
+    """Collective all-reduce ops in the three compiled functions a worker calls for each
+    large batch (the local loop, the agreement, the apply), as training traced them."""
+    with strategy.scope():
+        model = make(OPTIMIZERS["sgd"])
+    autosplit.fit_large_batch(model, dataset(records, Reads(), "file", 24), batch_size=24,
+                              micro_batch_size=5, verbose=0)
+    where = layout(strategy)
+    adapter = sharded_input(get_input(dataset(records, Reads(), "file", 24)), strategy,
+                            where, 24)
+    pipeline = MicroBatches(adapter, 24, 5, where)
+    step = step_for(model, pipeline)  # the step training built, kept on the model
+    iterator = iter(pipeline.dataset())
+    functions = {
+        "loop": (step._function("local", step._local, resume=False, pieces=1, marked=True,
+                                full=False), (iterator, tf.constant(1, tf.int32))),
+        "agreement": (step._function("agree", step.update.replicas.vote),
+                      (tf.constant(0.0), tf.constant(1.0))),
+        "apply": (step._function("finish", step.update.apply), ())}
+    return {name: sum(count_all_reduces(fn.get_concrete_function(*args).graph.as_graph_def())
+                      .values()) for name, (fn, args) in functions.items()}
+
+
 def keras_fit(strategy, records):
     """Keras's own model.fit on the FILE-sharded dataset under the same strategy."""
     with strategy.scope():
@@ -139,6 +167,7 @@ def main(records, out):
     for run in RUNS:
         report["tf_steps"][run] = tf_batches(strategy, records, run, out)
         report["runs"][run] = train(strategy, records, run, out)
+    report["collectives"] = collectives(strategy, records)
     report["model_fit_error"] = keras_fit(strategy, records)
     with open(f"{out}.json", "w") as handle:
         handle.write(json.dumps(report))

@@ -187,3 +187,13 @@ def test_keras_model_fit_fails_under_two_workers(workers):
         assert failed["error"].startswith("ValueError: Attempt to convert a value "
                                           "(PerReplica:"), failed
         assert "tensorflow/python/distribute/cross_device_ops.py:reduce" in failed["frames"]
+
+
+def test_one_large_batch_all_reduces_a_fixed_few_times_and_never_in_its_loop(workers):
+    """Per large batch, whatever W and the micro-batches: the agreement (an ok flag and
+    the rows), then in the apply the scalar loss sums, the gradients (one pack) and, to
+    log them, each metric's total and count (loss and accuracy here); none in the loop."""
+    reports, _, _ = workers
+    for report in reports:
+        counts = report["collectives"]
+        assert counts == {"loop": 0, "agreement": 1, "apply": 1 + 1 + 2 * 2}, counts
