@@ -37,7 +37,7 @@ from autosplit.data.lengths import (
     pad_to_longest,
     trim,
 )
-from autosplit.data.sharded import cut_shares, share_elements
+from autosplit.data.sharded import SHARE_ELEMENTS, cut_shares
 from autosplit.data.split import Piece, piece_pattern
 from autosplit.data.structure import none_to_empty
 
@@ -246,7 +246,7 @@ class MicroBatches:
         self.tokens = None if by_length is None else by_length.tokens
         # With tokens, a large batch has at most a piece per kept row, then its end's marker.
         self.per_batch = (sum(p.rows for p in self.pattern if p.keep) if self.tokens
-                          else share_elements(batch_size, rows, where) if adapter.shares
+                          else SHARE_ELEMENTS if adapter.shares
                           else elements_per_batch(self.pattern, batch_size, local_replicas))
         # (None or (shuffle seed, repeat), autotune) -> the elements of an epoch
         self._cuts: dict = {}

@@ -23,7 +23,6 @@ when every worker's pipeline has.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +41,13 @@ from autosplit.data.layout import Layout
 from autosplit.errors import DatasetError
 from autosplit.keras_hooks.distribute import worker_pipeline
 
-__all__ = ["ShardedInput", "cut_shares", "reads_whole", "sharded_input", "share_elements"]
+# The elements one large batch of a sharded input may take: no bound (an int32), its
+# loop stops at the share's marker. Each step trains on what the per-worker pipeline
+# yields, as model.fit does (it takes no batch size with such an input); batch_size B
+# sizes the split (B / R rows per replica), and a larger share takes more micro-batches.
+SHARE_ELEMENTS = 2**31 - 1
+
+__all__ = ["SHARE_ELEMENTS", "ShardedInput", "cut_shares", "reads_whole", "sharded_input"]
 
 
 class ShardedInput(InputAdapter):
@@ -147,10 +152,3 @@ def cut_shares(ds: tf.data.Dataset, *, rows: int, local_replicas: int,
     if local_replicas > 1:
         ds = ds.window(local_replicas)
     return ds.flat_map(pieces)
-
-
-def share_elements(batch_size: int, rows: int, where: Layout) -> int:
-    """The most elements one large batch of a sharded input takes on this worker: the
-    pieces of its largest share, grouped by local replica, and the marker."""
-    share = where.local_replicas * math.ceil(batch_size / where.replicas)
-    return math.ceil(math.ceil(share / rows) / where.local_replicas) + 1

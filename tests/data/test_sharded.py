@@ -12,7 +12,7 @@ import tensorflow as tf
 from autosplit.data.inputs import get_input
 from autosplit.data.layout import ALONE, Layout
 from autosplit.data.pipeline import MicroBatches, is_end_marker
-from autosplit.data.sharded import ShardedInput, sharded_input
+from autosplit.data.sharded import SHARE_ELEMENTS, ShardedInput, sharded_input
 from autosplit.errors import DatasetError
 
 
@@ -50,7 +50,7 @@ def test_each_share_is_cut_into_micro_batches_then_marked(strategy):
     assert isinstance(adapter, ShardedInput) and adapter.rows is None
     pipeline = MicroBatches(adapter, 8, 3, ALONE)
     assert pipeline.batches_marked and pipeline.steps() is None
-    assert pipeline.per_batch == 4  # at most ceil(8 / 3) pieces, then the marker
+    assert pipeline.per_batch == SHARE_ELEMENTS  # the loop stops at each share's marker
     assert large_batches(pipeline) == [[[0, 1, 2], [3, 4, 5], [6, 7]], [[8, 9, 10]]]
 
 

@@ -87,7 +87,7 @@ def reference(optimizer, global_batches, epochs=2):
         tf.data.experimental.assert_cardinality(len(global_batches)))
     with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
         model = make(OPTIMIZERS[optimizer])
-    history = model.fit(batches, epochs=epochs, verbose=0)
+    history = model.fit(batches, epochs=epochs, shuffle=False, verbose=0)
     return model.get_weights(), int(model.optimizer.iterations.numpy()), history.history
 
 
