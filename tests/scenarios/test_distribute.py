@@ -52,6 +52,8 @@ def test_mirrored_strategy_two_logical_cpus(tmp_path):
     assert report["all_reduces_k2"]["main"] >= report["trainable_variables"]
     assert "divide evenly across the 2 replicas" in report["errors"]["indivisible"]
     assert 1 <= report["auto_micro_batch_size"] <= 20  # per replica: 40 / 2
+    # tf.distribute inputs, two per-replica batches a step
+    assert report["distributed_dataset"] <= 1e-5 and report["from_function"] <= 1e-5, report
     # synchronized BatchNormalization: global counts, moving statistics pooled exactly
     assert report["bn_synchronized"] <= 1e-5, report["bn_synchronized"]
 
