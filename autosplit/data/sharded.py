@@ -10,7 +10,8 @@ per-replica batches. :func:`sharded_input` does the same with the dataset batche
 TensorFlow built (``autosplit.keras_hooks.distribute``): with FILE, worker w reads files
 w, w+W, ... alone; with DATA it reads every row and keeps every W-th piece of each
 batch, as TensorFlow's DATA does. With the policy OFF the dataset stays as it is:
-every worker reads it whole and keeps its share (``autosplit.data.split``).
+every worker reads it whole and keeps its share (``autosplit.data.split``); so do
+sequences of varying length, whose large batch is padded or cut by length as a whole.
 
 A large batch is then the union of every worker's share of one step: R per-replica
 batches in turn on a worker of R local replicas (:class:`ShardedInput`). The shares
@@ -109,7 +110,7 @@ def sharded_input(adapter: InputAdapter, strategy: tf.distribute.Strategy, where
     sharded as ``model.fit`` shards it (batched by ``batch_size`` first); any other input,
     or one whose policy is OFF, as it is."""
     if (not isinstance(adapter, DatasetInput) or not where.multi_worker
-            or reads_whole(adapter.dataset)):
+            or reads_whole(adapter.dataset) or _rows_vary(adapter)):
         return adapter
     dataset = adapter.dataset
     if not adapter.batched:
@@ -120,6 +121,16 @@ def sharded_input(adapter: InputAdapter, strategy: tf.distribute.Strategy, where
         distributed = strategy.experimental_distribute_dataset(dataset)
     return ShardedInput(distributed, f"{adapter.kind} sharded across workers",
                         weighting=adapter.weighting)
+
+
+def _rows_vary(adapter: DatasetInput) -> bool:
+    """Whether the input's rows vary in shape (sequences of varying length): the large
+    batch is padded, or cut by length, as a whole, so every worker reads it whole."""
+    spec = adapter.dataset.element_spec
+    if adapter.batched:
+        return varying_shapes(spec)
+    return any(isinstance(leaf, tf.TensorSpec) and leaf.shape.rank
+               and None in leaf.shape.as_list() for leaf in tf.nest.flatten(spec))
 
 
 def cut_shares(ds: tf.data.Dataset, *, rows: int, local_replicas: int,

@@ -87,6 +87,14 @@ def test_a_dataset_stays_as_it_is_for_one_worker_or_when_read_whole(strategy):
     assert sharded_input(whole, strategy, two, 4) is whole
     arrays = get_input(*rows(8), shuffle=False)
     assert sharded_input(arrays, strategy, two, 4) is arrays
+    # Sequences of varying length: the large batch is padded (or cut by length) whole.
+    sequences = tf.data.Dataset.from_generator(
+        lambda: ((np.ones(n, "float32"), n) for n in range(1, 9)),
+        output_signature=(tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.int32)))
+    varying = get_input(sequences)
+    assert sharded_input(varying, strategy, two, 4) is varying
+    padded = get_input(sequences.padded_batch(4))
+    assert sharded_input(padded, strategy, two, 4) is padded
 
 
 @pytest.mark.parametrize("worker", [0, 1])

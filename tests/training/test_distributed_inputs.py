@@ -59,3 +59,20 @@ def test_distributed_validation_data_is_refused_before_training(strategy):
         autosplit.fit_large_batch(model, x, y, batch_size=4, validation_data=validation,
                                   verbose=0)
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
+@pytest.mark.slow
+def test_steps_per_epoch_reads_on_as_model_fit_does(strategy):
+    x, y = data()
+    with strategy.scope():
+        model = make()
+    built = strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    autosplit.fit_large_batch(model, built, batch_size=8, micro_batch_size=3, epochs=3,
+                              steps_per_epoch=2, verbose=0)
+    reference = make()
+    reference.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=3,
+                  steps_per_epoch=2, verbose=0)
+    assert (int(model.optimizer.iterations.numpy())
+            == int(reference.optimizer.iterations.numpy()))
+    assert relative_error(reference.get_weights(), model.get_weights()) <= 1e-5
