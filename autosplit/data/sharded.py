@@ -116,7 +116,9 @@ def sharded_input(adapter: InputAdapter, strategy: tf.distribute.Strategy, where
     if not adapter.batched:
         dataset = dataset.batch(batch_size)
     elif batch_rows(dataset) != batch_size:
-        dataset = dataset.rebatch(batch_size)
+        # Not Dataset.rebatch: TensorFlow reads a batch() for the size it splits into
+        # per-replica batches, and splits a rebatch() otherwise (its legacy rebatch).
+        dataset = dataset.unbatch().batch(batch_size)
     with tf.device(HOST):
         distributed = strategy.experimental_distribute_dataset(dataset)
     return ShardedInput(distributed, f"{adapter.kind} sharded across workers",

@@ -150,6 +150,9 @@ def test_file_sharding_reads_each_workers_files_and_trains_as_model_fit_would(wo
     # micro_batch_size="auto": the lockstep search on the workers' own shares.
     assert all(1 <= r["runs"]["searched"]["micro_batch_size"] <= 12 for r in reports)
     check_run(workers, "searched", "sgd", steps, 1e-5)
+    # Batched by 10, trained at batch_size=24: as model.fit would shard it batched by 24.
+    assert [r["runs"]["rebatched"]["reads_per_epoch"] for r in reports] == reads
+    check_run(workers, "rebatched", "sgd", steps, 1e-5)
 
 
 def test_data_sharding_reads_everything_and_keeps_a_share_as_tensorflow_does(workers):
