@@ -91,6 +91,7 @@ class ShardedInput(InputAdapter):
                                  dataset.element_spec[1] if found >= 2 else None)
         self._class_weight = class_weight_fn(class_weight) if class_weight else weighting
         self.dataset = dataset
+        self.infinite = int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY
 
     def rows_dataset(self, *, shuffle_seed: int | None = None,
                      epoch: int | tf.Variable = 0,

@@ -48,6 +48,16 @@ def test_each_step_is_the_pipelines_batch_even_past_batch_size(strategy):
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
 
 
+def test_a_repeated_distributed_input_needs_steps_per_epoch(strategy):
+    x, y = data()
+    with strategy.scope():
+        model = make()
+    built = strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat())
+    with pytest.raises(autosplit.ArgumentError, match="Expected `steps_per_epoch`"):
+        autosplit.fit_large_batch(model, built, batch_size=8, verbose=0)
+
+
 def test_distributed_validation_data_is_refused_before_training(strategy):
     x, y = data()
     with strategy.scope():
@@ -72,7 +82,7 @@ def test_steps_per_epoch_reads_on_as_model_fit_does(strategy):
                               steps_per_epoch=2, verbose=0)
     reference = make()
     reference.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=3,
-                  steps_per_epoch=2, verbose=0)
+                  steps_per_epoch=2, shuffle=False, verbose=0)
     assert (int(model.optimizer.iterations.numpy())
             == int(reference.optimizer.iterations.numpy()))
     assert relative_error(reference.get_weights(), model.get_weights()) <= 1e-5
