@@ -155,6 +155,29 @@ def test_file_sharding_reads_each_workers_files_and_trains_as_model_fit_would(wo
     check_run(workers, "rebatched", "sgd", steps, 1e-5)
 
 
+def test_even_shares_train_as_kerass_own_step_under_the_strategy(workers):
+    """Batches of 24 alone (drop_remainder): every step's shares are 12 and 12 rows, and
+    autosplit trains what Keras's own train_step under the strategy trains, step by
+    step over TensorFlow's iterator (model.fit's loop, were its logs' reduce not to
+    fail); on uneven shares Keras weighs each replica's mean alike, autosplit each row."""
+    _, prefixes, _ = workers
+    steps = unions(prefixes, "even")
+    assert [len(s[0]) for s in steps] == [24] * 4
+    expected = check_run(workers, "even", "sgd", steps, 1e-5)
+    keras = [weights(prefix, "even.keras") for prefix in prefixes]
+    for own in keras:
+        assert relative_error(own, weights(prefixes[0], "even")) <= 1e-5
+        assert relative_error(expected, own) <= 1e-5
+    print(f"even: Keras's own step under the strategy, "
+          f"{relative_error(keras[0], weights(prefixes[0], 'even')):.1e} away")
+    # A last step of 10 + 8 rows: Keras averages the two replicas' means, autosplit the
+    # 18 rows, as one device does on them.
+    apart = relative_error(weights(prefixes[0], "function.keras"),
+                           weights(prefixes[0], "function"))
+    print(f"function: Keras's own step under the strategy, {apart:.1e} away")
+    assert apart > 1e-4, apart
+
+
 def test_data_sharding_reads_everything_and_keeps_a_share_as_tensorflow_does(workers):
     reports, prefixes, rows = workers
     assert [r["runs"]["data"]["reads_per_epoch"] for r in reports] == [TOTAL, TOTAL]
