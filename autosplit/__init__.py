@@ -31,8 +31,8 @@ _EXPORTS = {
     "FitReport": "autosplit.training.report",
     "fit_large_batch": "autosplit.training.fit",
     "OomRecovery": "autosplit.training.recovery",
-    "ProbeResult": "autosplit.search.trials",
-    "probe": "autosplit.search.trials",
+    "ProbeResult": "autosplit.search.probe",
+    "probe": "autosplit.search.probe",
     "Trial": "autosplit.search.policy",
     "Split": "autosplit.data.split",
     "split_batch": "autosplit.data.split",
@@ -107,7 +107,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         WorkerLostError,
     )
     from autosplit.search.policy import Trial
-    from autosplit.search.trials import ProbeResult, probe
+    from autosplit.search.probe import ProbeResult, probe
     from autosplit.training.fit import fit_large_batch
     from autosplit.training.recovery import OomRecovery
     from autosplit.training.report import FitReport

@@ -1,45 +1,32 @@
 """Exact gradients of a large batch from its micro-batches, for custom training loops.
 
 :func:`accumulate_gradients` (a batch in hand) and :func:`accumulate_iterator` (an
-iterator of micro-batches) run the micro-batches in a ``tf.while_loop``
-(``parallel_iterations=1``: one micro-batch's activations at a time), sum each one's
-contribution (``autosplit.step.piece``) in loop-carried float32 tensors and return
-``Accumulated(loss, gradients)`` to apply once. Validation (``autosplit.step.evaluate``)
-sums its loss terms in the same loop, :func:`sum_loop`. The train step
-(``autosplit.step.update``) runs the same per-micro-batch code with its sums kept in
-variables, so that a failed micro-batch loses nothing that came before it.
+iterator of micro-batches) check their arguments and sum the micro-batches in a
+``tf.while_loop`` (``autosplit.step.accumulation``: one micro-batch's activations at a
+time), returning ``Accumulated(loss, gradients)`` to apply once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from autosplit.data.split import Split, balanced_sizes, split_batch
-from autosplit.data.structure import empty_to_none, map_present, none_to_empty
+from autosplit.data.split import split_batch
+from autosplit.data.structure import map_present, none_to_empty
 from autosplit.errors import BatchSizeError, DatasetError
 from autosplit.keras_hooks import internals as _keras
-from autosplit.step.loss_plan import LossPlan, loss_plan, step_plan
-from autosplit.step.piece import (
-    Totals,
-    combine,
-    compute_piece,
-    update_metrics,
-    without_padding,
+from autosplit.step.accumulation import (
+    as_scale,
+    finish,
+    piece_rows,
+    prepare,
+    replicas_here,
+    sum_pieces,
 )
-from autosplit.step.sums import added, after, sum_loop, zero_totals
 
-__all__ = [
-    "Accumulated",
-    "accumulate_gradients",
-    "accumulate_iterator",
-    "own_steps_accumulated",
-    "piece_rows",
-]
+__all__ = ["Accumulated", "accumulate_gradients", "accumulate_iterator", "own_steps_accumulated"]
 
 
 class Accumulated(NamedTuple):
@@ -47,79 +34,6 @@ class Accumulated(NamedTuple):
 
     loss: tf.Tensor  # shape=(), float32: the full-batch loss Keras would report
     gradients: list[tf.Tensor | None]  # per model.trainable_variables entry; None: unconnected
-
-
-def piece_rows(split: Split) -> tuple[np.ndarray, np.ndarray]:
-    """Row numbers (k, r) of each balanced micro-batch of a B-row batch, and validity.
-
-    Padding rows repeat the micro-batch's last real row and weigh 0.
-
-    >>> index, valid = piece_rows(split_batch(5, 2))
-    >>> index.tolist(), valid.tolist()
-    ([[0, 1], [2, 3], [4, 4]], [[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
-    """
-    k, r = split.accumulation_steps, split.micro_batch_size
-    sizes = balanced_sizes(split.batch_size, k)
-    starts = np.cumsum([0, *sizes[:-1]])
-    offsets = np.arange(r)
-    index = starts[:, None] + np.minimum(offsets[None, :], np.array(sizes)[:, None] - 1)
-    valid = (offsets[None, :] < np.array(sizes)[:, None]).astype(np.float32)
-    return index.astype(np.int32), valid
-
-
-def _sum_pieces(model: keras.Model, plan: LossPlan, take: Callable[[tf.Tensor], tuple[Any, ...]],
-                count: int | tf.Tensor, *, batch_size: int, scale: tf.Tensor,
-                update_metrics_too: bool) -> Totals:
-    """Sum ``count`` micro-batches in a while loop; ``take(i) -> (x, y, w, valid)``."""
-    variables = model.trainable_variables
-
-    def step(i: tf.Tensor, totals: Totals) -> tuple[Totals, tf.Tensor]:
-        x, y, w, valid = take(i)
-        x, y, w, valid = without_padding(plan.real_rows_only, x, y, empty_to_none(w), valid)
-        piece = compute_piece(model, plan, x, y, w, valid, batch_size=batch_size, scale=scale)
-        totals = added(totals, piece)
-        if update_metrics_too:
-            with tf.control_dependencies([after(tf.nest.flatten(totals.gradients))]):
-                update_metrics(model, piece.y, piece.y_pred, w, valid)
-        return totals, tf.constant(False)
-
-    # A while loop carries no None: a variable without a gradient sums a scalar zero.
-    zeros = [[tf.zeros(v.shape if has else [], tf.float32)
-              for v, has in zip(variables, plan.has_grad, strict=True)] for _ in plan.groups]
-    totals, _ = sum_loop(step, count, zero_totals(len(plan.kinds), zeros))
-    return totals._replace(gradients=[
-        [g if has else None for g, has in zip(sums, plan.has_grad, strict=True)]
-        for sums in totals.gradients])
-
-
-def _replicas() -> tuple[Any, int]:
-    context = tf.distribute.get_replica_context()
-    return context, (context.num_replicas_in_sync if context is not None else 1)
-
-
-def _finish(model: keras.Model, plan: LossPlan, totals: Totals, batch_size: int,
-            scale: tf.Tensor) -> Accumulated:
-    """All-reduce the scalar sums across replicas (one call), then combine."""
-    context, replicas = _replicas()
-    if replicas > 1:
-        totals = totals.summed_over_replicas(context)
-    loss, gradients, _ = combine(model, plan, totals, batch_size=batch_size, scale=scale,
-                                 replicas=replicas)
-    return Accumulated(loss, gradients)
-
-
-def _as_scale(loss_scale: tf.Tensor | float | None) -> tf.Tensor:
-    return tf.constant(1.0) if loss_scale is None else tf.cast(loss_scale, tf.float32)
-
-
-def _prepare(model: keras.Model, specs: tuple[Any, ...], *, own_step: bool = False
-             ) -> LossPlan:
-    """The plan of the compiled loss; with ``own_step``, of the model's own
-    ``train_step`` where it has one, as ``fit_large_batch`` runs it (``check``), which
-    builds the model by tracing the step (a Keras VAE has no call() to build it by)."""
-    if not own_step and not _keras.compile_loss_built(model):
-        _keras.symbolic_build(model, specs)
-    return step_plan(model, specs) if own_step else loss_plan(model, specs)
 
 
 @_keras.outside_strategy_scope()
@@ -202,13 +116,13 @@ def _accumulate(model: keras.Model, x: Any, y: Any, sample_weight: Any, *,
 
     specs = map_present(lambda t: tf.TensorSpec([split.micro_batch_size, *t.shape[1:]], t.dtype),
                  (x, y, sample_weight))
-    plan = _prepare(model, specs, own_step=own_step)
-    scale = _as_scale(loss_scale)
+    plan = prepare(model, specs, own_step=own_step)
+    scale = as_scale(loss_scale)
     # Under a strategy B is this replica's batch; the loss divides by the global one.
-    global_batch = batch * _replicas()[1]
-    totals = _sum_pieces(model, plan, take, split.accumulation_steps, batch_size=global_batch,
-                         scale=scale, update_metrics_too=update_metrics)
-    return _finish(model, plan, totals, global_batch, scale)
+    global_batch = batch * replicas_here()[1]
+    totals = sum_pieces(model, plan, take, split.accumulation_steps, batch_size=global_batch,
+                        scale=scale, update_metrics_too=update_metrics)
+    return Accumulated(*finish(model, plan, totals, global_batch, scale))
 
 
 @_keras.outside_strategy_scope()
@@ -264,8 +178,8 @@ def accumulate_iterator(
         return x, y, w, tf.cast(valid, tf.float32)
 
     w_spec = spec[2] if len(spec) > 2 else None
-    plan = _prepare(model, (spec[0], spec[1], w_spec))
-    scale = _as_scale(loss_scale)
-    totals = _sum_pieces(model, plan, take, steps, batch_size=batch_size, scale=scale,
-                         update_metrics_too=update_metrics)
-    return _finish(model, plan, totals, batch_size, scale)
+    plan = prepare(model, (spec[0], spec[1], w_spec))
+    scale = as_scale(loss_scale)
+    totals = sum_pieces(model, plan, take, steps, batch_size=batch_size, scale=scale,
+                        update_metrics_too=update_metrics)
+    return Accumulated(*finish(model, plan, totals, batch_size, scale))

@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         limit = None if str(memory_limit).lower() in ("none", "0") else parse_memory(
             memory_limit, name="--memory-limit")
         if args.command in ("probe", "check"):
-            from autosplit.models import ANY_LENGTH, MODELS, is_saved_model, parse_shape
+            from autosplit.builtin_models import ANY_LENGTH, MODELS, is_saved_model, parse_shape
 
             saved = is_saved_model(args.model)
             if args.input_shape is not None or not (saved or args.model in ANY_LENGTH):
@@ -183,7 +183,7 @@ def _configure_gpu_cap() -> None:
 def _probe(args: argparse.Namespace, limit: int | None) -> int:
     _configure_gpu_cap()
     from autosplit.errors import AutosplitError, NothingFitsError
-    from autosplit.search.trials import format_trial, probe
+    from autosplit.search.probe import format_trial, probe
     from autosplit.units import format_bytes
 
     try:
@@ -234,7 +234,7 @@ _POOL = 256  # distinct synthetic examples the probe's stream repeats
 def _load(args: argparse.Namespace) -> tuple[Any, tuple[int, ...]]:
     """The model ``--model`` names and one example's shape (none for token ids of any
     length)."""
-    from autosplit.models import ANY_LENGTH, load_model, parse_shape, saved_input_shape
+    from autosplit.builtin_models import ANY_LENGTH, load_model, parse_shape, saved_input_shape
 
     shape = None if args.input_shape is None else parse_shape(args.input_shape)
     model = load_model(args.model, shape)
@@ -266,7 +266,7 @@ def _synthetic_sequences(model: Any, lengths: tuple[int, int], batch_size: int) 
     import numpy as np
     import tensorflow as tf
 
-    from autosplit.models import synthetic_targets
+    from autosplit.builtin_models import synthetic_targets
 
     rng = np.random.default_rng(0)
     median, longest = lengths
@@ -305,7 +305,7 @@ def _synthetic_batch(model: Any, shape: tuple[int, ...], batch_size: int,
     """Normal inputs of ``shape`` and targets that suit the model's loss, fixed seed."""
     import numpy as np
 
-    from autosplit.models import synthetic_targets
+    from autosplit.builtin_models import synthetic_targets
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch_size, *shape)).astype("float32")

@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from autosplit.accumulate import accumulate_gradients, own_steps_accumulated, piece_rows
+from autosplit.accumulate import accumulate_gradients, own_steps_accumulated
 from autosplit.culprits import (
     ADDED,
     HINT,
@@ -43,13 +43,11 @@ from autosplit.data.structure import map_present
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import batch_data, overridden_steps
 from autosplit.keras_hooks.interception import PLAIN, intercept
+from autosplit.step.accumulation import split_loss
 from autosplit.step.compiled import run_once
-from autosplit.step.loss_plan import align_targets, forward_totals, loss_plan, step_plan
+from autosplit.step.loss_plan import align_targets, loss_plan, step_plan
 from autosplit.step.padding import check_padding
-from autosplit.step.piece import Totals
-from autosplit.step.reduction import combined_loss, output_terms
 from autosplit.step.snapshot import Snapshot
-from autosplit.step.sums import added, sum_loop, zero_totals
 from autosplit.training.arguments import check_compiled_loss
 
 __all__ = ["CheckReport", "Culprit", "VariableDifference", "check"]
@@ -287,40 +285,13 @@ def _full_batch(model: keras.Model, x: Any, y: Any, sample_weight: Any, split: S
                 lambda t, dtype=dtype: tf.cast(t, dtype), (y_t, y_p)))
             per_example.append(values.shape.rank >= 1 and values.shape[0] == split.batch_size)
             whole.append(tf.cast(flat.loss(y_t, y_p, s_w), tf.float32))
-            parts.append(_split_loss(flat.loss, y_t, y_p, s_w, split) if per_example[-1]
+            parts.append(split_loss(flat.loss, y_t, y_p, s_w, split) if per_example[-1]
                          else tf.constant(0.0))
         facts["per_example"] = tuple(per_example)
         return tf.cast(loss, tf.float32), grads, whole, parts
 
     loss, grads, whole, parts = run_once(run, x, y, sample_weight)
     return _Full(loss, grads, facts["per_example"], whole, parts)
-
-
-def _split_loss(loss: keras.losses.Loss, y_true: Any, y_pred: Any, sample_weight: Any,
-                split: Split) -> tf.Tensor:
-    """``loss`` recombined from micro-batches of the given predictions, as autosplit does."""
-    mask = _keras.get_keras_mask(y_pred) if not tree.is_nested(y_pred) else None
-    index, valid = piece_rows(split)
-    ys, ps, ws, ms = tree.map_structure(
-        lambda t: None if t is None else tf.gather(tf.convert_to_tensor(t), index),
-        (y_true, y_pred, sample_weight, mask))
-    row_valid = tf.constant(valid)
-    kind: dict[str, str] = {}
-
-    def step(i: tf.Tensor, totals: Totals) -> tuple[Totals, tf.Tensor]:
-        y_i, p_i, w_i = tree.map_structure(
-            lambda t: None if t is None else tf.gather(t, i), (ys, ps, ws))
-        if ms is not None:
-            _keras.set_keras_mask(p_i, tf.gather(ms, i))
-        terms = output_terms(loss, y_i, p_i, w_i, tf.gather(row_valid, i))
-        kind["kind"] = terms.kind
-        part = Totals([], [terms.numerator], [terms.denominator], forward_totals(), 0.0)
-        return added(totals, part), tf.constant(False)
-
-    totals, _ = sum_loop(step, split.accumulation_steps, zero_totals(1))
-    _, (value,) = combined_loss(totals.numerators, totals.denominators, totals.forward,
-                                totals.rows, kinds=(kind["kind"],), weights=(1.0,))
-    return value
 
 
 def _relative(difference: float, scale: float) -> float:

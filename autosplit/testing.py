@@ -71,8 +71,8 @@ class FaultyStep:
             raise AttributeError(name)
         return getattr(self.step, name)
 
-    def _maybe_fail(self, pieces: int) -> None:
-        rows = math.ceil(self.step.rows / pieces)
+    def _maybe_fail(self, slices: int) -> None:
+        rows = math.ceil(self.step.rows / slices)
         self._faulted = self.applied in self.pending and rows > self.above
         if self._faulted:
             self.pending.discard(self.applied)
@@ -93,12 +93,12 @@ class FaultyStep:
         return logs
 
     def run_local(self, iterator: Any, count: int, *, resume: bool = False,
-                  pieces: int = 1, marked: bool = False) -> int:
+                  slices: int = 1, marked: bool = False) -> int:
         if not resume:
-            self._maybe_fail(pieces)
+            self._maybe_fail(slices)
         else:
             self._faulted = False
-        return self.step.run_local(iterator, count, resume=resume, pieces=pieces,
+        return self.step.run_local(iterator, count, resume=resume, slices=slices,
                                    marked=marked)
 
     def finish(self) -> dict:

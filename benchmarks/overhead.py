@@ -17,7 +17,7 @@ and per call, from arrays, from a dataset of examples and from a batched dataset
   784-wide one also against ``model.fit(batch_size=m)``, Keras's
   ``Adam(gradient_accumulation_steps=16)`` and the classic hand loop (a ``tf.function``
   returns one micro-batch's gradients, ``np.mean`` on the host, one apply);
-- the CNN of ``autosplit.models`` on 32x32x3 images, B = 1024, m = 128 (k = 8);
+- the CNN of ``autosplit.builtin_models`` on 32x32x3 images, B = 1024, m = 128 (k = 8);
 - a Dense stack of 50 layers of 64 (102 variables: many variables, little compute, where
   the set-up of a call shows), B = 2048, m = 128 (k = 16), from arrays and from a
   dataset of examples, also against ``model.fit(batch_size=m)``.

@@ -313,7 +313,11 @@ def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
                 tokens["peak_mib"] <= by["rows"]["peak_mib"]),
              "summary": f"{kind}: peak {tokens['peak_mib']:.0f} MiB in tokens, "
                         f"{by['rows']['peak_mib']:.0f} MiB for m rows padded to their large "
-                        "batch's longest (target: at most that)"}]
+                        "batch's longest (target: at most that)"},
+            {"id": f"{kind}-tokens-padding", "status": harness.status(
+                tokens["padding_share"] <= by["rows"]["padding_share"] / 2),
+             "summary": f"{kind}: padding share {tokens['padding_share']:.2f} in tokens, "
+                        f"{by['rows']['padding_share']:.2f} by rows (target <= half)"}]
         out += [
             {"id": f"{kind}-speed", "status": harness.status(length["vs_rows"] >= 2.0),
              "summary": f"{kind}: by length {length['vs_rows']:.2f}x the tokens/s of the row "

@@ -1,7 +1,7 @@
 """The models, data and training methods the benchmarks share.
 
 Models: the MLP 128-1024-1024-10 of the memory tests (any widths), the 2-layer
-Transformer encoder of ``autosplit.models`` over (16, 16) inputs, its CNN over 32x32x3
+Transformer encoder of ``autosplit.builtin_models`` over (16, 16) inputs, its CNN over 32x32x3
 images, and a small encoder on token ids (Embedding, attention, LayerNorm), all with
 Adam and sparse categorical cross-entropy on logits, seeded. Data: Gaussian inputs
 labelled by a random linear teacher; token ids labelled by their count of one token
@@ -93,9 +93,9 @@ def build_model(spec: ModelSpec, *, seed: int = 0, jit_compile: bool = False,
     elif spec.key == "encoder":
         model = token_encoder(spec.input_shape)
     else:
-        from autosplit import models
+        from autosplit import builtin_models
 
-        model = models.MODELS[spec.key](spec.input_shape, CLASSES)
+        model = builtin_models.MODELS[spec.key](spec.input_shape, CLASSES)
     if weights is not None:
         model.set_weights(weights)
     model.compile(optimizer=keras.optimizers.Adam(1e-3, **adam),

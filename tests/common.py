@@ -3,11 +3,18 @@ full-batch reference step and the comparisons (no pytest)."""
 
 from __future__ import annotations
 
+import os
+import socket
+from pathlib import Path
+
 import keras
 import numpy as np
 import tensorflow as tf
 
+from autosplit.capped import run_capped
 from autosplit.keras_hooks import internals as _keras
+
+TESTS = Path(__file__).parent  # beside the child scripts
 
 
 def labelled(n, features, classes, seed=0):
@@ -108,3 +115,58 @@ def update_metrics(model, loss, y, y_pred, sample_weight=None):
         else:
             metric.update_state(y, y_pred, sample_weight=sample_weight)
     return {m.name: m.result() for m in model.metrics}
+
+
+class TwoViews(keras.Model):
+    """SimSiam's pattern: one encoder (BatchNormalization on its raw inputs) called on
+    two views in a step of its own, ``training`` as the step passes it."""
+
+    def __init__(self, training=True):
+        super().__init__()
+        self.encoder = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(),
+                                         keras.layers.Dense(3)])
+        self.tracker = keras.metrics.Mean(name="loss")
+        self.training = training
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, data):
+        a, b = data
+        with tf.GradientTape() as tape:
+            za = self.encoder(a, training=self.training)
+            zb = self.encoder(b, training=self.training)
+            loss = tf.reduce_mean(tf.square(za - zb))
+        grads = tape.gradient(loss, self.encoder.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.encoder.trainable_variables,
+                                            strict=True))
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+def run_child(scenario, tmp_path, limit_mib):
+    """A scenario of capped_child.py under a real cap: (its report, its folder)."""
+    run = run_capped([str(TESTS / "capped_child.py"), scenario, str(tmp_path)],
+                     limit_mib * 2**20, timeout=600, capture=True,
+                     env={"PYTHONPATH": f"{TESTS.parent}:{TESTS}"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.result, tmp_path
+
+
+def child_env(**extra):
+    """The environment of a child process that imports autosplit and these helpers."""
+    env = dict(os.environ, PYTHONPATH=f"{TESTS.parent}:{TESTS}", TF_CPP_MIN_LOG_LEVEL="2")
+    env.update(extra)
+    return env
+
+
+def free_ports(n):
+    """``n`` TCP ports free on localhost now, for the workers of a local cluster."""
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports

@@ -140,8 +140,8 @@ def collectives(strategy, records):
     step = step_for(model, pipeline)  # the step training built, kept on the model
     iterator = iter(pipeline.dataset())
     functions = {
-        "loop": (step._function("local", step._local, resume=False, pieces=1, marked=True,
-                                full=False), (iterator, tf.constant(1, tf.int32))),
+        "loop": (step._function("local", step._local, resume=False, slices=1, marked=True,
+                                all_real=False), (iterator, tf.constant(1, tf.int32))),
         "agreement": (step._function("agree", step.update.replicas.vote),
                       (tf.constant(0.0), tf.constant(1.0))),
         "apply": (step._function("finish", step.update.apply), ())}

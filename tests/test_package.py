@@ -30,7 +30,7 @@ def test_every_export_resolves_and_the_functions_stay_functions_after_every_impo
     # No submodule shares a name with an export, so importing one never shadows it.
     assert not modules & set(autosplit.__all__)
     assert callable(autosplit.probe) and callable(autosplit.check)
-    assert autosplit.probe.__module__ == "autosplit.search.trials"
+    assert autosplit.probe.__module__ == "autosplit.search.probe"
     assert autosplit.check.__module__ == "autosplit.equivalence"
 
 

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from autosplit.data.packing import Packing, token_pieces
 from autosplit.data.split import Piece
 
 __all__ = ["LENGTH_MULTIPLE", "LengthCut", "Padded", "Trimmed", "cut_by_length",
@@ -44,11 +45,13 @@ class LengthCut(NamedTuple):
     """How a pipeline cuts by length: each micro-batch's length rounded up to a
     ``multiple``; for arrays of one shape, how they hold their sequences; with
     ``tokens``, micro-batches of up to that many tokens (rows x padded length) each, not
-    of a fixed row count."""
+    of a fixed row count, cut for the least work (``"least_work"``) or each filled to the
+    budget (``"fullest"``: the probe's trials, which must meet the budget's peak)."""
 
     multiple: int = 1
     padded: Padded | None = None
     tokens: int | None = None
+    packing: Packing = "least_work"
 
 
 class Trimmed(NamedTuple):
@@ -198,14 +201,13 @@ def pad_to_longest(ds: tf.data.Dataset, sizes: list[int], *, own_lengths: bool
                                                     large_batch, window_size=period)
 
 
-def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], *, own_lengths: bool,
-                  multiple: int = 1, tokens: int | None = None, cap: int | None = None
-                  ) -> tf.data.Dataset:
+def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: LengthCut, *,
+                  own_lengths: bool, cap: int | None = None) -> tf.data.Dataset:
     """The kept pieces of ``pattern`` from every large batch of ``ds`` (batches of rows,
     of any size), each large batch's kept rows sorted by length first; each piece
     ``(rows, stretch)``, its varying inputs padded with zeros to its longest row
-    rounded up to ``multiple`` (at most the large batch's longest), ``stretch`` the large
-    batch's length over that.
+    rounded up to ``cut.multiple`` (at most the large batch's longest), ``stretch`` the
+    large batch's length over that.
 
     The large batch's length is its longest row's: as the row comes with
     ``own_lengths`` (``InputAdapter.own_lengths``), else as long as it is without the
@@ -213,8 +215,8 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], *, own_lengths: boo
 
     A short last large batch gives the pieces ``rebatch`` would: those that start
     before its last row. The host holds one large batch's rows, unpadded (a ragged
-    batch), and stacks no more than a piece. With ``tokens``, the pieces are
-    :func:`_token_pieces` of at most ``cap`` rows, each large batch's last an empty one.
+    batch), and stacks no more than a piece. With ``cut.tokens``, the pieces are
+    :func:`token_pieces` of at most ``cap`` rows, each large batch's last an empty one.
     """
     period = sum(p.rows for p in pattern)
     bounds = _kept_bounds(pattern)
@@ -246,8 +248,7 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], *, own_lengths: boo
             return tf.nest.pack_sequence_as(large, [take(t) for t in leaves],
                                             expand_composites=False), stretch
 
-        return _sorted_pieces(real, ragged[0].nrows(), longest, bounds, multiple,
-                              tokens, cap).map(piece)
+        return _sorted_pieces(real, ragged[0].nrows(), longest, bounds, cut, cap).map(piece)
 
     @tf.autograph.experimental.do_not_convert
     def large_batch(_, window):
@@ -308,13 +309,14 @@ def trim(rows: Any, padded: Padded, length: tf.Tensor) -> Any:
     return tf.nest.map_structure(cut, rows)
 
 
-def cut_rows_by_length(ds: tf.data.Dataset, pattern: list[Piece], padded: Padded, *,
-                       multiple: int = 1, tokens: int | None = None, cap: int | None = None
-                       ) -> tf.data.Dataset:
+def cut_rows_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: LengthCut, *,
+                       cap: int | None = None) -> tf.data.Dataset:
     """:func:`cut_by_length` for batches of row numbers (arrays, gathered later): each
     kept piece ``(row numbers, length, stretch)``, the rows of each large batch sorted
-    by their length in ``padded``, its length the longest rounded up to ``multiple``
-    (at most the arrays'), ``stretch`` the arrays' length over it."""
+    by their length in ``cut.padded``, its length the longest rounded up to
+    ``cut.multiple`` (at most the arrays'), ``stretch`` the arrays' length over it."""
+    padded = cut.padded
+    assert padded is not None
     period = sum(p.rows for p in pattern)
     bounds = _kept_bounds(pattern)
     table = tf.constant(padded.lengths)
@@ -322,8 +324,7 @@ def cut_rows_by_length(ds: tf.data.Dataset, pattern: list[Piece], padded: Padded
 
     def pieces(numbers):
         n = tf.size(numbers, out_type=tf.int64)
-        return _sorted_pieces(tf.gather(table, numbers), n, full, bounds, multiple,
-                              tokens, cap).map(
+        return _sorted_pieces(tf.gather(table, numbers), n, full, bounds, cut, cap).map(
             lambda index, length, stretch: (tf.gather(numbers, index), length, stretch))
 
     return ds.unbatch().batch(period).flat_map(pieces)
@@ -341,20 +342,20 @@ def _kept_bounds(pattern: list[Piece]) -> tuple[tf.Tensor, tf.Tensor, int, int]:
 
 
 def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
-                   bounds: tuple[tf.Tensor, tf.Tensor, int, int], multiple: int,
-                   tokens: int | None = None, cap: int | None = None) -> tf.data.Dataset:
+                   bounds: tuple[tf.Tensor, tf.Tensor, int, int], cut: LengthCut,
+                   cap: int | None = None) -> tf.data.Dataset:
     """The kept pieces of a large batch of ``n`` rows whose lengths are ``lengths``: its
     kept rows sorted by length, each piece ``(positions, length, stretch)`` for those
     that start before row ``n``; its length the longest of its rows rounded up to
-    ``multiple``, at most ``longest`` (the large batch's), ``stretch`` ``longest`` over it.
-    With ``tokens``, the pieces are :func:`_token_pieces`' (of at most ``cap`` rows)
-    instead of ``bounds``'."""
+    ``cut.multiple``, at most ``longest`` (the large batch's), ``stretch`` ``longest``
+    over it. With ``cut.tokens``, the pieces are :func:`token_pieces`' (of at most
+    ``cap`` rows) instead of ``bounds``'."""
     starts, ends, first, last = bounds
     end = tf.minimum(tf.constant(last, tf.int64), n)
     order = first + tf.cast(tf.argsort(lengths[first:end], stable=True), tf.int64)
 
     def length_of(most):
-        return tf.minimum(_round_up(tf.maximum(most, 1), multiple), longest)
+        return tf.minimum(_round_up(tf.maximum(most, 1), cut.multiple), longest)
 
     def piece(a, b):
         index = order[a - first:tf.minimum(b, n) - first]
@@ -362,37 +363,8 @@ def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
         return index, length, tf.fill(tf.shape(index), tf.cast(longest, tf.float32)
                                       / tf.cast(length, tf.float32))
 
-    if tokens is not None:
+    if cut.tokens is not None:
         sorted_lengths = length_of(tf.gather(lengths, order))
-        starts, ends = _token_pieces(sorted_lengths, tokens, cap)
+        starts, ends = token_pieces(sorted_lengths, cut.tokens, cap, cut.packing)
         return tf.data.Dataset.from_tensor_slices((first + starts, first + ends)).map(piece)
     return tf.data.Dataset.from_tensor_slices((starts, ends)).filter(lambda a, b: a < n).map(piece)
-
-
-def _token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None
-                  ) -> tuple[tf.Tensor, tf.Tensor]:
-    """The (starts, ends) of pieces of rows sorted by their padded ``lengths``
-    (ascending), each of up to ``tokens`` tokens: from the longest down, a piece holds
-    ``tokens // its longest`` rows, at least one and at most ``cap``.
-
-    The longest piece comes first, then the shortest, then the rest from short to long:
-    the first two a trial step pulls (``autosplit.search.runner``) are the two ends,
-    where the memory per token is highest (under attention, and with costs per row).
-    Last comes an empty piece, ``(n, n)``: the large batch's end, whose element has no
-    row (``autosplit.data.pipeline.is_end_marker``)."""
-    n = tf.size(lengths, out_type=tf.int64)
-
-    def body(end, found):
-        most = end if cap is None else tf.minimum(end, cap)
-        rows = tf.clip_by_value(tokens // lengths[end - 1], 1, most)
-        return end - rows, found.write(found.size(), tf.stack([end - rows, end]))
-
-    _, found = tf.while_loop(lambda end, _: end > 0, body,
-                             [n, tf.TensorArray(tf.int64, size=0, dynamic_size=True,
-                                                element_shape=[2])])
-    pieces = tf.reshape(found.stack(), [-1, 2])  # longest first
-    count = tf.shape(pieces)[0]
-    order = tf.concat([tf.range(tf.minimum(count, 1)),
-                       tf.range(count - 1, 0, -1)], 0)
-    pieces = tf.concat([tf.gather(pieces, order), tf.stack([[n, n]])], 0)
-    return pieces[:, 0], pieces[:, 1]

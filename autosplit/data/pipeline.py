@@ -55,14 +55,14 @@ def host_autotune() -> bool:
     Autotuning grows buffers and in-flight elements as it goes. On a GPU they are host
     memory, outside the device memory the probe budgets. When the step runs on the
     CPU they are the same memory as the step's, and the probe's trials (which run with
-    autotuning off, see ``autosplit.search.runner.trial_dataset``) cannot see them: under
+    autotuning off, see ``autosplit.search.trials.trial_dataset``) cannot see them: under
     a CPU cap, steps then peak above what the trials measured, and epochs are no faster
     with it.
     """
     return bool(tf.config.list_logical_devices("GPU"))
 
 
-def _pad_rows(piece: Any, rows: int | None, *, row_numbers: bool = False, whole: bool = False
+def _pad_rows(piece: Any, rows: int | None, *, row_numbers: bool = False, all_real: bool = False
               ) -> tuple[Any, tf.Tensor]:
     """Pad every leaf of ``piece`` to ``rows`` rows with copies of its last row (None:
     leave its row count as it is).
@@ -72,7 +72,7 @@ def _pad_rows(piece: Any, rows: int | None, *, row_numbers: bool = False, whole:
     gathered always: that costs nothing, and a ``tf.cond`` in a ``tf.data`` map is
     instantiated with every iterator.
 
-    ``whole``: every piece has ``rows`` rows (:meth:`MicroBatches.always_full`), so
+    ``all_real``: every piece has ``rows`` rows (:meth:`MicroBatches.all_real`), so
     nothing is padded and nothing branches (a ``tf.cond`` per leaf doubles the cost of
     building the map and of its first iterator); the static row count is still checked
     (``tf.ensure_shape``), and ``valid`` is all ones.
@@ -82,7 +82,7 @@ def _pad_rows(piece: Any, rows: int | None, *, row_numbers: bool = False, whole:
 
     if rows is None:  # pieces of any row count (LengthCut.tokens), all real
         return piece, tf.ones(tf.shape(tf.nest.flatten(piece)[0])[:1], tf.float32)
-    if whole:
+    if all_real:
         return tf.nest.map_structure(fixed, piece), tf.ones([rows], tf.float32)
     n = tf.shape(tf.nest.flatten(piece)[0])[0]
     index = tf.minimum(tf.range(rows), n - 1)
@@ -109,14 +109,14 @@ def _pad_replicas(element: Any, replicas: int) -> Any:
 
 
 @tf.autograph.experimental.do_not_convert
-def _element(*piece: Any, materialize, rows: int, row_numbers: bool, whole: bool) -> tuple:
+def _element(*piece: Any, materialize, rows: int, row_numbers: bool, all_real: bool) -> tuple:
     """A cut piece of rows -> ``(x, y, sample_weight_or_(), valid)``, padded to ``rows``.
 
     Traced without autograph (``tf.data`` converts a map's function by default): its
     branches are ``tf.cond`` already, and building the pipeline skips the conversion.
     """
     piece = piece[0] if len(piece) == 1 else piece
-    padded, valid = _pad_rows(piece, rows, row_numbers=row_numbers, whole=whole)
+    padded, valid = _pad_rows(piece, rows, row_numbers=row_numbers, all_real=all_real)
     x, y, w = materialize(padded)
     return x, none_to_empty(y), none_to_empty(w), valid
 
@@ -253,7 +253,7 @@ class MicroBatches:
         self._epochs: dict = {}  # (shuffle seed, repeat) -> the epoch the next iteration cuts
         self._datasets: dict = {}  # (repeat, seed, marked, autotune) -> ready to iterate
 
-    def always_full(self) -> bool:
+    def all_real(self) -> bool:
         """Whether every element holds ``rows`` real rows, none of padding: the input
         tells its length, a whole number of large batches, each cut into pieces of
         ``rows`` rows, on one local replica. The train step then drops no padding
@@ -373,21 +373,20 @@ class MicroBatches:
                 return cut_shares(
                     ds, rows=self.rows, local_replicas=self.local_replicas, marker=end_marker,
                     element=functools.partial(_element, materialize=materialize,
-                                              rows=self.rows, row_numbers=False, whole=False),
+                                              rows=self.rows, row_numbers=False, all_real=False),
                     group=functools.partial(_pad_replicas_of, replicas=self.local_replicas))
             if cut is None:
                 ds = self._cut_as_it_comes(ds)
                 element = functools.partial(_element, materialize=materialize, rows=self.rows,
                                             row_numbers=self.adapter.row_numbers,
-                                            whole=self.always_full())
+                                            all_real=self.all_real())
             elif cut.padded is not None:  # this worker's pieces alone
-                ds = cut_rows_by_length(ds, self.pattern, cut.padded, multiple=cut.multiple,
-                                        tokens=cut.tokens, cap=self.rows)
+                ds = cut_rows_by_length(ds, self.pattern, cut, cap=self.rows)
                 element = functools.partial(_trimmed_rows, materialize=materialize,
                                             rows=self.element_rows, padded=cut.padded)
             else:
-                ds = cut_by_length(ds, self.pattern, own_lengths=self.adapter.own_lengths,
-                                   multiple=cut.multiple, tokens=cut.tokens, cap=self.rows)
+                ds = cut_by_length(ds, self.pattern, cut, own_lengths=self.adapter.own_lengths,
+                                   cap=self.rows)
                 element = functools.partial(_trimmed_element, materialize=materialize,
                                             rows=self.element_rows)
             ds = ds.map(element, **(_IN_PARALLEL if parallel else {}))

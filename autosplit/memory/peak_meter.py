@@ -2,7 +2,7 @@
 
 :class:`PeakMeter` reads ``tf.config.experimental.get_memory_info`` on a GPU, or on
 the CPU when TensorFlow's CPU allocator is BFC, and otherwise the process's resident
-set and its high-water mark. The probe (``autosplit.search.trials``) measures every trial
+set and its high-water mark. The probe (``autosplit.search.probe``) measures every trial
 step with it. Capped child processes, where the CPU allocator is BFC, are in
 ``autosplit.capped``.
 """

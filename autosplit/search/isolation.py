@@ -15,7 +15,7 @@ instead of raising ``ResourceExhaustedError`` (TensorFlow 2.21):
 The probe's
 trials are where such failures are expected, so there they run in a child process
 that loads a copy of the model (``model.save``) and a sample of the data, and runs the
-same trials (:func:`autosplit.search.runner.child_trials`) at the sizes the parent's search
+same trials (:func:`autosplit.search.trials.child_trials`) at the sizes the parent's search
 asks for. A child that dies during a trial makes that trial an out-of-memory one
 (``Trial.crashed``); the next trial starts a new child. The parent's model is never
 touched. OpenNMT-tf runs its batch-size search in child processes for the same reason.
@@ -82,10 +82,10 @@ class IsolatedTrials:
         held_bytes: what this process's allocator holds; the child holds as much.
         jit_compile: the step's compilation, as resolved in this process.
         step_held: ``held_bytes`` includes a compiled step of this model (its sums and
-            stash), which the child makes too (:func:`autosplit.search.runner.child_trials`).
+            stash), which the child makes too (:func:`autosplit.search.trials.child_trials`).
         tokens: ``(multiple, length)``: trials in tokens, the sample's padded sequences
             cut by length with lengths rounded up to ``multiple``, a trial at m of
-            ``m * length`` tokens (``autosplit.search.runner.TrialRunner``).
+            ``m * length`` tokens (``autosplit.search.trials.TrialRunner``).
 
     Raises:
         IsolationError: the model cannot be saved, or the child cannot load it.
@@ -283,7 +283,7 @@ def _child(folder: Path) -> None:
 
     import keras
 
-    from autosplit.search.runner import child_trials
+    from autosplit.search.trials import child_trials
 
     out = sys.stdout
     sys.stdout = sys.stderr  # whatever the model prints stays off the answers' channel

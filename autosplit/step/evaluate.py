@@ -42,6 +42,12 @@ from autosplit.keras_hooks.custom_step import (
 from autosplit.keras_hooks.interception import weighed_trackers
 from autosplit.keras_hooks.traced import trace
 from autosplit.step.compiled import FunctionCache
+from autosplit.step.contribution import (
+    Totals,
+    update_loss_trackers,
+    update_metrics,
+    without_padding,
+)
 from autosplit.step.loss_plan import (
     LossPlan,
     forward,
@@ -49,12 +55,6 @@ from autosplit.step.loss_plan import (
     forward_totals,
     loss_plan,
     weight_regularization,
-)
-from autosplit.step.piece import (
-    Totals,
-    update_loss_trackers,
-    update_metrics,
-    without_padding,
 )
 from autosplit.step.reduction import COUNT, combined_loss
 from autosplit.step.sums import added, sum_loop, zero_totals

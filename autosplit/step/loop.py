@@ -1,12 +1,12 @@
-"""The train step's loops: elements pulled from the host iterator, each cut into pieces.
+"""The train step's loops: elements pulled from the host iterator, each cut into slices.
 
 :func:`pull` pulls up to ``count`` elements of the host pipeline (``autosplit.data.pipeline``)
 inside a ``tf.while_loop`` and commits each, micro-step by micro-step
 (``autosplit.step.update``). It copies every element to the host-side stash as it pulls it;
 the micro-steps record how many of its rows are in the sums. After an out-of-memory
-error, ``pull(..., resume=True, pieces=q)`` first redoes the stashed element's rows not
+error, ``pull(..., resume=True, slices=q)`` first redoes the stashed element's rows not
 yet committed, then the rest of the large batch, with each element cut into q smaller
-pieces: nothing is lost or counted twice (``autosplit.training.recovery`` drives that).
+slices: nothing is lost or counted twice (``autosplit.training.recovery`` drives that).
 
 Nothing with B rows ever enters these loops: their inputs are the iterator and an
 element count, the iterator and the stash are pinned to the host CPU, and the
@@ -27,11 +27,11 @@ from autosplit.step.update import LargeBatchUpdate
 __all__ = ["pull", "run_element"]
 
 
-def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=None, *,
-                full: bool = False) -> tf.Tensor:
-    """All of one element (the rows from ``first_row`` on), in ``pieces`` parts.
+def run_element(update: LargeBatchUpdate, element: Any, slices: int, first_row=None, *,
+                all_real: bool = False) -> tf.Tensor:
+    """All of one element (the rows from ``first_row`` on), in ``slices`` parts.
 
-    ``full``: the element holds real rows only (``TrainStep.rebind``); whole, it goes
+    ``all_real``: the element holds real rows only (``TrainStep.rebind``), and goes
     to the micro-step without a check for padding. Its rest after ``first_row`` or its
     parts may hold padding, and keep the check."""
     x, y, w, valid = element
@@ -40,10 +40,10 @@ def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=N
     if first_row is not None:
         keep = tf.cast(tf.range(rows) >= first_row, tf.float32)
         valid = valid * (keep[None, :] if axis else keep)
-    if pieces == 1:
+    if slices == 1:
         return update.micro_step(x, y, w, valid, tf.convert_to_tensor(rows), rows,
-                                 full=full and first_row is None)
-    size = -(-rows // pieces)
+                                 all_real=all_real and first_row is None)
+    size = -(-rows // slices)
 
     def body(p):
         with tf.device(HOST):
@@ -63,21 +63,21 @@ def run_element(update: LargeBatchUpdate, element: Any, pieces: int, first_row=N
             return after([update.stash.record(end_row, rows)])
 
         if update.replicas.count == 1:
-            # A piece of padding alone (a short element cut after an out-of-memory error)
+            # A slice of padding alone (a short element cut after an out-of-memory error)
             # is recorded, not run: a custom train_step on 0 rows logged NaN for the epoch.
             done = tf.cond(tf.reduce_any(part_valid > 0), step, record_only)
         else:
-            done = step()  # every replica runs its pieces: they meet in collectives
+            done = step()  # every replica runs its slices: they meet in collectives
         with tf.control_dependencies([done]):
             return p + 1
 
     start = tf.constant(0) if first_row is None else first_row // size
-    loop = tf.while_loop(lambda p: p < pieces, body, [start], parallel_iterations=1)
+    loop = tf.while_loop(lambda p: p < slices, body, [start], parallel_iterations=1)
     return after([loop])
 
 
 def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
-         pieces: int = 1, counted: bool = False, marked: bool = False, full: bool = False
+         slices: int = 1, counted: bool = False, marked: bool = False, all_real: bool = False
          ) -> tf.Tensor:
     """Pull up to ``count`` elements and commit them; no collective communication.
     Returns the number pulled.
@@ -91,18 +91,18 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
     no real row (``MicroBatches.dataset(marked=True)``): the loop stops there, as at the
     end of an iterator, and the marker is neither stashed nor counted.
 
-    With ``full`` the iterator's elements hold real rows only (:func:`run_element`).
+    With ``all_real`` the iterator's elements hold real rows only (:func:`run_element`).
     """
     stash = update.stash
     ops = [stash.pulled.assign(0), stash.exhausted.assign(False)]
-    # A custom step's trackers as the last committed piece left them: kept as a call
-    # begins, put back before a redo (its failed piece may have counted already).
+    # A custom step's trackers as the last committed micro-batch left them: kept as a call
+    # begins, put back before a redo (its failed slice may have counted already).
     ops.append(update.restore_metrics() if resume else update.keep_metrics())
     if resume:
         with tf.control_dependencies(ops):
             stashed = stash.get(update.element_spec)
             ops = [tf.cond(stash.pending.read_value(),
-                           lambda: run_element(update, stashed, pieces,
+                           lambda: run_element(update, stashed, slices,
                                                stash.done_rows.read_value()),
                            lambda: tf.constant(True))]
 
@@ -112,7 +112,7 @@ def pull(update: LargeBatchUpdate, iterator, count, *, resume: bool = False,
             marks = stash.put(element)
         with tf.control_dependencies([after(marks)]):
             element = tf.nest.map_structure(tf.identity, element)
-        return run_element(update, element, pieces, full=full)
+        return run_element(update, element, slices, all_real=all_real)
 
     def counted_body(i):
         with tf.device(HOST):

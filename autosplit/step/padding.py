@@ -37,8 +37,8 @@ from autosplit.data.structure import empty_to_none
 from autosplit.errors import DatasetError, UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import has_custom_step
+from autosplit.step.contribution import compute_contribution, update_metrics
 from autosplit.step.loss_plan import step_plan
-from autosplit.step.piece import compute_piece, update_metrics
 from autosplit.step.snapshot import Snapshot
 from autosplit.step.train_step import build_for
 
@@ -123,12 +123,12 @@ def check_padding(model: keras.Model, sample: tuple, spec: tuple, *, pre: bool =
 
     def step(x, y, w, valid):
         y, w = empty_to_none(y), empty_to_none(w)
-        piece = compute_piece(model, plan, x, y, w, valid, batch_size=rows,
-                              scale=tf.constant(1.0))
-        update_metrics(model, piece.y, piece.y_pred, w, valid, piece.masks, full=True,
-                       stretch=piece.stretch)
-        return ([g for group in piece.gradients for g in group if g is not None],
-                piece.numerators, piece.denominators, piece.forward,
+        c = compute_contribution(model, plan, x, y, w, valid, batch_size=rows,
+                                 scale=tf.constant(1.0))
+        update_metrics(model, c.y, c.y_pred, w, valid, c.masks, all_real=True,
+                       stretch=c.stretch)
+        return ([g for group in c.gradients for g in group if g is not None],
+                c.numerators, c.denominators, c.forward,
                 [v.value for m in _keras.all_metrics(model) for v in m.variables])
 
     snapshot = Snapshot(model)

@@ -2,7 +2,7 @@
 
 :class:`Sums` holds, per replica, the gradient sums of each loss group and the scalar
 sums of every loss's numerator and denominator, of the losses added in ``call()`` and
-of the real rows (``autosplit.step.piece``). :class:`Stash` holds, on the host, a copy of the
+of the real rows (``autosplit.step.contribution``). :class:`Stash` holds, on the host, a copy of the
 element being processed and how far it got, so that an out-of-memory error can resume
 exactly. Both live in variables, created once and reused for every large batch; only
 the train step's graph code (``autosplit.step.update``, ``autosplit.step.loop``) changes
@@ -19,8 +19,8 @@ import tensorflow as tf
 
 from autosplit.data.adapter import HOST
 from autosplit.keras_hooks.batchnorm import Pool
+from autosplit.step.contribution import Contribution, Totals
 from autosplit.step.loss_plan import LossPlan, forward_totals
-from autosplit.step.piece import Piece, Totals
 
 __all__ = ["Stash", "Sums", "added", "after", "sum_loop", "zero_totals"]
 
@@ -78,24 +78,24 @@ class Sums:
                               for _ in plan.groups]
             self.numerators = [var([], "numerator") for _ in plan.kinds]
             self.denominators = [var([], "denominator") for _ in plan.kinds]
-            self.in_call = var([2], "in_call")  # piece.Piece.forward
+            self.in_call = var([2], "in_call")  # contribution.Contribution.forward
             self.rows = var([], "rows")
             # BatchNormalization statistics pooled over the large batch (keras_hooks/batchnorm.py).
             calls = {id(layer): n for layer, n in plan.batch_norm_calls}
             self.pool = Pool(list(pool), [calls[id(layer)] for layer in pool],
                              var) if pool else None
 
-    def add(self, piece: Piece) -> tf.Tensor:
-        """Per replica: add one piece; returns a token of the additions."""
+    def add(self, c: Contribution) -> tf.Tensor:
+        """Per replica: add one micro-batch's contribution; returns a token of the additions."""
         ops = [s.assign_add(g)
-               for sums, grads in zip(self.gradients, piece.gradients, strict=True)
+               for sums, grads in zip(self.gradients, c.gradients, strict=True)
                for s, g in zip(sums, grads, strict=True) if s is not None and g is not None]
-        ops += [v.assign_add(t) for v, t in zip(self.numerators, piece.numerators, strict=True)]
+        ops += [v.assign_add(t) for v, t in zip(self.numerators, c.numerators, strict=True)]
         ops += [v.assign_add(t) for v, t in
-                zip(self.denominators, piece.denominators, strict=True)]
-        ops += [self.in_call.assign_add(piece.forward), self.rows.assign_add(piece.rows)]
+                zip(self.denominators, c.denominators, strict=True)]
+        ops += [self.in_call.assign_add(c.forward), self.rows.assign_add(c.rows)]
         if self.pool is not None:
-            ops += self.pool.add(piece.moments)
+            ops += self.pool.add(c.moments)
         return after(ops)
 
     def read(self) -> Totals:
@@ -173,10 +173,10 @@ class Stash:
 # Loop-carried sums: accumulate_gradients, accumulate_iterator and validation.
 
 
-def added(totals: Totals, piece: Piece | Totals) -> Totals:
+def added(totals: Totals, c: Contribution | Totals) -> Totals:
     """``totals`` plus one micro-batch's sums; a gradient of None adds nothing."""
-    part = Totals(piece.gradients, piece.numerators, piece.denominators, piece.forward,
-                  piece.rows)
+    part = Totals(c.gradients, c.numerators, c.denominators, c.forward,
+                  c.rows)
     return tf.nest.map_structure(lambda a, b: a if b is None else a + b, totals, part)
 
 

@@ -6,7 +6,7 @@ and the loop) and ``fit`` apart, the train step is three parts:
 - the math of one large batch, in variables: micro-steps that commit, one apply
   (``autosplit.step.update``);
 - the loops that pull the elements of a large batch from the host iterator and cut
-  them into pieces, with the stash that makes an out-of-memory error cost one
+  them into slices, with the stash that makes an out-of-memory error cost one
   micro-batch (``autosplit.step.loop``);
 - here, :class:`TrainStep`: those loops and the apply compiled, in one
   ``autosplit.step.compiled.FunctionCache`` (the XLA-compiled piece of ``jit_compile``
@@ -61,8 +61,8 @@ class TrainStep:
     Variables are created once and reused for every split of the same element
     structure; call :meth:`rebind` to use another micro-batch size.
 
-    ``full``: every element the pipeline yields holds real rows only
-    (``MicroBatches.always_full``); see :meth:`rebind`.
+    ``all_real``: every element the pipeline yields holds real rows only
+    (``MicroBatches.all_real``); see :meth:`rebind`.
     """
 
     # Functions whose collectives must be traced once, in the same order, on every
@@ -72,7 +72,7 @@ class TrainStep:
 
     def __init__(self, model: keras.Model, batch_size: int, element_spec: Any, *,
                  compilation: Compilation | None = None, batch_norm: str = "pooled",
-                 full: bool = False, rows: int | None = None) -> None:
+                 all_real: bool = False, rows: int | None = None) -> None:
         self.model = model
         self.batch_size = batch_size
         self.strategy = model.distribute_strategy
@@ -87,7 +87,7 @@ class TrainStep:
         self.replicas = self.update.replicas.count
         self._dirty = False  # the sums may hold a partial large batch
         self._ended: bool | None = False  # the last call reached the end (None: not read)
-        self.rebind(element_spec, full=full, rows=rows)
+        self.rebind(element_spec, all_real=all_real, rows=rows)
 
     @property
     def rows(self) -> int:
@@ -95,53 +95,54 @@ class TrainStep:
         holds (``autosplit.training.recovery``'s ``rows``)."""
         return self.update.rows if self.update.rows is not None else self._most_rows
 
-    def rebind(self, element_spec: Any, *, full: bool = False, rows: int | None = None
+    def rebind(self, element_spec: Any, *, all_real: bool = False, rows: int | None = None
                ) -> None:
         """Use elements of ``element_spec`` (another micro-batch size) from now on.
 
-        ``full``: the pipeline's elements hold real rows only, never padding
-        (``MicroBatches.always_full``). Its whole elements then reach the metrics (and a
+        ``all_real``: the pipeline's elements hold real rows only, never padding
+        (``MicroBatches.all_real``). Its whole elements then reach the metrics (and a
         model that needs its real rows alone) as they are, where a ``tf.cond`` per
         micro-batch would drop padding rows: a branch pair less to trace and optimise
         with every step and to run with every micro-batch. A redone element's rest, or
-        an element cut into pieces after an out-of-memory error, keeps the check
+        an element cut into slices after an out-of-memory error, keeps the check
         (``autosplit.step.loop``). The default assumes padding may come.
 
         ``rows``: the most rows an element holds, where their count varies
         (``MicroBatches.element_rows`` is None).
         """
         self.update.bind(element_spec)
-        self.full = full
+        self.all_real = all_real
         self._most_rows = rows or 0
 
     # ------------------------------------------------------------ compiled functions
 
     def _function(self, name: str, fn, **static):
-        spec = "" if name in self._SHARED else repr(self.update.piece_spec)
+        spec = "" if name in self._SHARED else repr(self.update.micro_batch_spec)
         key = (name, spec, tuple(sorted(static.items())))
         call = functools.partial(fn, **static) if static else fn
         return self._functions.get(key, call, run_eagerly=self.compilation.run_eagerly)
 
-    def _fused(self, iterator, count, *, full: bool = False):
-        return self.update.apply(pull(self.update, iterator, count, counted=True, full=full))
+    def _fused(self, iterator, count, *, all_real: bool = False):
+        return self.update.apply(pull(self.update, iterator, count, counted=True,
+                                      all_real=all_real))
 
-    def _fused_if_any(self, iterator, count, *, marked: bool = False, full: bool = False):
-        pulled = pull(self.update, iterator, count, marked=marked, full=full)
+    def _fused_if_any(self, iterator, count, *, marked: bool = False, all_real: bool = False):
+        pulled = pull(self.update, iterator, count, marked=marked, all_real=all_real)
         with tf.control_dependencies([pulled]):
             ended = self.update.stash.exhausted.read_value()
         applied, logs = self.update.apply_if_any(pulled)
         return applied, ended, logs
 
-    def _local(self, iterator, count, *, resume: bool = False, pieces: int = 1,
-               marked: bool = False, full: bool = False):
-        return pull(self.update, iterator, count, resume=resume, pieces=pieces, marked=marked,
-                    full=full)
+    def _local(self, iterator, count, *, resume: bool = False, slices: int = 1,
+               marked: bool = False, all_real: bool = False):
+        return pull(self.update, iterator, count, resume=resume, slices=slices, marked=marked,
+                    all_real=all_real)
 
     @property
     def train_function(self):
         """The compiled function :meth:`run` calls, ``(iterator, count) -> logs``, as
         Keras's ``model.train_function`` (the plain function under ``run_eagerly``)."""
-        return self._function("fused", self._fused, full=self.full)
+        return self._function("fused", self._fused, all_real=self.all_real)
 
     def function_if_any(self, *, marked: bool = False):
         """The compiled function :meth:`run_if_any` calls, ``(iterator, count) ->
@@ -149,7 +150,7 @@ class TrainStep:
         element with no row marks an end), if it ends before ``count``; ``ended`` says
         whether it did."""
         return self._function("fused_if_any", self._fused_if_any, marked=marked,
-                              full=self.full)
+                              all_real=self.all_real)
 
     def tracing_count(self) -> int:
         """Traces of every compiled function so far (0 under ``run_eagerly``)."""
@@ -180,15 +181,15 @@ class TrainStep:
         self._ended = bool(ended)
         return logs if bool(applied) else None
 
-    def run_local(self, iterator, count: int, *, resume: bool = False, pieces: int = 1,
+    def run_local(self, iterator, count: int, *, resume: bool = False, slices: int = 1,
                   marked: bool = False) -> int:
         """Commit up to ``count`` elements (after the stash, with ``resume``; ``marked``
         as :meth:`run_if_any` takes it); returns the number pulled. Runs no collective:
         safe for one worker to fail alone."""
         self._dirty = True
         self._ended = None
-        fn = self._function("local", self._local, resume=resume, pieces=pieces,
-                            marked=marked, full=self.full)
+        fn = self._function("local", self._local, resume=resume, slices=slices,
+                            marked=marked, all_real=self.all_real)
         return int(fn(iterator, tf.constant(count, tf.int32)))
 
     def input_ended(self) -> bool:
@@ -257,11 +258,11 @@ def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | 
                 state.steps.clear()
                 gc.collect()
             step = TrainStep(model, pipeline.batch_size, spec, compilation=compilation,
-                             batch_norm=batch_norm, full=pipeline.always_full(),
+                             batch_norm=batch_norm, all_real=pipeline.all_real(),
                              rows=pipeline.rows)
             state.steps[key] = step
         else:
-            step.rebind(spec, full=pipeline.always_full(), rows=pipeline.rows)
+            step.rebind(spec, all_real=pipeline.all_real(), rows=pipeline.rows)
             step.discard()
     return step
 

@@ -1,14 +1,15 @@
 """One exact large-batch update, kept in variables: micro-steps commit, one apply.
 
 The math of the train step, as Keras's ``train_step`` is the math of ``fit``. Per
-micro-batch, :meth:`LargeBatchUpdate.micro_step` runs ``autosplit.step.piece.compute_piece``
-on every local replica (XLA-compiled on its own when ``jit_compile``: the iterator stays
-outside the XLA cluster, as in Keras's ``steps_per_execution`` loop) and *commits* it:
+micro-batch, :meth:`LargeBatchUpdate.micro_step` runs
+``autosplit.step.contribution.compute_contribution`` on every local replica (XLA-compiled
+on its own when ``jit_compile``: the iterator stays outside the XLA cluster, as in
+Keras's ``steps_per_execution`` loop) and *commits* it:
 adds its gradients and loss terms to float32 sums kept in variables
 (``autosplit.step.sums``), records how far the element in flight got, and updates the
 metrics. :meth:`LargeBatchUpdate.apply` divides the sums by the whole batch's
-denominators (``autosplit.step.piece.combine``), applies the optimizer once and zeroes the
-sums.
+denominators (``autosplit.step.contribution.combine``), applies the optimizer once and
+zeroes the sums.
 
 Why that order: a micro-batch that runs out of memory must cost nothing but itself.
 Commits happen only after a micro-batch's gradients exist (under a strategy: after
@@ -34,15 +35,15 @@ from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.checks import check_trainable
 from autosplit.keras_hooks.interception import defers
 from autosplit.step.compiled import FunctionCache
-from autosplit.step.loss_plan import LossPlan, step_plan
-from autosplit.step.piece import (
-    Piece,
+from autosplit.step.contribution import (
+    Contribution,
     combine,
-    compute_piece,
+    compute_contribution,
     update_loss_trackers,
     update_metrics,
     without_padding,
 )
+from autosplit.step.loss_plan import LossPlan, step_plan
 from autosplit.step.replicas import Replicas, without_replica_axis
 from autosplit.step.sums import Stash, Sums, after
 from autosplit.warn import warn_user
@@ -81,7 +82,7 @@ class LargeBatchUpdate:
         pooled: pool BatchNormalization's moving statistics over the large batch
             (``autosplit.keras_hooks.batchnorm``: the layers the step calls in training mode, as
             the loss plan's trace found them); False: updated per micro-batch.
-        functions: the train step's compiled functions; the XLA-compiled piece joins them.
+        functions: the train step's compiled functions; the XLA-compiled contribution joins them.
         jit: compile each micro-batch's computation with XLA.
 
     :meth:`bind` creates the variables, and keeps them for every split of the same
@@ -102,7 +103,7 @@ class LargeBatchUpdate:
         self.replicas = Replicas(model.distribute_strategy)
         self._functions = functions
         self._jit = jit
-        self._template: Any = None  # the structure of a piece, for _unflatten
+        self._template: Any = None  # the structure of a Contribution, for _unflatten
         self.logs: Any = None  # a custom train_step's logs, in variables
         # per flat log, per part: its value so far and the weight its mean has gathered
         self._log_parts: list = []
@@ -112,7 +113,7 @@ class LargeBatchUpdate:
         # backward pass can stop it, so a redo restores them first (pull(resume=True)).
         self._metric_copies: list = []
         self.element_spec: Any = None
-        self.piece_spec: Any = None
+        self.micro_batch_spec: Any = None
         self.rows = 0
 
     def bind(self, element_spec: Any) -> None:
@@ -122,9 +123,9 @@ class LargeBatchUpdate:
         if replicas.local > 1:
             x, y, w, valid = without_replica_axis((x, y, w, valid))
         self.element_spec = element_spec
-        self.piece_spec = (x, empty_to_none(y), empty_to_none(w), valid)
+        self.micro_batch_spec = (x, empty_to_none(y), empty_to_none(w), valid)
         self.rows = valid.shape[0]  # None: each element's own (LengthCut.tokens)
-        self.plan = step_plan(model, _static_rows((inputs_of(x), *self.piece_spec[1:3])))
+        self.plan = step_plan(model, _static_rows((inputs_of(x), *self.micro_batch_spec[1:3])))
         self.pool = [layer for layer, calls in self.plan.batch_norm_calls
                      if calls] if self.pooled else []
         if not model.optimizer.built:  # a custom step's model, built by its trace
@@ -183,34 +184,35 @@ class LargeBatchUpdate:
         """The factor the optimizer's loss scaling puts on gradients (1 without it)."""
         return tf.cast(self.model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
 
-    def piece(self, x, y, w, valid) -> list:
+    def contribute(self, x, y, w, valid) -> list:
         """One piece's gradients and terms, flattened (None entries dropped): the
         computation XLA compiles on its own."""
-        piece = compute_piece(self.model, self.plan, x, y, w, valid,
+        contribution = compute_contribution(self.model, self.plan, x, y, w, valid,
                               batch_size=self.batch_size, scale=self.loss_scale(),
                               pool=self.pool)
-        flat = tf.nest.flatten(piece)
-        self._template = (piece, [t is not None for t in flat])
+        flat = tf.nest.flatten(contribution)
+        self._template = (contribution, [t is not None for t in flat])
         return [t for t in flat if t is not None]
 
-    def _unflatten(self, values: list) -> Piece:
-        piece, present = self._template
+    def _unflatten(self, values: list) -> Contribution:
+        contribution, present = self._template
         it = iter(values)
         flat = [next(it) if keep else None for keep in present]
-        return tf.nest.pack_sequence_as(piece, flat)
+        return tf.nest.pack_sequence_as(contribution, flat)
 
-    def _piece_function(self):
+    def _contribute_function(self):
         if not self._jit:
-            return self.piece
-        return self._functions.get(("piece", repr(self.piece_spec)), self.piece,
+            return self.contribute
+        return self._functions.get(("contribute", repr(self.micro_batch_spec)), self.contribute,
                                    jit_compile=True)
 
-    def _compute(self, x, y, w, valid, full=False):
-        """Per replica: one piece, on its real rows alone where the plan asks for them
-        (``autosplit.step.piece.without_padding``; ``full``: all its rows are real)."""
-        strip = (self.plan.real_rows_only or bool(self.pool)) and not full
+    def _compute(self, x, y, w, valid, all_real=False):
+        """Per replica: one micro-batch's contribution, on its real rows alone where the plan
+        asks for them
+        (``autosplit.step.contribution.without_padding``; ``all_real``: all its rows are real)."""
+        strip = (self.plan.real_rows_only or bool(self.pool)) and not all_real
         x, y, w, valid = without_padding(strip, x, empty_to_none(y), empty_to_none(w), valid)
-        return self._piece_function()(x, y, w, valid)
+        return self._contribute_function()(x, y, w, valid)
 
     def _commit_sums(self, values, ready=None):
         """Per replica: add one piece's gradients and loss terms to the sums.
@@ -222,30 +224,31 @@ class LargeBatchUpdate:
         with tf.control_dependencies([] if ready is None else [ready]):
             return self.sums.add(self._unflatten(list(values)))
 
-    def _commit_metrics(self, values, ready=None, full=False):
-        """Per replica: update the compiled metrics from one piece (after ``ready``;
-        ``full``: all its rows are real)."""
-        piece = self._unflatten(list(values))
+    def _commit_metrics(self, values, ready=None, all_real=False):
+        """Per replica: update the compiled metrics from one contribution (after ``ready``;
+        ``all_real``: all its rows are real)."""
+        contribution = self._unflatten(list(values))
         if self.plan.custom is not None:  # the step updated its own metrics
             with tf.control_dependencies([] if ready is None else [ready]):
-                return self._combine_logs(piece)
+                return self._combine_logs(contribution)
         with tf.control_dependencies([] if ready is None else [ready]):
-            update_metrics(self.model, piece.y, piece.y_pred, piece.sample_weight, piece.valid,
-                           piece.masks, full=full, stretch=piece.stretch)
+            c = contribution
+            update_metrics(self.model, c.y, c.y_pred, c.sample_weight, c.valid, c.masks,
+                           all_real=all_real, stretch=c.stretch)
             return tf.constant(True)
 
-    def _combine_logs(self, piece: Piece) -> tf.Tensor:
+    def _combine_logs(self, contribution: Contribution) -> tf.Tensor:
         """A custom step's logs, combined over the large batch so far as each combines
-        (``CustomFacts.log_kinds``); a large batch's first piece replaces the last
+        (``CustomFacts.log_kinds``); a large batch's first micro-batch replaces the last
         one's values (a NaN there included). After this piece's sums are committed."""
-        first = tf.cast(self.sums.rows.read_value(), tf.float32) <= tf.cast(piece.rows,
+        first = tf.cast(self.sums.rows.read_value(), tf.float32) <= tf.cast(contribution.rows,
                                                                             tf.float32)
         assert self.plan.custom is not None
-        tracked = after(self._combine_trackers(piece, first))
+        tracked = after(self._combine_trackers(contribution, first))
         ops = [tracked]
         metrics = _keras.all_metrics(self.model)
         for v, state, parts, kinds in zip(
-                tf.nest.flatten(self.logs), self._log_parts, piece.log_parts,
+                tf.nest.flatten(self.logs), self._log_parts, contribution.log_parts,
                 self.plan.custom.log_kinds, strict=True):
             if kinds[0] == "result":  # as the trackers stand now, deferred updates made
                 with tf.control_dependencies([tracked]):
@@ -258,14 +261,14 @@ class LargeBatchUpdate:
             ops += [*assigns, v.assign(tf.cast(value, v.dtype))]
         return after(ops)
 
-    def _combine_trackers(self, piece: Piece, first: tf.Tensor) -> list:
+    def _combine_trackers(self, contribution: Contribution, first: tf.Tensor) -> list:
         """A custom step's deferred tracker updates (a masked mean given to a ``Mean``):
         each metric is put back as the large batch found it and updated once with the
         value combined over its micro-batches so far, with the row count gathered, so
         that after the last one it holds one update with the large batch's value."""
         ops = []
         for (kinds, metric, state, count, kept), (parts, given) in zip(
-                self._trackers, piece.tracker_parts, strict=True):
+                self._trackers, contribution.tracker_parts, strict=True):
             value, assigns = _combined(state, parts, kinds, first)
             now = [tf.convert_to_tensor(v) for v in metric.variables]
             start = [tf.where(first, n, k.read_value()) for n, k in zip(now, kept, strict=True)]
@@ -282,14 +285,14 @@ class LargeBatchUpdate:
         return ops
 
     def keep_metrics(self) -> tf.Tensor:
-        """Copy a custom step's metric variables as they stand (after a committed piece)."""
+        """Copy a custom step's metric variables as they stand (after a committed micro-batch)."""
         return after([copy.assign(tf.convert_to_tensor(v)) for v, copy in self._metric_copies])
 
     def restore_metrics(self) -> tf.Tensor:
-        """Put back a custom step's metric variables as the last committed piece left them."""
+        """Put back a custom step's metric variables as the last committed micro-batch left them."""
         return after([v.assign(copy.read_value()) for v, copy in self._metric_copies])
 
-    def micro_step(self, x, y, w, valid, end_row, rows, *, full: bool = False) -> tf.Tensor:
+    def micro_step(self, x, y, w, valid, end_row, rows, *, all_real: bool = False) -> tf.Tensor:
         """One micro-step on every local replica: compute, then (only once all of them
         have their gradients) add to the sums and record that the rows up to
         ``end_row`` of the element in flight (of ``rows`` rows) are done, then update
@@ -297,16 +300,16 @@ class LargeBatchUpdate:
 
         Every op depends on the one before: an out-of-memory error anywhere before the
         record leaves the sums and the record as they were, one after it cannot undo it.
-        ``full``: every row of the micro-batch is real (``TrainStep.rebind``), so no
+        ``all_real``: every row of the micro-batch is real (``TrainStep.rebind``), so no
         padding is dropped before the metrics or a model that needs its real rows alone.
         """
         replicas = self.replicas
         if replicas.count == 1:
-            values = self._compute(x, y, w, valid, full)
+            values = self._compute(x, y, w, valid, all_real)
             with tf.control_dependencies([after(values)]):
                 summed = self._commit_sums(values)
         else:
-            values = replicas.run(functools.partial(self._compute, full=full),
+            values = replicas.run(functools.partial(self._compute, all_real=all_real),
                                   *replicas.split((x, y, w, valid)))
             summed = replicas.done(replicas.run(self._commit_sums, values,
                                                 replicas.done(values)))
@@ -314,13 +317,13 @@ class LargeBatchUpdate:
             recorded = self.stash.record(end_row, rows)
         if replicas.count == 1:
             with tf.control_dependencies([recorded]):
-                committed = self._commit_metrics(values, full=full)
+                committed = self._commit_metrics(values, all_real=all_real)
             if not self._metric_copies:
                 return committed
             with tf.control_dependencies([committed]):
                 return self.keep_metrics()
-        return replicas.done(replicas.run(functools.partial(self._commit_metrics, full=full),
-                                          values, recorded))
+        commit = functools.partial(self._commit_metrics, all_real=all_real)
+        return replicas.done(replicas.run(commit, values, recorded))
 
     # ------------------------------------------------------------ the apply
 

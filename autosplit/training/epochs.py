@@ -134,7 +134,7 @@ class Epochs:
         mode = self.mode
         if self.iterator is not None and mode.keep_iterator:
             return
-        if self.recovery.pieces > 1 and self.adapter.reiterable:
+        if self.recovery.slices > 1 and self.adapter.reiterable:
             rebuild(self.plan, self.recovery)
         elif self.iterator is not None and (mode.repeat or mode.epochs_marked):
             return  # the last epoch pulled all of its elements: this one starts here
@@ -177,12 +177,12 @@ def rebuild(plan: Plan, recovery: Recovery) -> MicroBatches:
     cut = plan.pipeline.by_length
     rows = recovery.rows
     if cut is not None and cut.tokens:  # a budget as much smaller, the rows as capped
-        cut = cut._replace(tokens=max(1, cut.tokens // recovery.pieces))
+        cut = cut._replace(tokens=max(1, cut.tokens // recovery.slices))
         rows = plan.pipeline.rows
     split = split_batch(plan.split.batch_size, rows)
     pipeline = MicroBatches(plan.pipeline.adapter, plan.pipeline.batch_size,
                             split.micro_batch_size, plan.layout, by_length=cut)
-    recovery.rebind(pipeline.element_spec(), full=pipeline.always_full(), rows=pipeline.rows)
+    recovery.rebind(pipeline.element_spec(), all_real=pipeline.all_real(), rows=pipeline.rows)
     plan.pipeline, plan.split = pipeline, split
     return pipeline
 

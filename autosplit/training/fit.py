@@ -293,7 +293,7 @@ def _recovery(plan: Plan, adapter: InputAdapter, args: Args,
     (``marked``: the loops stop at markers, ``Iteration.marked``)."""
     def on_shrink(*_: int) -> None:
         if plan.probe is not None:  # an OOM proved the cached answer wrong
-            from autosplit.search.trials import invalidate_cache
+            from autosplit.search.probe import invalidate_cache
 
             invalidate_cache(plan.probe)
         publish(callback_list, recovery, args, plan)

@@ -23,14 +23,14 @@ from autosplit.search.isolation import (
     crash_prone_layers,
     kernels_may_crash,
 )
-from autosplit.search.trials import tokens_refused
+from autosplit.search.probe import tokens_refused
 from autosplit.step.compiled import Compilation
 from autosplit.step.padding import length_cut
 from autosplit.step.train_step import TrainStep, step_for
 from autosplit.training.arguments import Args, warn_if_inexact
 
 if TYPE_CHECKING:
-    from autosplit.search.trials import ProbeResult
+    from autosplit.search.probe import ProbeResult
 
 __all__ = ["Plan", "plan_run"]
 
@@ -77,7 +77,7 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
     tokens = _tokens(cut, args, where, jit)  # None: rows; 0: the probe's budget
     probe_result = None
     if args.micro_batch_size is None and not tokens:
-        from autosplit.search.trials import search_micro_batch
+        from autosplit.search.probe import search_micro_batch
 
         probe_result = search_micro_batch(
             model, adapter, args.batch_size, memory_limit=memory_limit, headroom=headroom,

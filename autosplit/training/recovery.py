@@ -2,7 +2,7 @@
 
 A ``ResourceExhaustedError`` in a micro-batch leaves the step's sums holding exactly
 the micro-batches before it (``autosplit.step.update``). :class:`Recovery` then cuts every
-remaining element, starting with the stashed one, into more pieces and runs the rest
+remaining element, starting with the stashed one, into more slices and runs the rest
 of the large batch, so the batch is applied once, with nothing lost or counted twice.
 The input pipeline keeps its element size until the next epoch, when
 ``fit_large_batch`` rebuilds it at the size that worked.
@@ -51,16 +51,16 @@ class RecoverableStep(Protocol):
 
     @property
     def rows(self) -> int:
-        """Rows per element of the pipeline: one micro-batch when an element is one piece."""
+        """Rows per element of the pipeline: one micro-batch when an element is one slice."""
 
     replicas: int
     """Replicas in sync, over every worker."""
     strategy: Any
     """The model's ``tf.distribute`` strategy (named in a ``WorkerLostError``)."""
 
-    def rebind(self, element_spec: Any, *, full: bool = False, rows: int | None = None
+    def rebind(self, element_spec: Any, *, all_real: bool = False, rows: int | None = None
                ) -> None:
-        """Use elements of another size (a new epoch's pipeline) from now on (``full``:
+        """Use elements of another size (a new epoch's pipeline) from now on (``all_real``:
         they hold no padding rows; ``rows``: the most they hold, where that varies)."""
 
     def run(self, iterator: Any, count: int) -> dict[str, Any]:
@@ -74,8 +74,8 @@ class RecoverableStep(Protocol):
         before the large batch began."""
 
     def run_local(self, iterator: Any, count: int, *, resume: bool = False,
-                  pieces: int = 1, marked: bool = False) -> int:
-        """Commit up to ``count`` more elements, each cut into ``pieces``, stopping at
+                  slices: int = 1, marked: bool = False) -> int:
+        """Commit up to ``count`` more elements, each cut into ``slices``, stopping at
         the input's end (``marked``: at an element with no row); first, with ``resume``,
         the stashed element's rows not yet committed. Returns the elements pulled; runs
         no collective."""
@@ -158,20 +158,20 @@ class Recovery:
         self.fused = fused and not multi_worker and not marked
         self.marked = marked
         self.on_shrink = on_shrink
-        self.pieces = 1  # each element of the pipeline is cut into this many micro-batches
+        self.slices = 1  # each element of the pipeline is cut into this many micro-batches
         self.records: list[OomRecovery] = []
 
     @property
     def rows(self) -> int:
         """Rows per micro-batch in use now."""
-        return math.ceil(self.step.rows / self.pieces)
+        return math.ceil(self.step.rows / self.slices)
 
-    def rebind(self, element_spec: Any, *, full: bool = False, rows: int | None = None
+    def rebind(self, element_spec: Any, *, all_real: bool = False, rows: int | None = None
                ) -> None:
-        """A new epoch's pipeline at the size that worked: one piece per element again
-        (``full`` and ``rows`` as ``TrainStep.rebind`` takes them)."""
-        self.step.rebind(element_spec, full=full, rows=rows)
-        self.pieces = 1
+        """A new epoch's pipeline at the size that worked: one slice per element again
+        (``all_real`` and ``rows`` as ``TrainStep.rebind`` takes them)."""
+        self.step.rebind(element_spec, all_real=all_real, rows=rows)
+        self.slices = 1
 
     def run(self, iterator: Any, count: int, step_number: int) -> dict[str, Any] | None:
         """Train one large batch of ``count`` elements; None if the input had none left."""
@@ -191,12 +191,12 @@ class Recovery:
         resume, remaining = False, count
         while True:
             try:
-                if not resume and self.pieces == 1:
+                if not resume and self.slices == 1:
                     if self.fused:
                         return self.step.run(iterator, remaining)
                     if self.step.replicas == 1:
                         return self.step.run_if_any(iterator, remaining, marked=self.marked)
-                self.step.run_local(iterator, remaining, resume=resume, pieces=self.pieces,
+                self.step.run_local(iterator, remaining, resume=resume, slices=self.slices,
                                     marked=self.marked)
                 break
             except tf.errors.ResourceExhaustedError as error:
@@ -214,7 +214,7 @@ class Recovery:
         while True:
             failure = None
             try:
-                self.step.run_local(iterator, remaining, resume=resume, pieces=self.pieces,
+                self.step.run_local(iterator, remaining, resume=resume, slices=self.slices,
                                     marked=self.marked)
                 remaining = 0
             except tf.errors.ResourceExhaustedError as error:
@@ -251,7 +251,7 @@ class Recovery:
         return shrink_micro_batch(self.rows, self.known_fits)
 
     def _shrink(self, error: Exception, step_number: int) -> None:
-        """Cut every element into more pieces after ``error``, or give up: discard the
+        """Cut every element into more slices after ``error``, or give up: discard the
         partial batch and raise."""
         failed, target = self.rows, self._next_rows()
         if target < 1:
@@ -261,10 +261,10 @@ class Recovery:
             raise NothingFitsError(
                 "Out of memory during training with a micro-batch of 1 example: nothing "
                 "smaller can be tried. Free memory or use a smaller model.") from error
-        pieces = max(self.pieces + 1, math.ceil(self.step.rows / target))
-        while math.ceil(self.step.rows / pieces) >= failed:
-            pieces += 1
-        self.pieces = pieces
+        slices = max(self.slices + 1, math.ceil(self.step.rows / target))
+        while math.ceil(self.step.rows / slices) >= failed:
+            slices += 1
+        self.slices = slices
         # A size the probe saw fit has just failed: memory is tighter than at probe
         # time, so its other measurements are not trusted either.
         self.known_fits = []

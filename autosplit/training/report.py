@@ -11,7 +11,7 @@ from autosplit.training.recovery import OomRecovery
 from autosplit.warn import warn_user
 
 if TYPE_CHECKING:
-    from autosplit.search.trials import ProbeResult
+    from autosplit.search.probe import ProbeResult
 
 __all__ = ["FitReport"]
 

@@ -49,9 +49,9 @@ def test_pipeline_cuts_balanced_micro_batches_and_marks_the_padding():
     (250, 64, 16, "arrays"),  # a short last batch
     (256, 64, 16, "examples"), (250, 64, 16, "examples"),
     (256, 64, 16, "batched"), (256, 64, 16, "unknown")])
-def test_a_pipeline_is_always_full_exactly_when_no_element_holds_padding(rows, batch, bound,
+def test_a_pipeline_is_all_real_exactly_when_no_element_holds_padding(rows, batch, bound,
                                                                          source):
-    # The train step drops no padding before the metrics where always_full says none
+    # The train step drops no padding before the metrics where all_real says none
     # comes: it must never say so of a pipeline that yields a padding row.
     x, y, w = data(rows)
     examples = tf.data.Dataset.from_tensor_slices((x, y, w))
@@ -63,10 +63,10 @@ def test_a_pipeline_is_always_full_exactly_when_no_element_holds_padding(rows, b
     padded = [int((e[3].numpy() == 0).sum()) for e in pipeline.dataset()]
     assert sum(padded) == len(padded) * pipeline.rows - rows  # the elements' real rows
     if source == "unknown":
-        assert not pipeline.always_full()  # the input does not tell its length
+        assert not pipeline.all_real()  # the input does not tell its length
     else:
-        assert pipeline.always_full() == (sum(padded) == 0), padded
-    if pipeline.always_full():
+        assert pipeline.all_real() == (sum(padded) == 0), padded
+    if pipeline.all_real():
         # Whole elements are not padded at all (no branch in the element map): each one
         # holds the next rows of the input, every row once, in order.
         np.testing.assert_array_equal(

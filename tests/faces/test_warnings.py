@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from common import classifier, labelled, relative_error
+from common import TwoViews, classifier, labelled, relative_error
 
 import autosplit
 from autosplit.memory.device import read_device
@@ -322,7 +322,6 @@ def test_the_ghost_batch_norm_note_only_for_layers_that_normalise_with_batch_sta
     ``training=True``: Keras 3 then runs BatchNormalization in inference mode, the split
     changes nothing, and the note would be false. Called with ``training=True`` it is
     true."""
-    from test_batchnorm import TwoViews
 
     x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
     for training, expected in ((None, False), (True, True)):

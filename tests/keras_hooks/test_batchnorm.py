@@ -11,8 +11,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from common import relative_error
+from common import TwoViews, relative_error
 
 import autosplit
 from autosplit.testing import inject_oom
@@ -215,34 +214,6 @@ def test_mixed_float16_pools_in_float32():
     # Keras computes the update in float16 inputs' float32 result type; the moments of
     # float16 inputs agree to float16 precision.
     assert_moving_close(moving(reference), moving(candidate), tol=2e-3)
-
-
-class TwoViews(keras.Model):
-    """SimSiam's pattern: one encoder (BatchNormalization on its raw inputs) called on
-    two views in a step of its own, ``training`` as the step passes it."""
-
-    def __init__(self, training=True):
-        super().__init__()
-        self.encoder = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(),
-                                         keras.layers.Dense(3)])
-        self.tracker = keras.metrics.Mean(name="loss")
-        self.training = training
-
-    @property
-    def metrics(self):
-        return [self.tracker]
-
-    def train_step(self, data):
-        a, b = data
-        with tf.GradientTape() as tape:
-            za = self.encoder(a, training=self.training)
-            zb = self.encoder(b, training=self.training)
-            loss = tf.reduce_mean(tf.square(za - zb))
-        grads = tape.gradient(loss, self.encoder.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.encoder.trainable_variables,
-                                            strict=True))
-        self.tracker.update_state(loss)
-        return {"loss": self.tracker.result()}
 
 
 def two_views_functional():

@@ -13,8 +13,7 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
-from common import relative_error
-from test_distribute import HERE, child_env, free_ports
+from common import TESTS, child_env, free_ports, relative_error
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +53,7 @@ def workers(tmp_path_factory):
         config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
         with open(tmp / f"worker{index}.stderr", "w") as stderr:
             procs.append(subprocess.Popen(
-                [sys.executable, str(HERE / "sharding_child.py"), str(records),
+                [sys.executable, str(TESTS / "sharding_child.py"), str(records),
                  str(tmp / f"worker{index}")], env=child_env(TF_CONFIG=config),
                 stdout=subprocess.DEVNULL, stderr=stderr))
     try:

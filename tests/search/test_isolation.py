@@ -11,8 +11,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from common import classifier, labelled
-from test_probe import run_child
+from common import classifier, labelled, run_child
 
 import autosplit
 from autosplit.search.isolation import kernels_may_crash
@@ -61,7 +60,7 @@ def test_a_model_the_child_cannot_load_is_probed_here_with_a_warning():
 
 def test_a_crashed_trial_is_an_out_of_memory_one():
     trial = autosplit.Trial(512, False, True, None, 1.0, crashed=True)
-    assert autosplit.search.trials.format_trial(trial, 2**20).split()[2] == "crashed"
+    assert autosplit.search.probe.format_trial(trial, 2**20).split()[2] == "crashed"
 
 
 @pytest.mark.slow

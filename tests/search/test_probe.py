@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import gc
 import json
-from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from common import classifier, labelled
+from common import classifier, labelled, run_child
 
 import autosplit
-from autosplit.capped import run_capped
 from autosplit.data.inputs import get_input
 from autosplit.errors import MemoryLimitError
 from autosplit.memory.peak_meter import PeakMeter
-from autosplit.search.trials import ProbeResult, invalidate_cache, probe
-
-HERE = Path(__file__).parents[1]  # tests/, beside the child scripts
+from autosplit.search.probe import ProbeResult, invalidate_cache, probe
 
 
 def small_model():
@@ -116,7 +112,7 @@ def test_a_trial_over_the_budget_after_one_measured_step_stops_there(monkeypatch
     # measured step is over it) or unbounded.
     from autosplit.data.layout import ALONE
     from autosplit.data.pipeline import MicroBatches
-    from autosplit.search.runner import TrialRunner
+    from autosplit.search.trials import TrialRunner
     from autosplit.step.snapshot import Snapshot
     from autosplit.step.train_step import build_for, step_for
 
@@ -239,15 +235,6 @@ def test_a_seeded_fit_that_probes_shuffles_as_one_given_its_micro_batch(cache_ho
     given, expected = trained(searched.micro_batch_size)
     assert given.probe is None
     assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
-
-
-def run_child(scenario, tmp_path, limit_mib):
-    """A scenario of capped_child.py under a real cap: (its report, its folder)."""
-    run = run_capped([str(HERE / "capped_child.py"), scenario, str(tmp_path)],
-                     limit_mib * 2**20, timeout=600, capture=True,
-                     env={"PYTHONPATH": f"{HERE.parent}:{HERE}"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.result, tmp_path
 
 
 @pytest.mark.slow

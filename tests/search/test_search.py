@@ -283,7 +283,7 @@ def test_output_terms_recombine_to_keras_loss(loss, weighted, masked):
 
 
 def _result(m, trials, **kw):
-    from autosplit.search.trials import ProbeResult
+    from autosplit.search.probe import ProbeResult
 
     fields = dict(batch_size=4096, micro_batch_size=m, accumulation_steps=-(-4096 // m),
                   trials=tuple(trials), device={}, budget_bytes=72 * 2**20,

@@ -168,7 +168,7 @@ def _stack(layers, *, optimizer="adam"):
 
 @pytest.mark.slow
 def test_whole_elements_reach_the_metrics_without_a_padding_check_only_where_none_comes():
-    # A pipeline whose elements hold real rows only (MicroBatches.always_full) updates
+    # A pipeline whose elements hold real rows only (MicroBatches.all_real) updates
     # the metrics from each whole element: no tf.cond per micro-batch to drop padding
     # (the CNN with accuracy: ~40 ms less to trace a call). The step of a pipeline with
     # a short last batch keeps it, and both runs log what model.fit logs.

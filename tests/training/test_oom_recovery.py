@@ -8,8 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from common import assert_weights_close, classifier, labelled, twin
-from test_probe import run_child
+from common import assert_weights_close, classifier, labelled, run_child, twin
 
 import autosplit
 from autosplit import OomRecovery

@@ -3,8 +3,8 @@ fake step (as ``test_search.py`` drives the search with fake trials): exact row 
 micro-batch sizes and agreements, in milliseconds, with no model.
 
 ``FakeStep`` keeps ``TrainStep``'s contract (``autosplit.step.loop``): elements are pulled
-one by one and stashed; each is cut into ``pieces`` micro-batches of
-``ceil(rows / pieces)`` rows; a micro-batch is committed only if it did not run out of
+one by one and stashed; each is cut into ``slices`` micro-batches of
+``ceil(rows / slices)`` rows; a micro-batch is committed only if it did not run out of
 memory, and then the stash records the rows of the element done so far; ``resume``
 redoes the stashed element from its first row not done, starting with the piece that
 holds it. It refuses to apply while an element is half done, so a recovery that loses
@@ -57,7 +57,7 @@ class FakeStep:
         self.attempts: list[int] = []  # rows of every micro-batch tried, in order
         self.committed: list[list[int]] = []  # real row ids of each micro-batch committed
         self.applied: list[list[int]] = []  # the row ids of each apply, sorted
-        self.calls: list[tuple] = []  # (count, resume, pieces) of each run_local
+        self.calls: list[tuple] = []  # (count, resume, slices) of each run_local
         self.errors: list[Exception] = []  # every out-of-memory error raised
         # The stash.
         self.element, self.done_rows, self.pending = None, 0, False
@@ -66,7 +66,7 @@ class FakeStep:
 
     # ------------------------------------------------------------ the contract
 
-    def rebind(self, element_spec, *, full=False, rows=None):
+    def rebind(self, element_spec, *, all_real=False, rows=None):
         self.rows = element_spec  # here the "spec" is the new rows per element
 
     def run(self, iterator, count):
@@ -77,11 +77,11 @@ class FakeStep:
         self.run_local(iterator, count)
         return self.finish() if self.local_rows() else None
 
-    def run_local(self, iterator, count, *, resume=False, pieces=1, marked=False):
-        self.calls.append((count, resume, pieces))
+    def run_local(self, iterator, count, *, resume=False, slices=1, marked=False):
+        self.calls.append((count, resume, slices))
         self.pulled, self.exhausted = 0, False
         if resume and self.pending:
-            self._process(self.element, pieces, first_row=self.done_rows)
+            self._process(self.element, slices, first_row=self.done_rows)
         for _ in range(count):
             element = next(iterator, None)
             if element is None:
@@ -89,7 +89,7 @@ class FakeStep:
                 break
             self.pulled += 1
             self.element, self.done_rows, self.pending = element, 0, True
-            self._process(element, pieces)
+            self._process(element, slices)
         return self.pulled
 
     def finish(self):
@@ -117,10 +117,10 @@ class FakeStep:
 
     # ------------------------------------------------------------ one element
 
-    def _process(self, element, pieces, first_row=None):
-        size = -(-self.rows // pieces)
+    def _process(self, element, slices, first_row=None):
+        size = -(-self.rows // slices)
         start = 0 if first_row is None else first_row // size
-        for p in range(start, pieces):
+        for p in range(start, slices):
             self._attempt(size)
             end = min((p + 1) * size, self.rows)
             self.committed.append([r for i, r in enumerate(element[p * size:end], p * size)
@@ -192,9 +192,9 @@ def test_the_fake_is_a_recoverable_step():
 
 @pytest.mark.filterwarnings("ignore:Out of memory")
 def test_rows_remaining_after_a_partial_element_are_committed_once():
-    # Step 0: the third element fails whole and is redone in 2 pieces. Step 1 runs in
-    # pieces of 4 and fails in the second piece of its second element: rows 32-35 are
-    # in the sums, so the redo (pieces of 2) starts at row 36, not 32.
+    # Step 0: the third element fails whole and is redone in 2 slices. Step 1 runs in
+    # slices of 4 and fails in the second slice of its second element: rows 32-35 are
+    # in the sums, so the redo (slices of 2) starts at row 36, not 32.
     step = FakeStep(8, fail_at={2, 8})
     recovery = Recovery(step)
     iterator = elements(0, 6, 8, real=46)  # the last element: 6 real rows, 2 padding
@@ -217,7 +217,7 @@ def test_an_oom_during_the_redo_resumes_where_the_redo_stopped():
     assert [str(w.message).split(";")[1] for w in caught] == [
         " finishing the same batch with micro-batches of 4 rows.",
         " finishing the same batch with micro-batches of 2 rows."]
-    # The redo's first piece (rows 0-3) is kept; its second fails; pieces of 2 go on
+    # The redo's first slice (rows 0-3) is kept; its second fails; slices of 2 go on
     # from row 4, then the element not yet pulled.
     assert step.attempts == [8, 4, 4, 2, 2, 2, 2, 2, 2]
     assert step.committed == [[0, 1, 2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13],
@@ -229,7 +229,7 @@ def test_an_oom_during_the_redo_resumes_where_the_redo_stopped():
 
 @pytest.mark.filterwarnings("ignore:Out of memory")
 def test_sizes_the_probe_saw_fit_are_tried_first_then_forgotten():
-    # 40 rows fit at probe time: tried first (as 2 pieces of 32). Once 32 fails too,
+    # 40 rows fit at probe time: tried first (as 2 slices of 32). Once 32 fails too,
     # the probe's 24 is not trusted: half of 32, 16, is next (24 would give 22).
     step = FakeStep(64, fits=16)
     recovery = Recovery(step, known_fits=[40, 24])
@@ -258,7 +258,7 @@ def test_on_oom_raise_reraises_the_error_and_forgets_the_partial_batch(fused, re
     assert raised.value is step.errors[0]
     assert step.attempts == [4, 4]
     assert step.committed == [] and not step.pending and step.applied == []
-    assert recovery.records == [] and recovery.pieces == 1 and not recwarn.list
+    assert recovery.records == [] and recovery.slices == 1 and not recwarn.list
 
 
 @pytest.mark.filterwarnings("ignore:Out of memory")
@@ -314,7 +314,7 @@ def test_inject_oom_replaces_the_recovery_of_fit_only_inside_the_block():
 @pytest.mark.filterwarnings("ignore:Out of memory")
 def test_workers_that_disagree_apply_together_each_at_its_own_size():
     # Worker 0 runs out of memory in its second element; worker 1 has finished and
-    # only joins the next agreement while worker 0 redoes that element in pieces.
+    # only joins the next agreement while worker 0 redoes that element in slices.
     collective = Collective(2)
     steps = [FakeStep(4, fail_at={1}, collective=collective, worker=0),
              FakeStep(4, collective=collective, worker=1)]

@@ -1,7 +1,7 @@
 """One micro-batch's contribution to a large batch, and how the contributions combine.
 
-One micro-batch (:func:`compute_piece`) gives, for every compiled loss, the numerator
-of Keras's reduction (``autosplit.step.reduction``) and the gradients of those numerators,
+One micro-batch (:func:`compute_contribution`) gives, for every compiled loss, the
+numerator of Keras's reduction (``autosplit.step.reduction``) and the gradients of those numerators,
 grouped by what they will be divided by:
 
 - ``"count"``: losses averaged over examples (``sum_over_batch_size`` without a Keras
@@ -45,30 +45,30 @@ from autosplit.step.reduction import COUNT, SUM, combined_loss
 from autosplit.warn import warn_user
 
 __all__ = [
-    "Piece",
+    "Contribution",
     "Totals",
     "combine",
-    "compute_piece",
+    "compute_contribution",
     "update_loss_trackers",
     "update_metrics",
     "without_padding",
 ]
 
-class Piece(NamedTuple):
+class Contribution(NamedTuple):
     """One micro-batch's contribution (per replica)."""
 
     gradients: list  # per group: one float32 tensor per trainable variable (None: no grad)
     numerators: list  # per compiled loss, float32 scalars
     denominators: list
-    # the call() losses: [the means' sum times the piece's real rows, the sums' sum]
+    # the call() losses: [the means' sum times the micro-batch's real rows, the sums' sum]
     forward: tf.Tensor
-    rows: tf.Tensor  # real rows in the piece
+    rows: tf.Tensor  # real rows in the micro-batch
     y: Any  # targets aligned to y_pred, for the metrics
     y_pred: Any
     masks: Any  # Keras masks of y_pred (lost when y_pred leaves an XLA function)
     logs: Any = None  # a custom train_step's return value
-    moments: Any = None  # per pooled BatchNormalization layer: its Moments on the piece
-    sample_weight: Any = None  # the rows the piece ran on, for the metrics: their weights
+    moments: Any = None  # per pooled BatchNormalization layer: its Moments here
+    sample_weight: Any = None  # the rows it ran on, for the metrics: their weights
     valid: Any = None  # and real-row marks (padding dropped where ``without_padding`` ran)
     # per flat log of a custom step: its parts, each (value, weight in a weighed mean)
     log_parts: Any = None
@@ -84,14 +84,14 @@ def _dense_f32(g) -> tf.Tensor | None:
     return None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
 
 
-def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_size: int,
-                  scale, pool: list | tuple = ()) -> Piece:
+def compute_contribution(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_size: int,
+                  scale, pool: list | tuple = ()) -> Contribution:
     """Forward and backward of one micro-batch; changes no variable but the model's own
     (BatchNormalization statistics, seed generators; a custom step's metric trackers)."""
     stretch = x.stretch[0] if isinstance(x, Trimmed) else None
     x = inputs_of(x)
     if plan.custom is not None:
-        return _custom_piece(model, plan.custom, x, y, sample_weight, valid,
+        return _custom_contribution(model, plan.custom, x, y, sample_weight, valid,
                              batch_size=batch_size, pool=pool)
     variables = model.trainable_variables
     with recording(pool) as records, tf.GradientTape(persistent=len(plan.groups) > 1) as tape:
@@ -119,21 +119,21 @@ def compute_piece(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_si
                  for objective in objectives]
     del tape
     masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
-    return Piece(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
+    return Contribution(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
                  forward_totals(in_call_mean, in_call_sum, rows), rows, y, y_pred, masks, None,
                  _moments(pool, records), sample_weight, valid, stretch=stretch)
 
 
 def _moments(pool, records) -> list | None:
     """Per pooled BatchNormalization layer: the moments of each of its calls in this
-    piece, in call order (``batchnorm.Pool`` pools each call over the micro-batches)."""
+    micro-batch, in call order (``batchnorm.Pool`` pools each call over the micro-batches)."""
     if not pool:
         return None
     return [list(calls) for calls in records]
 
 
-def _custom_piece(model, facts: CustomFacts, x, y, sample_weight, valid, *,
-                  batch_size: int, pool) -> Piece:
+def _custom_contribution(model, facts: CustomFacts, x, y, sample_weight, valid, *,
+                  batch_size: int, pool) -> Contribution:
     """The model's own train_step on one micro-batch of real rows, its apply caught and
     its gradients answered per group of loss terms, each weighed as its group adds up
     over the micro-batches (``autosplit.keras_hooks.gradients``)."""
@@ -151,7 +151,7 @@ def _custom_piece(model, facts: CustomFacts, x, y, sample_weight, valid, *,
                  for group in facts.reading.groups]
     denominators = [tf.cast(seen.split.denominators[r], tf.float32)
                     for r in range(facts.reading.ratios)]
-    return Piece(gradients, [tf.constant(0.0)] * len(denominators), denominators,
+    return Contribution(gradients, [tf.constant(0.0)] * len(denominators), denominators,
                  forward_totals(), rows, None, None, None, logs, _moments(pool, records),
                  log_parts=parts, tracker_parts=list(seen.deferred))
 
@@ -260,7 +260,7 @@ def update_loss_trackers(model, loss, per_output, rows) -> list:
 
 
 def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
-                   full: bool = False, stretch=None) -> None:
+                   all_real: bool = False, stretch=None) -> None:
     """Update the compiled metrics from one micro-batch's real rows, as ``model.fit``
     updates them from a batch: ``sample_weight`` as given (None without one).
 
@@ -268,7 +268,7 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
     weighed 0: a weight Keras never passes reached every metric, and metrics that
     flatten or broadcast it against their own values broke (``MeanIoU`` on per-pixel
     targets raised; the Keras guide's ``CategoricalTruePositives`` counted m times).
-    ``full``: the caller knows every row is real; the rows pass as they are, with their
+    ``all_real``: the caller knows every row is real; the rows pass as they are, with their
     static shapes, and no ``tf.cond`` checks for padding.
 
     ``stretch``: a micro-batch cut by length (``autosplit.data.lengths.Trimmed``). A
@@ -282,7 +282,7 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
         return
     if masks is None:  # Keras masks ride on y_pred's tensors, which the cut replaces
         masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
-    if not full:
+    if not all_real:
         y, y_pred, masks, sample_weight = real_rows((y, y_pred, masks, sample_weight), valid)
     if masks is not None:
         for tensor, mask in zip(keras.tree.flatten(y_pred), keras.tree.flatten(masks),
