@@ -3,6 +3,8 @@ full-batch reference step and the comparisons (no pytest)."""
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 import keras
@@ -150,3 +152,21 @@ def run_child(scenario, tmp_path, limit_mib):
                      env={"PYTHONPATH": f"{TESTS.parent}:{TESTS}"})
     assert run.returncode == 0, run.stderr[-3000:]
     return run.result, tmp_path
+
+
+def child_env(**extra):
+    """The environment of a child process that imports autosplit and these helpers."""
+    env = dict(os.environ, PYTHONPATH=f"{TESTS.parent}:{TESTS}", TF_CPP_MIN_LOG_LEVEL="2")
+    env.update(extra)
+    return env
+
+
+def free_ports(n):
+    """``n`` TCP ports free on localhost now, for the workers of a local cluster."""
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports

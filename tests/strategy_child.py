@@ -111,6 +111,13 @@ def mirrored(out):
         report[f"batched_{batch}"] = relative_error(reference_weights("sgd", batch, 2),
                                                     model.get_weights())
         report[f"batched_{batch}_iterations"] = int(model.optimizer.iterations.numpy())
+    # tf.distribute inputs: each step two per-replica batches in turn, cut into pieces.
+    for name, distributed in distributed_inputs(strategy, (x, y, w), 40).items():
+        with strategy.scope():
+            model = make(OPTIMIZERS["sgd"])
+        autosplit.fit_large_batch(model, distributed, batch_size=40, micro_batch_size=6,
+                                  epochs=2, verbose=0)
+        report[name] = relative_error(reference_weights("sgd", 40, 2), model.get_weights())
     # The automatic search on two local replicas: trials run in lockstep, one size.
     with strategy.scope():
         model = make(OPTIMIZERS["sgd"])
@@ -137,6 +144,18 @@ def mirrored(out):
     except autosplit.BatchSizeError as exc:
         report["errors"]["indivisible"] = str(exc)
     out.write(json.dumps(report))
+
+
+def distributed_inputs(strategy, rows, batch_size):
+    """The same rows as strategy.experimental_distribute_dataset and
+    strategy.distribute_datasets_from_function make them."""
+    def fn(context):
+        return tf.data.Dataset.from_tensor_slices(rows).batch(
+            context.get_per_replica_batch_size(batch_size))
+
+    batched = tf.data.Dataset.from_tensor_slices(rows).batch(batch_size)
+    return {"distributed_dataset": strategy.experimental_distribute_dataset(batched),
+            "from_function": strategy.distribute_datasets_from_function(fn)}
 
 
 def inside_scope(out):

@@ -112,6 +112,7 @@ class InputAdapter:
     own_lengths = True
     row_numbers = False
     graph_rewrites = True
+    shares = False  # elements are this worker's shares of each step (data.sharded)
     _class_weight: Any = None  # (y, sample_weight) -> sample_weight, from ``class_weight``
     _arity = 2  # elements (x, y) = 2, (x, y, w) = 3, x alone (no targets) = 0
 
@@ -151,6 +152,11 @@ class InputAdapter:
             return (rows[0] if isinstance(rows, tuple) and len(rows) == 1 else rows), None, None
         x, y, *w = rows
         return self._weighted(x, y, w[0] if w else None)
+
+    @property
+    def weighting(self) -> Any:
+        """``class_weight`` as ``(y, sample_weight) -> sample_weight``, or None."""
+        return self._class_weight
 
     def _weighted(self, x: Any, y: Any, w: Any) -> tuple:
         """``(x, y, w)`` with ``class_weight`` applied to ``w``, where one was given."""

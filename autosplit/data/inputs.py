@@ -1,6 +1,7 @@
 """``get_input``: the adapter (``autosplit.data.adapter``) for whatever ``model.fit``
 would take: arrays (``arrays``), a ``tf.data.Dataset`` (``datasets``), a
-``keras.utils.PyDataset`` or a generator (``keras_inputs``); and sequences of varying
+``keras.utils.PyDataset`` or a generator (``keras_inputs``), a ``tf.distribute``
+dataset (``sharded``); and sequences of varying
 length, which ``model.fit`` takes only padded: a ``tf.RaggedTensor``, a list of arrays
 one per example, or an object array of them, made a dataset of examples that the
 pipeline pads per large batch, as ``padded_batch(B)`` pads."""
@@ -18,9 +19,14 @@ from autosplit.data.adapter import HINT, InputAdapter
 from autosplit.data.arrays import ArrayInput
 from autosplit.data.datasets import DatasetInput
 from autosplit.data.keras_inputs import KerasInput
+from autosplit.data.sharded import ShardedInput
 from autosplit.errors import DatasetError, describe
 
 __all__ = ["get_input"]
+
+_DISTRIBUTED = {"DistributedDataset": "strategy.experimental_distribute_dataset(...)",
+                "DistributedDatasetsFromFunction":
+                    "strategy.distribute_datasets_from_function(...)"}
 
 
 def get_input(x: Any, y: Any = None, sample_weight: Any = None, *, shuffle: bool | str = True,
@@ -28,6 +34,10 @@ def get_input(x: Any, y: Any = None, sample_weight: Any = None, *, shuffle: bool
               model: keras.Model | None = None) -> InputAdapter:
     """The adapter for ``x`` (and ``y``, ``sample_weight`` when ``x`` is an array);
     ``model`` tells a dataset of batches from one of examples where nothing else does."""
+    if isinstance(x, tf.distribute.DistributedDataset):
+        _only_x(name, y, sample_weight, "a tf.distribute dataset")
+        return ShardedInput(x, _DISTRIBUTED.get(type(x).__name__, "tf.distribute dataset"),
+                            class_weight=class_weight)
     if isinstance(x, tf.data.Dataset):
         _only_x(name, y, sample_weight, "a tf.data.Dataset")
         return DatasetInput(x, class_weight=class_weight, name=name, model=model)

@@ -37,6 +37,7 @@ from autosplit.data.lengths import (
     pad_to_longest,
     trim,
 )
+from autosplit.data.sharded import SHARE_ELEMENTS, cut_shares
 from autosplit.data.split import Piece, piece_pattern
 from autosplit.data.structure import none_to_empty
 
@@ -245,6 +246,7 @@ class MicroBatches:
         self.tokens = None if by_length is None else by_length.tokens
         # With tokens, a large batch has at most a piece per kept row, then its end's marker.
         self.per_batch = (sum(p.rows for p in self.pattern if p.keep) if self.tokens
+                          else SHARE_ELEMENTS if adapter.shares
                           else elements_per_batch(self.pattern, batch_size, local_replicas))
         # (None or (shuffle seed, repeat), autotune) -> the elements of an epoch
         self._cuts: dict = {}
@@ -258,9 +260,15 @@ class MicroBatches:
         before the metrics (``TrainStep.rebind``): no ``tf.cond`` per micro-batch."""
         if self.tokens:
             return self.local_replicas == 1
-        rows = self.adapter.rows
+        rows = None if self.adapter.shares else self.adapter.rows
         return (rows is not None and rows % self.batch_size == 0 and self.local_replicas == 1
                 and all(p.rows == self.rows for p in self.pattern if p.keep))
+
+    @property
+    def batches_marked(self) -> bool:
+        """Whether each large batch ends with an element of no row (:func:`end_marker`'s):
+        in tokens, and the shares of a sharded input (``autosplit.data.sharded``)."""
+        return bool(self.tokens) or self.adapter.shares
 
     @property
     def element_rows(self) -> int | None:
@@ -361,6 +369,12 @@ class MicroBatches:
             # self._cuts must not point back at self (a cycle would keep the input's
             # arrays alive until the next garbage collection).
             materialize, cut = self.adapter.materialize, self.by_length
+            if self.adapter.shares:
+                return cut_shares(
+                    ds, rows=self.rows, local_replicas=self.local_replicas, marker=end_marker,
+                    element=functools.partial(_element, materialize=materialize,
+                                              rows=self.rows, row_numbers=False, all_real=False),
+                    group=functools.partial(_pad_replicas_of, replicas=self.local_replicas))
             if cut is None:
                 ds = self._cut_as_it_comes(ds)
                 element = functools.partial(_element, materialize=materialize, rows=self.rows,

@@ -259,6 +259,11 @@ def validate_fit(model: Any, given: dict[str, Any]) -> Args:
     if given["jit_compile"] not in (None, True, False):
         raise ArgumentError(f"Expected `jit_compile` to be None, True or False. Received: "
                             f"jit_compile={describe(given['jit_compile'])}.")
+    if isinstance(given["validation_data"], tf.distribute.DistributedDataset):
+        raise DatasetError(
+            "Expected `validation_data` to be arrays or a tf.data.Dataset: validation reads "
+            "its input on every worker. Received: a tf.distribute dataset. Pass the "
+            "tf.data.Dataset itself.")
     if args.validation_split and given["validation_data"] is not None:
         warn_user("Both `validation_split` and `validation_data` were given; "
                   "`validation_data` is used, as in model.fit.")

@@ -59,7 +59,7 @@ def iteration_of(adapter: InputAdapter, plan: Plan, args: Args) -> Iteration:
         keep_iterator=args.steps_per_epoch is not None or not adapter.reiterable,
         repeat=one_iterator and adapter.rows is not None,
         epochs_marked=one_iterator and adapter.rows is None and plan.pipeline.can_mark(),
-        batches_marked=bool(plan.pipeline.tokens),
+        batches_marked=plan.pipeline.batches_marked,
         rereads=args.steps_per_epoch is not None and adapter.reiterable)
 
 

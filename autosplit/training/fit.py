@@ -20,7 +20,9 @@ from autosplit.data.adapter import InputAdapter
 from autosplit.data.cut_stats import cut_stats
 from autosplit.data.hub import preprocessed, preprocessed_validation, takes_raw_data
 from autosplit.data.inputs import get_input
+from autosplit.data.layout import layout
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sharded import sharded_input
 from autosplit.data.split import split_batch
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import flat_logs, metrics_or_last
@@ -78,8 +80,12 @@ def fit_large_batch(
         model: a compiled Keras 3 model (TensorFlow backend).
         x: as in ``model.fit``: arrays (a tensor, list or dict) with targets ``y``; or,
             with ``y=None``, a ``tf.data.Dataset`` (of examples or of batches of any
-            size), a ``keras.utils.PyDataset``, a Python generator, or a tuple
-            ``(x, y[, sample_weight])`` of arrays.
+            size), a ``keras.utils.PyDataset``, a Python generator, a tuple
+            ``(x, y[, sample_weight])`` of arrays, or what
+            ``strategy.experimental_distribute_dataset`` or
+            ``strategy.distribute_datasets_from_function`` returned. Under several
+            workers a ``tf.data.Dataset`` is sharded as ``model.fit`` shards it (its
+            ``auto_shard_policy``); see the documentation's page on distribution.
         y: the targets when ``x`` is arrays; else None.
         batch_size: the effective batch B (keyword only: it is the point of the call).
         micro_batch_size: the most rows per micro-batch, or ``"auto"`` to find the
@@ -90,7 +96,7 @@ def fit_large_batch(
         callbacks: as in ``model.fit``; they see one step per large batch.
         validation_split: as in ``model.fit``.
         validation_data: as in ``model.fit``: ``(x, y[, sample_weight])`` or any input
-            ``x`` takes.
+            ``x`` takes but a ``tf.distribute`` one.
         shuffle: for arrays, as in ``model.fit``: ``True`` shuffles every row before
             each epoch; ``"batch"`` is Keras's batch-wise shuffle: large batch i keeps
             the rows ``[i*B, (i+1)*B)`` it has with ``False``, in a new order each
@@ -165,6 +171,8 @@ def fit_large_batch(
     with _keras.outside_strategy_scope():
         adapter = get_input(x, y, sample_weight, shuffle=shuffle, class_weight=class_weight,
                             model=model)
+        strategy = model.distribute_strategy
+        adapter = sharded_input(adapter, strategy, layout(strategy), args.batch_size)
         check_input(adapter, args)
         validation = _Validation.make(validation_data, args, model)
         plan = plan_run(model, adapter, args, jit_compile=jit_compile, memory_limit=memory_limit,

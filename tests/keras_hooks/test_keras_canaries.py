@@ -162,3 +162,21 @@ def test_tf_data_graphs_hold_what_tf_data_reads():
     assert not tf_data.draws_randomness(examples.map(lambda x: x + 1))
     assert tf_data.counted_rows(batched.cache("/tmp/autosplit-canary-cache")) is None, _broken(
         "a cache in a file no longer holds _filename", "keras_hooks.tf_data._batching")
+
+
+def test_distributed_datasets_keep_one_tf_data_pipeline_per_input_worker():
+    from autosplit.keras_hooks.distribute import worker_pipeline
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    batches = tf.data.Dataset.range(10).batch(4)
+    fitted = strategy.experimental_distribute_dataset(batches)
+    pipeline = worker_pipeline(fitted)
+    assert pipeline is not None and [len(b) for b in pipeline] == [4, 4, 2], _broken(
+        "experimental_distribute_dataset no longer keeps its per-worker pipelines in "
+        "`_cloned_datasets`", "keras_hooks.distribute.worker_pipeline")
+    built = strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.range(6).batch(context.get_per_replica_batch_size(4)))
+    pipeline = worker_pipeline(built)
+    assert pipeline is not None and [len(b) for b in pipeline] == [4, 2], _broken(
+        "distribute_datasets_from_function no longer keeps its per-worker pipelines in "
+        "`_datasets`", "keras_hooks.distribute.worker_pipeline")

@@ -4,8 +4,6 @@ two worker processes on localhost; each compared with the single-device full bat
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,18 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from common import assert_weights_close
+from common import assert_weights_close, child_env, free_ports
 
 from autosplit.capped import capped_cpu_env
 
 HERE = Path(__file__).parents[1]  # tests/, beside the child scripts
 pytestmark = pytest.mark.slow
-
-
-def child_env(**extra):
-    env = dict(os.environ, PYTHONPATH=f"{HERE.parent}:{HERE}", TF_CPP_MIN_LOG_LEVEL="2")
-    env.update(extra)
-    return env
 
 
 def run_scenario(scenario, tmp_path):
@@ -52,6 +44,8 @@ def test_mirrored_strategy_two_logical_cpus(tmp_path):
     assert report["all_reduces_k2"]["main"] >= report["trainable_variables"]
     assert "divide evenly across the 2 replicas" in report["errors"]["indivisible"]
     assert 1 <= report["auto_micro_batch_size"] <= 20  # per replica: 40 / 2
+    # tf.distribute inputs, two per-replica batches a step
+    assert report["distributed_dataset"] <= 1e-5 and report["from_function"] <= 1e-5, report
     # synchronized BatchNormalization: global counts, moving statistics pooled exactly
     assert report["bn_synchronized"] <= 1e-5, report["bn_synchronized"]
 
@@ -72,16 +66,6 @@ def test_called_inside_the_strategy_scope_trains_as_outside(tmp_path):
         assert result["created"] == created, (name, result)  # the caller's scope is intact
         assert result["check_exact"] == [True, True], (name, result)
         assert result["gradients_error"] <= 1e-6, (name, result)
-
-
-def free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def run_workers(tmp_path, scenario="worker", caps=None, both=None, **extra):

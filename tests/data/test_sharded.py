@@ -1,0 +1,127 @@
+"""Sharded and tf.distribute inputs in one process (``autosplit.data.sharded``): each
+step's share cut into micro-batches and ended by a marker, the inputs accepted or
+refused, and arrays gathered only for this worker's rows. Two real workers train in
+tests/scenarios/test_sharding.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from autosplit.data.inputs import get_input
+from autosplit.data.layout import ALONE, Layout
+from autosplit.data.pipeline import MicroBatches, is_end_marker
+from autosplit.data.sharded import SHARE_ELEMENTS, ShardedInput, sharded_input
+from autosplit.errors import DatasetError
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return tf.distribute.MirroredStrategy(["/cpu:0"])
+
+
+def rows(n):
+    x = np.arange(n, dtype="float32")[:, None] * np.ones((1, 3), "float32")
+    return x, np.arange(n, dtype="int32")
+
+
+def by_function(strategy, n, batch_size):
+    return strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.from_tensor_slices(rows(n)).batch(
+            context.get_per_replica_batch_size(batch_size)))
+
+
+def large_batches(pipeline):
+    """Each large batch's real rows (by x's first column), split at the markers."""
+    batches, current = [], []
+    for x, _, _, valid in pipeline.dataset():
+        if bool(is_end_marker((x, valid))):
+            batches.append(current)
+            current = []
+        else:
+            current.append([int(v) for v, ok in zip(x[:, 0], valid, strict=True) if ok])
+    assert current == []  # every large batch ends at its marker
+    return batches
+
+
+def test_each_share_is_cut_into_micro_batches_then_marked(strategy):
+    adapter = get_input(by_function(strategy, 11, 8))
+    assert isinstance(adapter, ShardedInput) and adapter.rows is None
+    pipeline = MicroBatches(adapter, 8, 3, ALONE)
+    assert pipeline.batches_marked and pipeline.steps() is None
+    assert pipeline.per_batch == SHARE_ELEMENTS  # the loop stops at each share's marker
+    assert large_batches(pipeline) == [[[0, 1, 2], [3, 4, 5], [6, 7]], [[8, 9, 10]]]
+
+
+def test_a_distributed_dataset_is_read_as_its_worker_would(strategy):
+    ds = tf.data.Dataset.from_tensor_slices(rows(10)).batch(4)
+    adapter = get_input(strategy.experimental_distribute_dataset(ds))
+    assert adapter.kind == "strategy.experimental_distribute_dataset(...)"
+    pipeline = MicroBatches(adapter, 4, 4, ALONE)
+    assert large_batches(pipeline) == [[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9]]]
+
+
+def test_distributed_inputs_are_refused_with_what_they_cannot_hold(strategy):
+    dist = by_function(strategy, 8, 4)
+    with pytest.raises(DatasetError, match=r"Expected no `y` when `x` is a tf\.distribute"):
+        get_input(dist, np.zeros(8))
+    triples = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((*rows(8), rows(8)[1], rows(8)[1])).batch(4))
+    with pytest.raises(DatasetError, match=r"Expected the .* elements to be \(x, y\)"):
+        get_input(triples)
+    with pytest.raises(DatasetError, match="either `class_weight` or sample weights"):
+        get_input(strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((*rows(8), np.ones(8, "float32"))).batch(4)),
+            class_weight={0: 2.0})
+
+
+def test_a_dataset_stays_as_it_is_for_one_worker_or_when_read_whole(strategy):
+    ds = tf.data.Dataset.from_tensor_slices(rows(8)).batch(4)
+    adapter = get_input(ds)
+    assert sharded_input(adapter, strategy, ALONE, 4) is adapter
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    whole = get_input(ds.with_options(options))
+    two = Layout(workers=2, worker=1, local_replicas=1, replicas=2)
+    assert sharded_input(whole, strategy, two, 4) is whole
+    arrays = get_input(*rows(8), shuffle=False)
+    assert sharded_input(arrays, strategy, two, 4) is arrays
+    # Sequences of varying length: the large batch is padded (or cut by length) whole.
+    sequences = tf.data.Dataset.from_generator(
+        lambda: ((np.ones(n, "float32"), n) for n in range(1, 9)),
+        output_signature=(tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.int32)))
+    varying = get_input(sequences)
+    assert sharded_input(varying, strategy, two, 4) is varying
+    padded = get_input(sequences.padded_batch(4))
+    assert sharded_input(padded, strategy, two, 4) is padded
+
+
+@pytest.mark.parametrize("worker", [0, 1])
+def test_arrays_gather_only_this_workers_rows(worker):
+    """Each worker's pipeline gathers its own rows of every large batch from the arrays
+    (the others' row numbers are dropped before any data is copied)."""
+    x, y = rows(20)
+    gathered = []
+    adapter = get_input(x, y, shuffle=False)
+    materialize = adapter.materialize
+
+    def counting(numbers):
+        tf.py_function(lambda n: gathered.extend(n.numpy().tolist()) or 0, [numbers], tf.int32)
+        return materialize(numbers)
+
+    adapter.materialize = counting  # type: ignore[method-assign]
+    where = Layout(workers=2, worker=worker, local_replicas=1, replicas=2)
+    for _ in MicroBatches(adapter, 8, 3, where).dataset(autotune=False):
+        pass
+    # Rows [4w, 4w + 4) of each large batch of 8; the short last one (16-19) holds
+    # worker 0's share alone.
+    share = [r for r in range(20) if (r % 8) // 4 == worker]
+    assert sorted(set(gathered)) == share
+
+
+def test_class_weight_weighs_a_distributed_inputs_rows(strategy):
+    adapter = get_input(by_function(strategy, 6, 6), class_weight={0: 3.0, 2: 0.5})
+    weights = [w.numpy().tolist() for _, _, w, valid in MicroBatches(
+        adapter, 6, 6, ALONE).dataset() if valid.numpy().any()]
+    assert weights == [[3.0, 1.0, 0.5, 1.0, 1.0, 1.0]]  # labels 0..5

@@ -1,0 +1,88 @@
+"""A ``tf.distribute`` input trained in one process (a one-device MirroredStrategy): each
+step is what the per-worker pipeline yields, as in model.fit. Two workers train in
+tests/scenarios/test_sharding.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from common import relative_error
+
+import autosplit
+from autosplit.errors import DatasetError
+
+
+def data(n=20):
+    r = np.random.default_rng(0)
+    return (r.normal(size=(n, 12)).astype("float32"), r.integers(0, 5, size=n).astype("int32"))
+
+
+def make():
+    from strategy_child import OPTIMIZERS
+    from strategy_child import make as make_model
+
+    return make_model(OPTIMIZERS["sgd"])
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return tf.distribute.MirroredStrategy(["/cpu:0"])
+
+
+@pytest.mark.slow
+def test_each_step_is_the_pipelines_batch_even_past_batch_size(strategy):
+    """Per-replica batches of 8 with batch_size=4: a step trains on 8 rows (model.fit
+    takes no batch size with such an input), cut into micro-batches of the split's 3."""
+    x, y = data()
+    with strategy.scope():
+        model = make()
+    built = strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    history = autosplit.fit_large_batch(model, built, batch_size=4, micro_batch_size=3,
+                                        epochs=2, verbose=0)
+    reference = make()
+    expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 6  # 8 + 8 + 4 rows, twice
+    assert relative_error(reference.get_weights(), model.get_weights()) <= 1e-5
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+
+
+def test_a_repeated_distributed_input_needs_steps_per_epoch(strategy):
+    x, y = data()
+    with strategy.scope():
+        model = make()
+    built = strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat())
+    with pytest.raises(autosplit.ArgumentError, match="Expected `steps_per_epoch`"):
+        autosplit.fit_large_batch(model, built, batch_size=8, verbose=0)
+
+
+def test_distributed_validation_data_is_refused_before_training(strategy):
+    x, y = data()
+    with strategy.scope():
+        model = make()
+    before = model.get_weights()
+    validation = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(4))
+    with pytest.raises(DatasetError, match="Expected `validation_data` to be arrays"):
+        autosplit.fit_large_batch(model, x, y, batch_size=4, validation_data=validation,
+                                  verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
+@pytest.mark.slow
+def test_steps_per_epoch_reads_on_as_model_fit_does(strategy):
+    x, y = data()
+    with strategy.scope():
+        model = make()
+    built = strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    autosplit.fit_large_batch(model, built, batch_size=8, micro_batch_size=3, epochs=3,
+                              steps_per_epoch=2, verbose=0)
+    reference = make()
+    reference.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=3,
+                  steps_per_epoch=2, shuffle=False, verbose=0)
+    assert (int(model.optimizer.iterations.numpy())
+            == int(reference.optimizer.iterations.numpy()))
+    assert relative_error(reference.get_weights(), model.get_weights()) <= 1e-5
