@@ -26,6 +26,7 @@ from autosplit.data.inputs import get_input
 from autosplit.data.layout import layout
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.sharded import sharded_input
+from autosplit.step.loop import Pull
 from autosplit.step.train_step import step_for
 
 FEATURES = {"x": tf.io.FixedLenFeature([12], tf.float32),
@@ -140,8 +141,8 @@ def collectives(strategy, records):
     step = step_for(model, pipeline)  # the step training built, kept on the model
     iterator = iter(pipeline.dataset())
     functions = {
-        "loop": (step._function("local", step._local, resume=False, slices=1, marked=True,
-                                all_real=False), (iterator, tf.constant(1, tf.int32))),
+        "loop": (step._function("local", step._local, how=Pull("marker")),
+                 (iterator, tf.constant(1, tf.int32))),
         "agreement": (step._function("agree", step.update.replicas.vote),
                       (tf.constant(0.0), tf.constant(1.0))),
         "apply": (step._function("finish", step.update.apply), ())}

@@ -302,7 +302,7 @@ def _recovery(plan: Plan, adapter: InputAdapter, args: Args,
         plan.step, on_oom=args.on_oom, multi_worker=plan.layout.multi_worker,
         known_fits=plan.probe.fitting_sizes() if plan.probe is not None else (),
         fused=adapter.rows is not None and args.steps_per_epoch is None, marked=marked,
-        on_shrink=on_shrink)
+        on_shrink=on_shrink, most_rows=args.batch_size if adapter.shares else None)
     publish(callback_list, recovery, args, plan)
     return recovery
 

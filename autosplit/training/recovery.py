@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import tensorflow as tf
 
-from autosplit.errors import NothingFitsError, WorkerLostError
+from autosplit.errors import BatchSizeError, NothingFitsError, WorkerLostError
 from autosplit.search.policy import shrink_micro_batch
 from autosplit.warn import warn_user
 
@@ -145,12 +145,15 @@ class Recovery:
         marked: the loops stop at an element with no row (the pipeline marks each
             epoch's end, or with tokens each large batch's: ``Iteration.marked``).
         on_shrink: called with (step_number, failed_rows, new_rows) after each OOM.
+        most_rows: the most rows a large batch may hold, checked before each apply
+            (a ``tf.distribute`` input's large batch is what its pipelines yield).
     """
 
     def __init__(self, step: RecoverableStep, *, on_oom: str = "recover",
                  known_fits: Sequence[int] = (), multi_worker: bool = False,
                  fused: bool = True, marked: bool = False,
-                 on_shrink: Callable[[int, int, int], None] | None = None) -> None:
+                 on_shrink: Callable[[int, int, int], None] | None = None,
+                 most_rows: int | None = None) -> None:
         self.step = step
         self.on_oom = on_oom
         self.known_fits = list(known_fits)
@@ -158,6 +161,7 @@ class Recovery:
         self.fused = fused and not multi_worker and not marked
         self.marked = marked
         self.on_shrink = on_shrink
+        self.most_rows = most_rows
         self.slices = 1  # each element of the pipeline is cut into this many micro-batches
         self.records: list[OomRecovery] = []
 
@@ -194,7 +198,7 @@ class Recovery:
                 if not resume and self.slices == 1:
                     if self.fused:
                         return self.step.run(iterator, remaining)
-                    if self.step.replicas == 1:
+                    if self.step.replicas == 1 and self.most_rows is None:
                         return self.step.run_if_any(iterator, remaining, marked=self.marked)
                 self.step.run_local(iterator, remaining, resume=resume, slices=self.slices,
                                     marked=self.marked)
@@ -203,8 +207,10 @@ class Recovery:
                 remaining -= self._pulled()
                 self._shrink(error, step_number)
                 resume = True
-        if self.step.local_rows() == 0:
+        rows = self.step.local_rows()
+        if rows == 0:
             return None  # the input ended before this batch began
+        self._check_rows(rows, step_number)
         return self.step.finish()
 
     # ------------------------------------------------------------ many workers
@@ -235,7 +241,20 @@ class Recovery:
             resume = failure is not None
         if rows == 0:
             return None
+        self._check_rows(rows, step_number)
         return self.step.finish()
+
+    def _check_rows(self, rows: float, step_number: int) -> None:
+        """Refuse, before its apply, a large batch of more rows than the call's B."""
+        if self.most_rows is None or rows <= self.most_rows:
+            return
+        self.step.discard()
+        raise BatchSizeError(
+            f"Expected each large batch of the tf.distribute input to hold at most "
+            f"batch_size={self.most_rows} rows across replicas. Received: {int(rows)} rows in "
+            f"large batch {step_number} (nothing of it applied). Batch each replica's "
+            f"pipeline by context.get_per_replica_batch_size({self.most_rows}), or pass the "
+            "batch_size the pipelines make.")
 
     # ------------------------------------------------------------ shrinking
 

@@ -31,21 +31,36 @@ def strategy():
 
 
 @pytest.mark.slow
-def test_each_step_is_the_pipelines_batch_even_past_batch_size(strategy):
-    """Per-replica batches of 8 with batch_size=4: a step trains on 8 rows (model.fit
-    takes no batch size with such an input), cut into micro-batches of the split's 3."""
+def test_each_step_is_the_pipelines_batch_cut_into_micro_batches(strategy):
+    """Per-replica batches of 8 with batch_size=8: a step trains on 8 rows, cut into
+    micro-batches of 3, as model.fit trains on the pipeline's batches."""
     x, y = data()
     with strategy.scope():
         model = make()
     built = strategy.distribute_datasets_from_function(
         lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
-    history = autosplit.fit_large_batch(model, built, batch_size=4, micro_batch_size=3,
+    history = autosplit.fit_large_batch(model, built, batch_size=8, micro_batch_size=3,
                                         epochs=2, verbose=0)
     reference = make()
     expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 6  # 8 + 8 + 4 rows, twice
     assert relative_error(reference.get_weights(), model.get_weights()) <= 1e-5
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+
+
+def test_a_step_of_more_rows_than_batch_size_is_refused_before_its_apply(strategy):
+    # batch_size is the call's promise: pipelines that batch 8 rows under batch_size=4
+    # would train a batch twice as large, silently.
+    x, y = data()
+    with strategy.scope():
+        model = make()
+    before = model.get_weights()
+    built = strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    with pytest.raises(autosplit.BatchSizeError, match="at most batch_size=4 rows"):
+        autosplit.fit_large_batch(model, built, batch_size=4, micro_batch_size=3, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
 
 
 def test_a_repeated_distributed_input_needs_steps_per_epoch(strategy):
