@@ -303,13 +303,9 @@ def _relative(difference: float, scale: float) -> float:
 
 def _differences(variables: list[Any], full: list[Any], split: list[Any]
                  ) -> tuple[list[VariableDifference], float]:
-    """Per-variable max|g_split - g_full| / max|g_full|, and the largest of them.
-
-    The scale of a variable is at least ``_SCALE_FLOOR`` times the largest full-batch
-    gradient entry of the model: a gradient that is zero in exact arithmetic (the key
-    bias of attention, to which the softmax is invariant; a dead unit) is float noise
-    of ~1e-9 in float32, and noise over noise would read as a large difference.
-    """
+    """Per-variable max|g_split - g_full| / max|g_full|, and the largest of them; the
+    scale is at least ``_SCALE_FLOOR`` of the model's largest gradient entry, so that a
+    gradient zero in exact arithmetic (float noise) does not read as a difference."""
     def dense(g: Any, v: Any) -> np.ndarray:
         return np.zeros(v.shape, np.float64) if g is None else np.asarray(g, np.float64)
 

@@ -65,18 +65,8 @@ def host_autotune() -> bool:
 def _pad_rows(piece: Any, rows: int | None, *, row_numbers: bool = False, all_real: bool = False
               ) -> tuple[Any, tf.Tensor]:
     """Pad every leaf of ``piece`` to ``rows`` rows with copies of its last row (None:
-    leave its row count as it is).
-
-    Data are gathered only when the piece is short (a gather would copy every
-    micro-batch). Row numbers (an array input's pieces, materialized after this) are
-    gathered always: that costs nothing, and a ``tf.cond`` in a ``tf.data`` map is
-    instantiated with every iterator.
-
-    ``all_real``: every piece has ``rows`` rows (:meth:`MicroBatches.all_real`), so
-    nothing is padded and nothing branches (a ``tf.cond`` per leaf doubles the cost of
-    building the map and of its first iterator); the static row count is still checked
-    (``tf.ensure_shape``), and ``valid`` is all ones.
-    """
+    as it is): data only when short, row numbers always (a ``tf.cond`` in a map costs
+    every iterator); ``all_real``: nothing padded, nothing branches, ``valid`` all ones."""
     def fixed(t):  # the static row count (a gather or a cond keeps the other dimensions)
         return tf.ensure_shape(t, [rows, *t.shape[1:]])
 
@@ -352,16 +342,9 @@ class MicroBatches:
 
     def _build(self, *, shuffle_seed: int | None, epoch: int | tf.Variable,
                parallel: bool) -> tf.data.Dataset:
-        """The cut, padded elements of one epoch, before any repeat or prefetch.
-
-        ``parallel`` (where ``tf.data`` autotunes) runs the element map in parallel, in
-        order: what ``tf.data``'s map_parallelization rewrite makes of it then, and only
-        then, asked for here because an arrays pipeline has the rewrites off
-        (``InputAdapter.graph_rewrites``); a GPU host's large gathers overlap. Without
-        autotuning (every probe trial, training on the CPU) the map runs alone, as the
-        rewrite leaves it: AUTOTUNE would then mean up to 16 elements in flight, memory
-        the step's own device would hold.
-        """
+        """The cut, padded elements of one epoch, before any repeat or prefetch; ``parallel``
+        maps in parallel, in order (arrays have tf.data's graph rewrites off, and a GPU
+        host's gathers overlap), else one element at a time, as the probe measured."""
         with tf.device(HOST):
             ds = self.adapter.rows_dataset(shuffle_seed=shuffle_seed, epoch=epoch,
                                            batch_size=self.batch_size)

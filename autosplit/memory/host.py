@@ -147,16 +147,9 @@ def _rlimit_as_bound(proc_root: Path) -> _Bound | None:
 
 
 def _tf_bfc_bound() -> _Bound | None:
-    """The BFC cap the environment names, less what TF's CPU allocator holds.
-
-    TensorFlow reads ``TF_CPU_ALLOCATOR_USE_BFC`` once, when it creates its CPU
-    allocator; the environment may have been changed since. Before TensorFlow is
-    imported nothing is allocated and the variables still decide. Once it is, a BFC
-    allocator always keeps stats: when TensorFlow has none for ``CPU:0``, its allocator
-    was created without BFC, so the variables came too late and no cap binds this
-    process. Stats alone do not prove BFC (oneDNN's allocator keeps them too); then
-    the cap is taken as in force.
-    """
+    """The BFC cap the environment names, less what TF's CPU allocator holds; None where
+    TensorFlow made its CPU allocator without BFC (it reads the variables once, at
+    import: no stats for ``CPU:0`` means they came too late)."""
     cap = is_tf_bfc_capped()
     if cap is None:
         return None

@@ -287,11 +287,9 @@ def _close_enough(lo: int, hi: int) -> bool:
 
 
 def _still_fits(trials: Sequence[Trial], m: int, budget: int) -> bool:
-    """Whether ``m``'s last trial, if it fit, would still fit with what the trials after
-    it left held: its peak, less what was held when it began, plus what the last trial
-    left. False without those readings. What trials leave held (kernel caches, scratch
-    buffers) does not grow from one to the next, so these readings tell what measuring
-    the choice again would, without the trial.
+    """Whether ``m``'s last trial, if it fit, would still fit with what the later trials
+    left held (what trials leave does not grow, so no trial is needed to tell); False
+    without those readings.
 
     >>> seen = [Trial(256, True, False, 172, 1.0, held_before=12, held_after=8),
     ...         Trial(274, False, False, 248, 1.0, held_before=8, held_after=9)]

@@ -64,16 +64,9 @@ def trial_dataset(cut: MicroBatches) -> tf.data.Dataset:
 
 
 class _Collector:
-    """A full garbage collection after each trial, over what that trial left alone.
-
-    A trial's dead pipeline and iterator may sit in reference cycles and hold buffers
-    the next trial's peak would count, so every trial ends with ``gc.collect()``. In a
-    process that has traced a few models that scans a million objects, every trial.
-    What survives one collection is frozen
-    (``gc.freeze``), so the next scans only the objects made since; :meth:`close` puts
-    them back in the collector's care. A process that froze objects of its own keeps
-    its freeze untouched and pays the full scan.
-    """
+    """A full garbage collection after each trial (a dead pipeline's cycles hold buffers
+    the next peak would count), scanning only what that trial made: survivors are
+    frozen (``gc.freeze``) until :meth:`close`, unless the process froze objects itself."""
 
     def __init__(self) -> None:
         self.freezing = gc.get_freeze_count() == 0

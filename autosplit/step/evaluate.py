@@ -180,16 +180,9 @@ class Evaluator:
 
     def _own_steps(self, pipeline: MicroBatches, steps: int | None,
                    callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
-        """Validation by the model's own ``test_step``, as ``model.fit`` validates a model
-        with its own steps: run on each micro-batch of real rows, one call each.
-
-        A tracker it updates with one scalar (``Mean`` of its loss) weighs
-        ``rows / batch_size``
-        (:func:`~autosplit.keras_hooks.interception.weighed_trackers`), so over
-        a validation batch of ``batch_size`` rows the micro-batches add up to one update
-        of the whole batch's mean, as in ``model.fit``; a float it computes from the
-        batch and returns as it is is averaged over the batch's micro-batches by rows.
-        """
+        """Validation by the model's own ``test_step`` on each micro-batch of real rows, its
+        trackers weighed by rows (``weighed_trackers``) so that they add up to
+        ``model.fit``'s batch mean; a float it returns is averaged by rows."""
         model, adapter = self.model, pipeline.adapter
         spec = pipeline.element_spec()
         key = repr(spec)

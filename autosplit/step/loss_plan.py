@@ -238,12 +238,8 @@ def loss_plan(model: keras.Model, specs: tuple, *, training: bool = True) -> Los
 
 def _summed_at_other_rows(model: keras.Model, specs: tuple, summed: tuple[bool, ...],
                           training: bool) -> tuple[bool, ...]:
-    """``summed`` where an added loss is a sum over the rows at one row more too.
-
-    A vector of one value per unit (``ops.mean(h**2, axis=0)``) has as many entries as a
-    micro-batch has rows when the units happen to number m; traced again at m + 1 rows,
-    only a vector of one value per row (or a sum of such) grows with them.
-    """
+    """``summed`` where an added loss is a sum over the rows at one row more too: a
+    vector per unit matches the rows only when the units happen to number m."""
     rows = tf.nest.flatten(specs[0])[0].shape[0]
     if rows is None:
         return summed

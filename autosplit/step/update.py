@@ -215,12 +215,9 @@ class LargeBatchUpdate:
         return self._contribute_function()(x, y, w, valid)
 
     def _commit_sums(self, values, ready=None):
-        """Per replica: add one piece's gradients and loss terms to the sums.
-
-        ``ready`` exists once every local replica has its gradients: a strategy runs
-        replica functions in threads of their own, where the caller's control
-        dependencies do not reach, so the ordering travels as data.
-        """
+        """Per replica: add one micro-batch's gradients and loss terms to the sums, after
+        ``ready`` (a token as data: control dependencies do not reach a strategy's
+        replica threads)."""
         with tf.control_dependencies([] if ready is None else [ready]):
             return self.sums.add(self._unflatten(list(values)))
 

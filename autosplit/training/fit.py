@@ -212,12 +212,9 @@ class _Validation:
 
     def _batch_size(self, evaluator: Evaluator, rows: int,
                     callbacks: keras.callbacks.CallbackList | None) -> int:
-        """The rows of a validation batch: ``validation_batch_size``, else B; but
-        ``model.fit`` scores each batch of a batched dataset as it comes, so where the
-        batches' boundaries change the logs (Evaluator.takes_each_batch) and the
-        dataset's batch size can be read (InputAdapter.own_batch_rows), its own. Not
-        where they do not: batches smaller than the micro-batch would slow validation
-        for nothing."""
+        """The rows of a validation batch: ``validation_batch_size``, else B; a batched
+        dataset's own where its batches' boundaries change the logs, as ``model.fit``
+        scores each batch as it comes."""
         given = self.args.validation_batch_size or self.args.batch_size
         if self.args.validation_batch_size is not None:
             return given

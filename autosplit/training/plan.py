@@ -157,16 +157,10 @@ def _tokens(cut: LengthCut | None, args: Args, where: Layout, jit: bool) -> int 
 
 
 def _shuffle_seed(step: TrainStep, where: Layout, adapter: InputAdapter) -> int | None:
-    """The seed of every epoch's shuffle, for an input whose order is ours (arrays):
-    epoch e is ordered by (seed, e) alone (``MicroBatches.dataset``). None otherwise.
-
-    Drawn once, from TensorFlow's random state: ``keras.utils.set_random_seed`` (or
-    ``tf.random.set_seed``) makes a run reproducible, and a run that recovered from an
-    out-of-memory error (a pipeline built again, at a smaller size) goes on with the
-    orders of the run that did not. Each worker of a multi-worker job reads the whole
-    input and keeps its share of every large batch, so all of them use worker 0's draw
-    (one all-reduce shares it; exact in float32 below 2**24).
-    """
+    """The seed of every epoch's shuffle of arrays (epoch e ordered by (seed, e) alone),
+    drawn once from TensorFlow's random state, so that ``set_random_seed`` makes a run
+    reproducible, a recovered run keeps its orders, and every worker uses worker 0's
+    draw (one all-reduce); None for other inputs."""
     if not adapter.shuffles:
         return None
     drawn = int(tf.random.uniform((), 1, 2**24, dtype=tf.int64)) if where.worker == 0 else 0
