@@ -39,6 +39,14 @@ def assert_here(found, line):
         assert (w.filename, w.lineno) == (__file__, line), (w.filename, w.lineno, str(w.message))
 
 
+def warns_at_the_call(match, *args, **kwargs):
+    """``fit_large_batch(*args, **kwargs)`` warns with ``match``, naming its call's line;
+    returns the warnings."""
+    found, line = caught(lambda: autosplit.fit_large_batch(*args, **kwargs), match=match)
+    assert_here(found, line)
+    return found
+
+
 def quiet_and_exact(make, x, y, *, batch_size, micro_batch_size, quiet_about, rtol):
     """``model.fit`` and ``fit_large_batch`` on twins from ``make`` (2 epochs, in
     order): no warning mentions ``quiet_about`` and the weights agree to ``rtol``."""
@@ -57,17 +65,15 @@ def quiet_and_exact(make, x, y, *, batch_size, micro_batch_size, quiet_about, rt
 def test_fit_warnings_name_the_callers_line():
     x, y = labelled(64, 8, 3)
     model = classifier(8, 16, 3)
-    found, line = caught(lambda: autosplit.fit_large_batch(  # the line named
-        model, x, y, batch_size=32, micro_batch_size=16, validation_split=0.25,
-        validation_data=(x, y), verbose=0), match="Both `validation_split`")
-    assert_here(found, line)
+    warns_at_the_call("Both `validation_split`", model, x, y, batch_size=32,
+                      micro_batch_size=16, validation_split=0.25, validation_data=(x, y),
+                      verbose=0)
 
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
                               keras.layers.BatchNormalization(), keras.layers.Dense(3)])
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
-    found, line = caught(lambda: autosplit.fit_large_batch(
-        model, x, y, batch_size=32, micro_batch_size=16, verbose=0), match="BatchNormalization")
-    assert_here(found, line)
+    warns_at_the_call("BatchNormalization", model, x, y, batch_size=32, micro_batch_size=16,
+                      verbose=0)
 
 
 @pytest.mark.slow
@@ -79,10 +85,8 @@ def test_running_out_of_data_names_the_callers_line():
             yield x[start:start + 16], y[start:start + 16]
 
     model = classifier(8, 16, 3)
-    found, line = caught(lambda: autosplit.fit_large_batch(
-        model, batches(), batch_size=32, micro_batch_size=16, epochs=2, verbose=0),
-        match="ran out of data")
-    assert_here(found, line)
+    found = warns_at_the_call("ran out of data", model, batches(), batch_size=32,
+                              micro_batch_size=16, epochs=2, verbose=0)
     # 2 large batches in the first epoch, 2 epochs asked: 4 (it said 0).
     assert "(4 here)" in str(found[0].message)
 
@@ -95,10 +99,8 @@ def test_an_out_of_memory_recovery_names_the_callers_line():
     x, y = labelled(64, 8, 3)
     model = classifier(8, 16, 3)
     with inject_oom(at_steps={1}):
-        found, line = caught(lambda: autosplit.fit_large_batch(
-            model, x, y, batch_size=32, micro_batch_size=16, verbose=0),
-            match="Out of memory in step 1")
-    assert_here(found, line)
+        warns_at_the_call("Out of memory in step 1", model, x, y, batch_size=32,
+                          micro_batch_size=16, verbose=0)
 
 
 @pytest.mark.slow
@@ -221,10 +223,8 @@ def test_a_loss_of_one_value_per_batch_is_named_when_split():
 
     r = np.random.default_rng(1)
     x, y = r.integers(0, 5, size=(64, 6)).astype("int32"), r.integers(0, 3, 64)
-    found, line = caught(lambda: autosplit.fit_large_batch(
-        _tokens("sgd", token_mean), x, y, batch_size=32, micro_batch_size=8, verbose=0),
-        match="one value per batch")
-    assert_here(found, line)
+    warns_at_the_call("one value per batch", _tokens("sgd", token_mean), x, y, batch_size=32,
+                      micro_batch_size=8, verbose=0)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         autosplit.fit_large_batch(_tokens("sgd", token_mean), x, y, batch_size=32,
@@ -278,10 +278,8 @@ def test_a_mean_of_values_that_mix_rows_is_named_when_split():
     x, y = r.normal(size=(60, 4)).astype("float32"), r.uniform(size=(60, 2)).astype("float32")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=similarity_loss)
-    found, line = caught(lambda: autosplit.fit_large_batch(
-        model, x, y, batch_size=30, micro_batch_size=8, verbose=0),
-        match="one value per batch")
-    assert_here(found, line)
+    warns_at_the_call("one value per batch", model, x, y, batch_size=30, micro_batch_size=8,
+                      verbose=0)
 
 
 @pytest.mark.slow

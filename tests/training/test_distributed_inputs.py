@@ -30,17 +30,32 @@ def strategy():
     return tf.distribute.MirroredStrategy(["/cpu:0"])
 
 
+def model_and_input(strategy, batch, repeat=False):
+    """A model made in the strategy's scope, and a from-function input of batches of
+    ``batch`` rows of :func:`data` (repeated with ``repeat``)."""
+    x, y = data()
+    with strategy.scope():
+        model = make()
+
+    def per_worker(context):
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+        return ds.repeat() if repeat else ds
+
+    return model, strategy.distribute_datasets_from_function(per_worker)
+
+
+def unchanged(model, before):
+    return all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
 @pytest.mark.slow
 def test_each_step_is_the_pipelines_batch_cut_into_micro_batches(strategy):
     """Per-replica batches of 8 with batch_size=8: a step trains on 8 rows, cut into
     micro-batches of 3, as model.fit trains on the pipeline's batches."""
-    x, y = data()
-    with strategy.scope():
-        model = make()
-    built = strategy.distribute_datasets_from_function(
-        lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    model, built = model_and_input(strategy, 8)
     history = autosplit.fit_large_batch(model, built, batch_size=8, micro_batch_size=3,
                                         epochs=2, verbose=0)
+    x, y = data()
     reference = make()
     expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 6  # 8 + 8 + 4 rows, twice
@@ -51,24 +66,15 @@ def test_each_step_is_the_pipelines_batch_cut_into_micro_batches(strategy):
 def test_a_step_of_more_rows_than_batch_size_is_refused_before_its_apply(strategy):
     # batch_size is the call's promise: pipelines that batch 8 rows under batch_size=4
     # would train a batch twice as large, silently.
-    x, y = data()
-    with strategy.scope():
-        model = make()
+    model, built = model_and_input(strategy, 8)
     before = model.get_weights()
-    built = strategy.distribute_datasets_from_function(
-        lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
     with pytest.raises(autosplit.BatchSizeError, match="at most batch_size=4 rows"):
         autosplit.fit_large_batch(model, built, batch_size=4, micro_batch_size=3, verbose=0)
-    assert int(model.optimizer.iterations.numpy()) == 0
-    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+    assert int(model.optimizer.iterations.numpy()) == 0 and unchanged(model, before)
 
 
 def test_a_repeated_distributed_input_needs_steps_per_epoch(strategy):
-    x, y = data()
-    with strategy.scope():
-        model = make()
-    built = strategy.distribute_datasets_from_function(
-        lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat())
+    model, built = model_and_input(strategy, 8, repeat=True)
     with pytest.raises(autosplit.ArgumentError, match="Expected `steps_per_epoch`"):
         autosplit.fit_large_batch(model, built, batch_size=8, verbose=0)
 
@@ -83,20 +89,16 @@ def test_distributed_validation_data_is_refused_before_training(strategy):
     with pytest.raises(DatasetError, match="Expected `validation_data` to be arrays"):
         autosplit.fit_large_batch(model, x, y, batch_size=4, validation_data=validation,
                                   verbose=0)
-    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+    assert unchanged(model, before)
 
 
 @pytest.mark.slow
 def test_steps_per_epoch_reads_on_as_model_fit_does(strategy):
-    x, y = data()
-    with strategy.scope():
-        model = make()
-    built = strategy.distribute_datasets_from_function(
-        lambda context: tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    model, built = model_and_input(strategy, 8)
     autosplit.fit_large_batch(model, built, batch_size=8, micro_batch_size=3, epochs=3,
                               steps_per_epoch=2, verbose=0)
     reference = make()
-    reference.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=3,
+    reference.fit(tf.data.Dataset.from_tensor_slices(data()).batch(8), epochs=3,
                   steps_per_epoch=2, shuffle=False, verbose=0)
     assert (int(model.optimizer.iterations.numpy())
             == int(reference.optimizer.iterations.numpy()))
