@@ -2,8 +2,8 @@
 #   make demo   -- trains a small model with fit_large_batch(batch_size=4096)
 #   make test   -- ruff, mypy, the doctests, the docs built strict, then the whole test suite
 #                  (slow tests included); CI's command
-# make test-fast: ruff, mypy and every test not marked slow (under 2 minutes on 2 cores), for
-# the edit-and-test loop.
+# make test-fast: ruff, mypy, the doctests and every test not marked slow (under 2 minutes
+# on 2 cores), for the edit-and-test loop.
 # make docs builds the documentation site into site/ (make docs-serve: a live preview).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -46,7 +46,7 @@ doctest: $(STAMP)
 test: lint typecheck doctest docs
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -ra -n 2 $(PYTEST_ARGS)
 
-test-fast: lint typecheck
+test-fast: lint typecheck doctest
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -ra -n 2 -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -34,6 +34,7 @@ def piece_rows(split: Split) -> tuple[np.ndarray, np.ndarray]:
 
     Padding rows repeat the micro-batch's last real row and weigh 0.
 
+    >>> from autosplit.data.split import split_batch
     >>> index, valid = piece_rows(split_batch(5, 2))
     >>> index.tolist(), valid.tolist()
     ([[0, 1], [2, 3], [4, 4]], [[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
