@@ -12,8 +12,15 @@ import tensorflow as tf
 from autosplit.data.packing import STEP_COST, token_pieces
 
 
+@functools.cache
+def _traced(tokens, cap, packing):
+    # as the pipeline runs it: in a graph (run eagerly, 1,000 loop turns take seconds)
+    return tf.function(lambda lengths: token_pieces(lengths, tokens, cap, packing))
+
+
 def _pieces(lengths, tokens, cap=None, packing="least_work"):
-    starts, ends = token_pieces(tf.constant(lengths, tf.int64), tokens, cap, packing)
+    lengths = tf.constant(lengths, tf.int64, shape=[len(lengths)])
+    starts, ends = _traced(tokens, cap, packing)(lengths)
     starts, ends = starts.numpy().tolist(), ends.numpy().tolist()
     assert (starts[-1], ends[-1]) == (len(lengths), len(lengths))  # the large batch's end
     return list(zip(starts[:-1], ends[:-1], strict=True))
