@@ -17,7 +17,7 @@ _BLOCKS = 1024  # the least-work cut chooses among at most this many boundaries
 
 
 def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
-                  packing: Packing = "least_work") -> tuple[tf.Tensor, tf.Tensor]:
+                 packing: Packing = "least_work") -> tuple[tf.Tensor, tf.Tensor]:
     """The (starts, ends) of pieces of rows sorted by their padded ``lengths``
     (ascending), each of at most ``cap`` rows and of up to ``tokens`` tokens (or one
     row): :func:`_least_work` or :func:`_fullest`.
