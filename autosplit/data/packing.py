@@ -13,7 +13,9 @@ Packing = Literal["least_work", "fullest"]
 # A micro-step's own cost (the loop's turn, the pull, adding its gradients), in the
 # budget's cells: a micro-batch is cut in two only where that saves more padding.
 STEP_COST = 1 / 8
-_BLOCKS = 1024  # the least-work cut chooses among at most this many boundaries
+# Past this many rows the least-work cut chooses among boundaries every few rows (as
+# many as the budget holds at the longest length, at most).
+_BLOCKS = 1024
 
 
 def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
@@ -61,8 +63,10 @@ def _least_work(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None
     budgets per piece, each within the budget (a shortest path over the boundaries).
 
     Boundaries fall every ``block`` rows counted from the longest: one row where the
-    large batch has at most ``_BLOCKS`` rows, else as few as make ``_BLOCKS``, never more
-    than the budget's rows at the longest length (so that any block fits)."""
+    large batch has at most ``_BLOCKS`` rows, else as few as make ``_BLOCKS``, but never
+    more than the budget's rows at the longest length (so that any block fits): then
+    there are more than ``_BLOCKS`` boundaries, each weighing the pieces the budget
+    allows to end there."""
     longest = tf.maximum(tf.reduce_max(tf.concat([lengths, [1]], 0)), 1)
     block = tf.clip_by_value((n + _BLOCKS - 1) // _BLOCKS, 1,
                              _rows_within(tokens, longest, cap))
@@ -73,17 +77,23 @@ def _least_work(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None
     def body(t, cost, back):
         end = at[t]
         length = lengths[end - 1]
-        start = tf.searchsorted(at[:t], tf.reshape(end - _rows_within(tokens, length, cap),
-                                                   [1]), side="left", out_type=tf.int64)[0]
-        options = cost[start:t] + (end - at[start:t]) * length + step
+        first = end - _rows_within(tokens, length, cap)  # at[t - 1] is never before it
+        start = tf.minimum(tf.searchsorted(at, tf.reshape(first, [1]), side="left",
+                                           out_type=tf.int64)[0], t - 1)
+        starts = tf.range(start, t)
+        options = (cost.gather(tf.cast(starts, tf.int32)) + (end - tf.gather(at, starts))
+                   * length + step)
         best = tf.argmin(options, output_type=tf.int64)
-        return (t + 1, tf.concat([cost, [options[best]]], 0),
-                tf.concat([back, [start + best]], 0))
+        return t + 1, cost.write(tf.cast(t, tf.int32), options[best]), back.write(
+            tf.cast(t, tf.int32), start + best)
 
-    _, _, back = tf.while_loop(
-        lambda t, *_: t <= blocks, body,
-        [tf.constant(1, tf.int64), tf.zeros([1], tf.int64), tf.zeros([1], tf.int64)],
-        shape_invariants=[tf.TensorShape([]), tf.TensorShape([None]), tf.TensorShape([None])])
+    def table():  # one entry per boundary, read back in any order
+        return tf.TensorArray(tf.int64, size=tf.cast(blocks + 1, tf.int32),
+                              clear_after_read=False, element_shape=[]).write(0, 0)
+
+    _, _, back = tf.while_loop(lambda t, *_: t <= blocks, body,
+                               [tf.constant(1, tf.int64), table(), table()])
+    back = back.stack()
 
     def trace_back(t, found):
         return back[t], found.write(found.size(), tf.stack([at[back[t]], at[t]]))

@@ -234,8 +234,9 @@ class MicroBatches:
         self.pattern = piece_pattern(batch_size, rows, workers=where.workers,
                                      worker=where.worker, local_replicas=local_replicas)
         self.tokens = None if by_length is None else by_length.tokens
-        # With tokens, a large batch has at most a piece per kept row, then its end's marker.
-        self.per_batch = (sum(p.rows for p in self.pattern if p.keep) if self.tokens
+        # With tokens, a large batch has at most a piece per kept row, then its end's
+        # marker, which the loop must pull too.
+        self.per_batch = (sum(p.rows for p in self.pattern if p.keep) + 1 if self.tokens
                           else SHARE_ELEMENTS if adapter.shares
                           else elements_per_batch(self.pattern, batch_size, local_replicas))
         # (None or (shuffle seed, repeat), autotune) -> the elements of an epoch

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 from typing import Any
 
 import keras
@@ -39,7 +40,14 @@ from autosplit.step.reduction import check_reduction
 from autosplit.step.replicas import without_replica_axis
 from autosplit.step.update import LargeBatchUpdate
 
-__all__ = ["TrainStep", "build_for", "step_for"]
+__all__ = ["TrainStep", "build_for", "row_count", "step_for"]
+
+
+def row_count(total: float) -> float:
+    """The agreement's sum as a count of rows: each local replica adds rows / replicas,
+    which float32 rounds (6 x float32(500 / 3) = 1000.0001); -inf (a worker gave up) as
+    it is."""
+    return float(round(total) if math.isfinite(total) else total)
 
 
 class TrainStep:
@@ -206,7 +214,7 @@ class TrainStep:
         """Every worker's verdict on this attempt (collective): all ok, and the rows."""
         failed, total = self._function("agree", self.update.replicas.vote)(
             tf.constant(0.0 if ok else 1.0), tf.constant(rows, tf.float32)).numpy()
-        return failed == 0, float(total)
+        return failed == 0, row_count(total)
 
     def local_rows(self) -> float:
         """Real rows committed on this worker since the last finish."""

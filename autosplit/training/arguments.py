@@ -280,7 +280,8 @@ def split_off_validation(x: Any, y: Any, sample_weight: Any, fraction: float
     if isinstance(x, tuple) and y is None and sample_weight is None and len(x) in (2, 3):
         x, y, *rest = x
         sample_weight = rest[0] if rest else None
-    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset, types.GeneratorType)):
+    if isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset, keras.utils.PyDataset,
+                      types.GeneratorType)):
         raise DatasetError(
             "Expected arrays with `validation_split` (model.fit only splits arrays). "
             f"Received: x={describe(x)}. Pass `validation_data=` instead.")

@@ -125,8 +125,8 @@ def _another_gave_up(strategy: Any, step_number: int) -> WorkerLostError:
     return WorkerLostError(
         f"Another worker of the {type(strategy).__name__} run stopped in step {step_number}: "
         "it ran out of memory and could not go on (on_oom='raise', or not even a "
-        "micro-batch of 1 example fit); its error says which. This worker stops too "
-        "instead of waiting for it.")
+        "micro-batch of 1 example fit), or its input failed (a bad record in its shard); "
+        "its error says which. This worker stops too instead of waiting for it.")
 
 
 class Recovery:
@@ -226,6 +226,12 @@ class Recovery:
             except tf.errors.ResourceExhaustedError as error:
                 failure = error
                 remaining -= self._pulled()
+            except tf.errors.OpError:
+                # This worker's own error (a bad record of its shard): the others would
+                # wait in the agreement for it; it gives up there, so all of them stop.
+                self.step.agree(False, _GAVE_UP)
+                self.step.discard()
+                raise
             gives_up = failure is not None and self._next_rows() < 1
             # The only collectives of a step come after the local loop: first this
             # agreement, then (only if every worker succeeded) the apply.

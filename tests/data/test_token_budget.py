@@ -121,6 +121,17 @@ def test_each_micro_batch_holds_at_most_the_budget_and_every_row_once(cap):
 
 
 @pytest.mark.slow
+def test_a_large_batch_of_one_row_micro_batches_still_reaches_its_marker():
+    # Rows of 31 to 60 tokens under a budget of 60: every micro-batch holds one row, so a
+    # large batch is as many elements as rows, then its marker. Told to pull only the
+    # rows, the loop left the marker for the next step, which read it as the input's
+    # end: the epoch stopped after its first large batch.
+    seqs = [s for s in sequences(800, median=45) if len(s) > 30][:2 * B]
+    trains_as_model_fit("gru", dataset(seqs, "gru").padded_batch(16), seqs=seqs,
+                        micro_batch_tokens=60)
+
+
+@pytest.mark.slow
 def test_an_epoch_of_unknown_length_ends_at_its_marker_and_a_longer_one_is_cut_short():
     # A generator's dataset does not tell its length: the first epoch learns it from the
     # input's end; with steps_per_epoch, an epoch that could run on ends at the count.

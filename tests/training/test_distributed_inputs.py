@@ -4,6 +4,8 @@ tests/scenarios/test_sharding.py."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -11,6 +13,7 @@ from common import relative_error
 
 import autosplit
 from autosplit.errors import DatasetError
+from autosplit.step.train_step import row_count
 
 
 def data(n=20):
@@ -73,6 +76,15 @@ def test_a_step_of_more_rows_than_batch_size_is_refused_before_its_apply(strateg
     assert int(model.optimizer.iterations.numpy()) == 0 and unchanged(model, before)
 
 
+def test_the_agreements_row_count_is_a_whole_number_of_rows():
+    # Six replicas (3 local on each of 2 workers) each add float32(1000 / 6): summed in
+    # float32 that is 1000.00006, which refused a large batch of exactly 1000 rows.
+    share = np.float32(500 / 3)
+    total = functools.reduce(lambda a, b: np.float32(a + b), [share] * 6)
+    assert float(total) > 1000 and row_count(float(total)) == 1000
+    assert row_count(float("-inf")) == float("-inf")  # a worker that gave up
+
+
 def test_a_repeated_distributed_input_needs_steps_per_epoch(strategy):
     model, built = model_and_input(strategy, 8, repeat=True)
     with pytest.raises(autosplit.ArgumentError, match="Expected `steps_per_epoch`"):
@@ -103,3 +115,11 @@ def test_steps_per_epoch_reads_on_as_model_fit_does(strategy):
     assert (int(model.optimizer.iterations.numpy())
             == int(reference.optimizer.iterations.numpy()))
     assert relative_error(reference.get_weights(), model.get_weights()) <= 1e-5
+
+
+def test_validation_split_of_a_distributed_input_is_refused_before_training(strategy):
+    model, built = model_and_input(strategy, 8)
+    before = model.get_weights()
+    with pytest.raises(DatasetError, match="Expected arrays with `validation_split`"):
+        autosplit.fit_large_batch(model, built, batch_size=8, validation_split=0.25, verbose=0)
+    assert unchanged(model, before)

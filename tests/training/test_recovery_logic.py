@@ -375,3 +375,20 @@ def test_two_workers_failing_in_the_same_round_both_shrink():
     assert steps[1].attempts == [8, 4, 2, 2, 2, 2, 2, 2, 2, 2]
     assert steps[1].applied == [list(range(100, 116))]
 
+
+
+def test_a_worker_whose_input_fails_stops_the_others_instead_of_leaving_them_waiting():
+    # Sharded, each worker reads its own records: a bad one fails one worker alone. It
+    # gives up at the agreement, so the other stops there too, rather than wait in it.
+    def bad_record():
+        raise tf.errors.InvalidArgumentError(None, None, "a bad record")
+        yield  # a generator
+
+    collective = Collective(2)
+    steps = [FakeStep(4, collective=collective, worker=w) for w in range(2)]
+    recoveries = [Recovery(step, multi_worker=True) for step in steps]
+    results = lockstep(steps, recoveries, [[(bad_record(), 2)], [(elements(100, 2, 4), 2)]])
+    assert isinstance(results[0], tf.errors.InvalidArgumentError)
+    assert isinstance(results[1], WorkerLostError) and "its input failed" in str(results[1])
+    assert collective.rounds == [{0: (False, float("-inf")), 1: (True, 8.0)}]
+    assert steps[1].applied == []
