@@ -101,7 +101,7 @@ class TwoOptimizers(NoCallModel):
 
 def test_an_unbuilt_model_with_no_call_is_built_by_its_step_as_fit_builds_it():
     # check built every unbuilt model symbolically; one with no call() (the Keras VAE)
-    # raised Keras's "Unable to automatically build the model" (helper 29).
+    # raised Keras's "Unable to automatically build the model".
     model = NoCallModel()
     model.compile(optimizer=keras.optimizers.SGD(0.1))
     x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")

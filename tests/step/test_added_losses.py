@@ -139,11 +139,10 @@ class PerUnitPenalty(keras.layers.Layer):
 @pytest.mark.slow
 @pytest.mark.parametrize("layers", ["training_only_then_per_row", "per_unit_as_many_as_m"])
 def test_added_losses_are_told_apart_by_what_they_are_not_where_they_stand(layers):
-    # Review of the summed added losses (helper 26): validation matched the losses of a
-    # training-mode trace by position, so behind a penalty added only in training a
-    # per-row loss was read as a mean (val_loss 3.31 against model.fit's 9.85); and a
-    # vector of one value per unit, 16 units at m = 16, was read as one per row and
-    # counted whole per micro-batch (k times too large).
+    # Validation matched the losses of a training-mode trace by position, so behind a
+    # penalty added only in training a per-row loss was read as a mean (val_loss 3.31
+    # against model.fit's 9.85); and a vector of one value per unit, 16 units at m = 16,
+    # was read as one per row and counted whole per micro-batch (k times too large).
     def make():
         keras.utils.set_random_seed(1)
         inputs = keras.Input((4,))
