@@ -17,6 +17,7 @@ from autosplit.data.adapter import (
     check_shared_rows,
     class_weight_fn,
     leading_rows,
+    varying_shapes,
 )
 from autosplit.errors import DatasetError
 from autosplit.keras_hooks import tf_data
@@ -95,10 +96,11 @@ class DatasetInput(InputAdapter):
                 # seed, nor after a batch(), whose parts share their rows.
                 for first in dataset.take(1):
                     check_shared_rows(first if self._arity else (first,), f"`{name}`")
-        # Examples of varying shape (sequences of varying length) are padded per large
-        # batch by the pipeline (``autosplit.data.pipeline``), as padded_batch(B) pads.
         self.own_lengths = not self.batched
-        self._varying = not self.batched and any(
+        # Rows of varying shape (sequences of varying length): a padded_batch's, or
+        # examples the pipeline (``autosplit.data.pipeline``) pads per large batch, as
+        # padded_batch(B) pads.
+        self.rows_vary = varying_shapes(spec) if self.batched else any(
             None in s.shape.as_list() for s in tf.nest.flatten(spec) if s.shape.rank)
 
     def own_batch_rows(self) -> int | None:
@@ -112,6 +114,6 @@ class DatasetInput(InputAdapter):
             # every epoch, and the pipeline's rebatch already refuses a batch whose
             # parts do not share a row count.
             return self.dataset
-        if self._varying:  # one row each, padded to nothing: the cut pads them together
+        if self.rows_vary:  # one row each, padded to nothing: the cut pads them together
             return self.dataset.padded_batch(1)
         return self.dataset.batch(EXAMPLE_CHUNK)

@@ -109,9 +109,10 @@ def sharded_input(adapter: InputAdapter, strategy: tf.distribute.Strategy, where
                   batch_size: int) -> InputAdapter:
     """``adapter`` as this worker reads it: a ``tf.data`` input of several workers
     sharded as ``model.fit`` shards it (batched by ``batch_size`` first); any other input,
-    or one whose policy is OFF, as it is."""
+    or one whose policy is OFF, or sequences of varying length (padded or cut by length
+    as a whole large batch), as it is."""
     if (not isinstance(adapter, DatasetInput) or not where.multi_worker
-            or reads_whole(adapter.dataset) or _rows_vary(adapter)):
+            or reads_whole(adapter.dataset) or adapter.rows_vary):
         return adapter
     dataset = adapter.dataset
     if not adapter.batched:
@@ -124,16 +125,6 @@ def sharded_input(adapter: InputAdapter, strategy: tf.distribute.Strategy, where
         distributed = strategy.experimental_distribute_dataset(dataset)
     return ShardedInput(distributed, f"{adapter.kind} sharded across workers",
                         weighting=adapter.weighting)
-
-
-def _rows_vary(adapter: DatasetInput) -> bool:
-    """Whether the input's rows vary in shape (sequences of varying length): the large
-    batch is padded, or cut by length, as a whole, so every worker reads it whole."""
-    spec = adapter.dataset.element_spec
-    if adapter.batched:
-        return varying_shapes(spec)
-    return any(isinstance(leaf, tf.TensorSpec) and leaf.shape.rank
-               and None in leaf.shape.as_list() for leaf in tf.nest.flatten(spec))
 
 
 def cut_shares(ds: tf.data.Dataset, *, rows: int, local_replicas: int,
