@@ -84,15 +84,15 @@ def _dense_f32(g) -> tf.Tensor | None:
     return None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
 
 
-def compute_contribution(model, plan: LossPlan, x, y, sample_weight, valid, *, batch_size: int,
-                  scale, pool: list | tuple = ()) -> Contribution:
+def compute_contribution(model, plan: LossPlan, x, y, sample_weight, valid, *,
+                         batch_size: int, scale, pool: list | tuple = ()) -> Contribution:
     """Forward and backward of one micro-batch; changes no variable but the model's own
     (BatchNormalization statistics, seed generators; a custom step's metric trackers)."""
     stretch = x.stretch[0] if isinstance(x, Trimmed) else None
     x = inputs_of(x)
     if plan.custom is not None:
         return _custom_contribution(model, plan.custom, x, y, sample_weight, valid,
-                             batch_size=batch_size, pool=pool)
+                                    batch_size=batch_size, pool=pool)
     variables = model.trainable_variables
     with recording(pool) as records, tf.GradientTape(persistent=len(plan.groups) > 1) as tape:
         y, y_pred, terms, in_call = forward(model, x, y, sample_weight, valid, stretch=stretch)
@@ -133,7 +133,7 @@ def _moments(pool, records) -> list | None:
 
 
 def _custom_contribution(model, facts: CustomFacts, x, y, sample_weight, valid, *,
-                  batch_size: int, pool) -> Contribution:
+                         batch_size: int, pool) -> Contribution:
     """The model's own train_step on one micro-batch of real rows, its apply caught and
     its gradients answered per group of loss terms, each weighed as its group adds up
     over the micro-batches (``autosplit.keras_hooks.gradients``)."""

@@ -175,8 +175,7 @@ class Stash:
 
 def added(totals: Totals, c: Contribution | Totals) -> Totals:
     """``totals`` plus one micro-batch's sums; a gradient of None adds nothing."""
-    part = Totals(c.gradients, c.numerators, c.denominators, c.forward,
-                  c.rows)
+    part = Totals(c.gradients, c.numerators, c.denominators, c.forward, c.rows)
     return tf.nest.map_structure(lambda a, b: a if b is None else a + b, totals, part)
 
 

@@ -185,11 +185,11 @@ class LargeBatchUpdate:
         return tf.cast(self.model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
 
     def contribute(self, x, y, w, valid) -> list:
-        """One piece's gradients and terms, flattened (None entries dropped): the
+        """One micro-batch's gradients and terms, flattened (None entries dropped): the
         computation XLA compiles on its own."""
         contribution = compute_contribution(self.model, self.plan, x, y, w, valid,
-                              batch_size=self.batch_size, scale=self.loss_scale(),
-                              pool=self.pool)
+                                            batch_size=self.batch_size,
+                                            scale=self.loss_scale(), pool=self.pool)
         flat = tf.nest.flatten(contribution)
         self._template = (contribution, [t is not None for t in flat])
         return [t for t in flat if t is not None]
@@ -207,9 +207,9 @@ class LargeBatchUpdate:
                                    jit_compile=True)
 
     def _compute(self, x, y, w, valid, all_real=False):
-        """Per replica: one micro-batch's contribution, on its real rows alone where the plan
-        asks for them
-        (``autosplit.step.contribution.without_padding``; ``all_real``: all its rows are real)."""
+        """Per replica: one micro-batch's contribution, on its real rows alone where the
+        plan asks for them (``autosplit.step.contribution.without_padding``;
+        ``all_real``: all its rows are real)."""
         strip = (self.plan.real_rows_only or bool(self.pool)) and not all_real
         x, y, w, valid = without_padding(strip, x, empty_to_none(y), empty_to_none(w), valid)
         return self._contribute_function()(x, y, w, valid)
@@ -229,17 +229,17 @@ class LargeBatchUpdate:
             with tf.control_dependencies([] if ready is None else [ready]):
                 return self._combine_logs(contribution)
         with tf.control_dependencies([] if ready is None else [ready]):
-            c = contribution
-            update_metrics(self.model, c.y, c.y_pred, c.sample_weight, c.valid, c.masks,
-                           all_real=all_real, stretch=c.stretch)
+            update_metrics(self.model, contribution.y, contribution.y_pred,
+                           contribution.sample_weight, contribution.valid, contribution.masks,
+                           all_real=all_real, stretch=contribution.stretch)
             return tf.constant(True)
 
     def _combine_logs(self, contribution: Contribution) -> tf.Tensor:
         """A custom step's logs, combined over the large batch so far as each combines
         (``CustomFacts.log_kinds``); a large batch's first micro-batch replaces the last
-        one's values (a NaN there included). After this piece's sums are committed."""
-        first = tf.cast(self.sums.rows.read_value(), tf.float32) <= tf.cast(contribution.rows,
-                                                                            tf.float32)
+        one's values (a NaN there included). After this micro-batch's sums are committed."""
+        first = (tf.cast(self.sums.rows.read_value(), tf.float32)
+                 <= tf.cast(contribution.rows, tf.float32))
         assert self.plan.custom is not None
         tracked = after(self._combine_trackers(contribution, first))
         ops = [tracked]
