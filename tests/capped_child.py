@@ -157,7 +157,8 @@ def wide_cnn():
 def cnn_under_the_cap(folder):
     """oneDNN on (the default): a trial whose kernel crashes costs that trial; the probe
     ends with a size that trains; a given size too large for the cap starts smaller."""
-    from autosplit.search.isolation import IsolatedTrials, kernels_may_crash, onednn_enabled
+    from autosplit.keras_hooks.internals import onednn_enabled
+    from autosplit.search.isolation import IsolatedTrials, kernels_may_crash
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(1024, 32, 32, 3)).astype("float32")

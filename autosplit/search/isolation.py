@@ -64,13 +64,6 @@ def kernels_may_crash() -> bool:
     return not tf.config.list_logical_devices("GPU") and is_tf_bfc_capped() is not None
 
 
-def onednn_enabled() -> bool:
-    """Whether TensorFlow runs its oneDNN kernels (``TF_ENABLE_ONEDNN_OPTS``)."""
-    from autosplit.keras_hooks.internals import onednn_enabled as enabled
-
-    return enabled()
-
-
 class IsolatedTrials:
     """Trials of ``model`` run one by one in a child process (see the module docstring).
 
