@@ -59,8 +59,9 @@ import tensorflow as tf
 
 import autosplit
 from autosplit.memory.device import read_device
-from benchmarks import harness, workloads
-from benchmarks.harness import MIB, OOM, Panel, Series
+from benchmarks import harness, plots, workloads
+from benchmarks.harness import MIB, OOM
+from benchmarks.plots import Panel, Series
 
 QUESTION = ("On a GPU, does autosplit keep the device's peak flat in B at a fixed "
             "micro-batch, what does the probe choose, and how fast is fit_large_batch next "
@@ -209,8 +210,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
                                  [p["methods"][method][name] for p in ok]))
         panels.append(Panel(f"{report['model']}: {title}", f"MiB ({report['peak_source']})",
                             series, logy=True, xticks=xs))
-    harness.line_plot(path, [panels], f"{report['device']['name']}: device memory at m = "
-                      f"{report['settings']['micro_batch_size']}")
+    plots.line_plot(path, [panels], f"{report['device']['name']}: device memory at m = "
+                    f"{report['settings']['micro_batch_size']}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

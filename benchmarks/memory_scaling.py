@@ -49,8 +49,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import harness
-from benchmarks.harness import MIB, OOM, Panel, Series
+from benchmarks import harness, plots
+from benchmarks.harness import MIB, OOM
+from benchmarks.plots import Panel, Series
 
 QUESTION = ("What does a larger batch cost in memory at a fixed micro-batch? Peak TensorFlow "
             "allocator memory of autosplit (three input kinds), plain Keras at B, Keras's "
@@ -301,8 +302,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
                           logy=True, hline=(model["cap_mib"], f"cap {model['cap_mib']} MiB"),
                           xticks=sizes))
         bottoms.append(Panel(f"{model['label']}: throughput", "samples/s", rates, xticks=sizes))
-    harness.line_plot(path, [tops, bottoms], f"Memory scaling at m = "
-                      f"{report['settings']['micro_batch_size']} (peak source: TF allocator)")
+    plots.line_plot(path, [tops, bottoms], f"Memory scaling at m = "
+                    f"{report['settings']['micro_batch_size']} (peak source: TF allocator)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -49,8 +49,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import harness
-from benchmarks.harness import MIB, Panel, Series
+from benchmarks import harness, plots
+from benchmarks.harness import MIB
+from benchmarks.plots import Panel, Series
 
 QUESTION = ("How close to the true largest micro-batch does each search get, in how many "
             "trials, OOMs and seconds, under the same real memory cap? And do the probe's "
@@ -383,7 +384,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     steps = Panel("micro-batches per large batch (k = B/m)", "k", [
         Series("k chosen", xs, [r["accumulation_steps"] or 0 for r in done], marker="D")],
         xticks=xs)
-    harness.line_plot(path, [[seconds, steps]], "autosplit.probe: seconds and k against B")
+    plots.line_plot(path, [[seconds, steps]], "autosplit.probe: seconds and k against B")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The benchmarks' shared harness: tables, reports, capped children, round robins."""
+"""The benchmarks' shared harness: tables, reports, plots, capped children, round robins."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from _bench import PNG, ROOT, MiB
 from autosplit import capped
 from benchmarks import (
     harness,
+    plots,
 )
 
 
@@ -26,14 +27,14 @@ def test_tables_align_the_first_column_left_and_the_rest_right():
 
 
 def test_write_report_writes_json_markdown_and_png_or_nothing(tmp_path):
-    panel = harness.Panel("peaks", "MiB", [
-        harness.Series("a", [512, 1024], [10.0, 11.0], failed=[2048], failed_y=64.0),
-        harness.Series("b", [512, 2048], [20.0, 40.0], marker="s")],
+    panel = plots.Panel("peaks", "MiB", [
+        plots.Series("a", [512, 1024], [10.0, 11.0], failed=[2048], failed_y=64.0),
+        plots.Series("b", [512, 2048], [20.0, 40.0], marker="s")],
         logy=True, hline=(64.0, "cap 64 MiB"), xticks=[512, 1024, 2048])
     report = {"numbers": [1, 2.5]}
     paths = harness.write_report(tmp_path / "out", "bench", report, "# bench\n",
-                                 lambda path: harness.line_plot(path, [[panel, panel], [panel]],
-                                                                "title"))
+                                 lambda path: plots.line_plot(path, [[panel, panel], [panel]],
+                                                              "title"))
     assert [p.name for p in paths] == ["bench.json", "bench.md", "bench.png"]
     assert json.loads(paths[0].read_text()) == report
     assert paths[1].read_text() == "# bench\n"

@@ -150,7 +150,7 @@ def test_sequences_checks_follow_the_figures():
 
 @pytest.mark.slow
 def test_batchnorm_stats_quick_run(tmp_path):
-    from benchmarks import batchnorm_stats
+    from benchmarks import batchnorm_runs, batchnorm_stats
 
     assert batchnorm_stats.main(["--quick", "--out", str(tmp_path)]) == 0
     report = read(tmp_path, "batchnorm_stats")
@@ -163,7 +163,7 @@ def test_batchnorm_stats_quick_run(tmp_path):
         assert set(r["layers"]) == set(model["layers"]) and r["weights_rel"] >= 0
     # The robust fact: BatchNormalization on the raw inputs sees the same rows whatever
     # the weights, so pooling reproduces model.fit's moving statistics; micro does not.
-    pooled, micro = (batchnorm_stats.find(model, 4, mode)["layers"]["bn_input"]
+    pooled, micro = (batchnorm_runs.find(model, 4, mode)["layers"]["bn_input"]
                      for mode in ("pooled", "micro"))
     assert pooled["variance_rel"] < 1e-4 and pooled["mean_in_std"] < 1e-4
     assert micro["variance_rel"] > 1e-2
