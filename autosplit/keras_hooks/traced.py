@@ -143,11 +143,12 @@ def _full_reduction(op, walk: _Walk) -> str | None:
 
 def full_reduction_input(op, rows: int | None) -> Any:
     """The input of ``op`` where it reduces every axis of per-row values (its rows
-    ``rows``, or any number where None; the other axes static), else None."""
+    ``rows``, or any number where None; the other axes of any size: a sequence's length
+    may be unknown), else None."""
     reduced = op.inputs[0]
     shape = reduced.shape
     axes = tf.get_static_value(op.inputs[1]) if len(op.inputs) > 1 else None
-    if shape.rank is None or shape.rank < 1 or axes is None or None in shape[1:].as_list():
+    if shape.rank is None or shape.rank < 1 or axes is None:
         return None
     if {int(a) % shape.rank for a in tf.nest.flatten(axes.tolist())} != set(range(shape.rank)):
         return None
