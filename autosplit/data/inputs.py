@@ -53,7 +53,8 @@ def get_input(x: Any, y: Any = None, sample_weight: Any = None, *, shuffle: bool
         x, y, *rest = x
         sample_weight = rest[0] if rest else None
     examples = next((len(p) for p in (y, x) if isinstance(p, (np.ndarray, list))), None)
-    if any(_varying(part, examples) for part in (x, y, sample_weight)):
+    if any(_varying(member, examples) for part in (x, y, sample_weight)
+           for member in _members(part)):
         return DatasetInput(_examples(x, y, sample_weight, shuffle), class_weight=class_weight,
                             name=name, model=model)
     if isinstance(x, (np.ndarray, tf.Tensor, dict, list, tuple)) or hasattr(x, "__array__"):
@@ -82,6 +83,14 @@ def _varying(part: Any, examples: int | None = None) -> bool:
             and len({s[1:] for s in shapes}) == 1)
 
 
+def _members(part: Any) -> list:
+    """The inputs of a part: a dict's values or a tuple's items (one per model input, a
+    pair's source and target), else the part itself."""
+    if isinstance(part, dict):
+        return list(part.values())
+    return list(part) if isinstance(part, tuple) else [part]
+
+
 def _examples(x: Any, y: Any, sample_weight: Any, shuffle: bool | str) -> tf.data.Dataset:
     """A dataset of ``(x, y[, sample_weight])`` examples, each sequence as long as it is;
     shuffled once per epoch where ``shuffle`` asks (seeded by NumPy's global generator,
@@ -94,14 +103,20 @@ def _examples(x: Any, y: Any, sample_weight: Any, shuffle: bool | str) -> tf.dat
             return tf.RaggedTensor.from_row_lengths(np.concatenate(rows), [len(r) for r in rows])
         return part
 
-    parts = tuple(column(p) for p in (x, y, sample_weight) if p is not None)
-    rows = {int(p.nrows()) if isinstance(p, tf.RaggedTensor) else len(p) for p in parts}
+    def columns(part):
+        if isinstance(part, dict):
+            return {name: column(member) for name, member in part.items()}
+        return tuple(column(m) for m in part) if isinstance(part, tuple) else column(part)
+
+    parts = tuple(columns(p) for p in (x, y, sample_weight) if p is not None)
+    rows = {int(p.nrows()) if isinstance(p, tf.RaggedTensor) else len(p)
+            for p in tf.nest.flatten(parts)}
     if len(rows) > 1:
         raise DatasetError(
             f"Expected x, y (and sample_weight) to hold one example each per row. Received: "
             f"{sorted(rows)} rows. Give one sequence per example to each.")
-    ds = tf.data.Dataset.from_tensor_slices(parts).map(lambda *row: tuple(
-        t.to_tensor() if isinstance(t, tf.RaggedTensor) else t for t in row))
+    ds = tf.data.Dataset.from_tensor_slices(parts).map(lambda *row: tf.nest.map_structure(
+        lambda t: t.to_tensor() if isinstance(t, tf.RaggedTensor) else t, row))
     if shuffle:
         ds = ds.shuffle(rows.pop(), seed=int(np.random.randint(2**31)),
                         reshuffle_each_iteration=True)
