@@ -355,7 +355,7 @@ def format_result(result, *, report: bool = False) -> str:
               f"accumulation_steps={result.accumulation_steps}")
     if result.tokens is not None:
         chosen = (f"micro_batch_tokens={result.tokens} ({result.micro_batch_size} rows of "
-                  f"the longest length sampled, {result.reference_length})")
+                  f"the costliest row sampled, {result.reference_length} tokens)")
     lines += [
         "",
         f"chosen      {chosen} for batch_size={result.batch_size}",

@@ -37,7 +37,7 @@ from autosplit.culprits import (
     static_culprits,
     unreduced_culprits,
 )
-from autosplit.data.lengths import real_lengths
+from autosplit.data.example_lengths import group_lengths, padded_lengths
 from autosplit.data.split import Split, split_batch
 from autosplit.data.structure import map_present
 from autosplit.keras_hooks import internals as _keras
@@ -144,10 +144,12 @@ def _padding(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> str | No
     that one along their second axis count as its length."""
     data = (x, y, sample_weight)
     ranked = [t for t in tree.flatten(x) if t.shape.rank >= 2]
-    if not ranked or not any(int(n) < int(ranked[0].shape[1])
-                             for n in real_lengths([ranked[0]]).numpy()):
+    if not ranked:
         return None
-    width = ranked[0].shape[1]
+    width = int(ranked[0].shape[1])
+    first = padded_lengths((tf.TensorSpec.from_tensor(ranked[0]),), width)
+    if not any(int(n) < width for n in group_lengths([ranked[0]], first)[:, 0].numpy()):
+        return None
 
     def spec_of(t: tf.Tensor) -> tf.TensorSpec:
         if t.shape.rank < 2:
@@ -157,7 +159,8 @@ def _padding(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> str | No
 
     spec = tree.map_structure(lambda t: None if t is None else spec_of(t), data)
     sample = tree.map_structure(lambda t: None if t is None else t[:16], data)
-    found = check_padding(model, sample, tuple(() if s is None else s for s in spec))
+    spec = tuple(() if s is None else s for s in spec)
+    found = check_padding(model, sample, spec, padded_lengths(spec, width))
     if found.ignores_padding:
         return f"ignored: fit_large_batch cuts by length ({found.reason})"
     return f"read: fit_large_batch pads to each large batch's longest row ({found.reason})"

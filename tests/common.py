@@ -40,6 +40,16 @@ def tensor_relative_error(expected, actual) -> float:
     return float(np.max(np.abs(e - a))) / max(float(np.max(np.abs(e))), 1e-12)
 
 
+def assert_within_reorder_noise(reference, reordered, weights, rtol=1e-5):
+    """Each of ``weights`` within ``rtol`` of ``reference``'s, or 3x the distance between
+    ``reference`` and ``reordered`` (trained on each large batch's rows in another order)
+    where that is larger: a gradient that cancels moves with the summation order."""
+    for variable, e, noisy, a in zip(reference.weights, reference.get_weights(),
+                                     reordered.get_weights(), weights, strict=True):
+        bound = max(rtol, 3 * tensor_relative_error(e, noisy))
+        assert tensor_relative_error(e, a) <= bound, (variable.path, bound)
+
+
 def relative_error(expected, actual) -> float:
     """The largest :func:`tensor_relative_error` over lists of weights."""
     assert len(expected) == len(actual)
@@ -90,6 +100,26 @@ def assert_weights_close(expected, actual, rtol):
         err = tensor_relative_error(e, a)
         assert err <= rtol, (f"weight {index} {np.shape(e)}: relative error {err:.2e} > "
                              f"{rtol:.0e}")
+
+
+def dense_gradients(optimizer_class):
+    """``optimizer_class`` given dense gradients, for models with an Embedding.
+
+    An Embedding's gradient is an ``IndexedSlices`` with repeated rows. Keras's Adam and
+    RMSprop apply that sparse form differently from the dense gradient (README, "What exact
+    means": autosplit accumulates densely and matches the step on the dense gradient), so
+    the examples with an Embedding and an adaptive optimizer give both twins this subclass:
+    model.fit's step then takes the same dense gradient that autosplit applies.
+    """
+
+    class Dense(optimizer_class):
+        def apply(self, grads, trainable_variables=None):
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                     for g in grads]
+            return super().apply(grads, trainable_variables)
+
+    Dense.__name__ = f"Dense{optimizer_class.__name__}"
+    return Dense
 
 
 class GuideStep(keras.Model):

@@ -31,7 +31,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from autosplit.data.lengths import Padded
+from autosplit.data.example_lengths import Lengths, Padded, lengths_of, tie
 from autosplit.errors import DatasetError, describe
 
 __all__ = [
@@ -99,7 +99,7 @@ class InputAdapter:
             into data (arrays): padding them copies no data.
         own_lengths: each row of varying length comes as long as it is, not padded to
             the others of a batch of the user's (a ``padded_batch``, a generator's
-            batches), whose padding the pipeline trims (``autosplit.data.lengths``).
+            batches), whose padding the pipeline trims (``autosplit.data.cuts``).
         graph_rewrites: ``tf.data``'s default static rewrites run on the pipeline
             (map-and-batch fusion, map parallelization and others, on the input's
             own stages too); see ``ArrayInput.graph_rewrites`` for why arrays turn
@@ -162,9 +162,47 @@ class InputAdapter:
         """``(x, y, w)`` with ``class_weight`` applied to ``w``, where one was given."""
         return x, y, (w if self._class_weight is None else self._class_weight(y, w))
 
+    def lengths(self) -> Lengths | None:
+        """The lengths of this input's examples (``autosplit.data.example_lengths``):
+        which parts vary in length, along which axis, and which share a length, as the
+        first examples read show (the batches of a user's ``padded_batch``); read once.
+        None where no part varies (rows of arrays: their sequences are
+        :meth:`padded_sequences`)."""
+        if self.row_numbers:
+            return None
+        if "_lengths" not in vars(self):
+            found = lengths_of(self._parts(self.rows_dataset().element_spec))
+            if found is not None and found.number > 1:
+                seen = [self._parts(e) for e in self.first_elements()]
+                # Nothing read (a look would move a seed): examples of their own lengths
+                # keep a length per part, which pads each as its own longest, whatever
+                # they share; the batches of a user's padded_batch share one.
+                found = tie(found, seen) if seen or self.own_lengths else found.joined()
+            vars(self)["_lengths"] = found
+        return vars(self)["_lengths"]
+
+    def _parts(self, element: Any) -> Any:
+        """An element as ``(x, y[, sample_weight])``, whose leaves ``lengths`` counts: x
+        alone (a model whose loss comes from add_loss) as ``(x,)``."""
+        if self._arity == 0 and not (isinstance(element, tuple) and len(element) == 1):
+            return (element,)
+        return element
+
+    def first_elements(self, rows: int = 256, most: int = 64) -> list:
+        """The input's first elements as they come, up to ``rows`` rows or ``most``
+        elements, or none where a look would change what training reads: what
+        :meth:`lengths` reads."""
+        found, seen = [], 0
+        for element in self.rows_dataset():
+            found.append(element)
+            seen += int(tf.shape(tf.nest.flatten(element)[0])[0])
+            if seen >= rows or len(found) >= most:
+                break
+        return found
+
     def padded_sequences(self, takes_any_length: bool) -> Padded | None:
         """How this input's rows of one shape hold padded sequences
-        (``lengths.padded_sequences``); None but for arrays."""
+        (``example_lengths.padded_sequences``); None but for arrays."""
         return None
 
     def sample(self, n: int) -> tuple:

@@ -19,7 +19,7 @@ from autosplit.data.adapter import (
     check_class_weight_alone,
     class_weight_fn,
 )
-from autosplit.data.lengths import Padded, padded_sequences
+from autosplit.data.example_lengths import Padded, padded_sequences
 from autosplit.data.structure import map_present
 from autosplit.errors import DatasetError, describe
 

@@ -7,7 +7,8 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from autosplit.data.lengths import inputs_of, real_lengths
+from autosplit.data.cuts import inputs_of
+from autosplit.data.example_lengths import group_lengths
 from autosplit.data.pipeline import MicroBatches, is_end_marker
 
 __all__ = ["CutStats", "cut_stats"]
@@ -25,25 +26,28 @@ class CutStats(NamedTuple):
 def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None:
     """Micro-batches per large batch of ``pipeline`` and the share of padding they feed,
     over the first ``large_batches`` of an epoch in the input's own order, read on the host
-    (no step runs); None for an input read once (a generator). A row's tokens are its
-    ``lengths.real_lengths``, its cells the micro-batch's padded length (arrays padded at
-    their front are read so where cut by length, which knows it)."""
-    if not pipeline.adapter.reiterable:
+    (no step runs); None for an input read once (a generator) or without lengths. A row's
+    tokens are its lengths (``example_lengths.group_lengths``), summed over an example's
+    lengths, its cells the micro-batch's padded lengths (arrays padded at their front are
+    read so where cut by length, which knows it)."""
+    cut = pipeline.cut
+    lengths = cut.lengths if cut.lengths is not None else pipeline.adapter.lengths()
+    if not pipeline.adapter.reiterable or lengths is None or lengths.number == 0:
         return None
-    cut = pipeline.by_length
-    pre = cut is not None and cut.padded is not None and cut.padded.pre
+    pre = cut.padded is not None and cut.padded.pre
     read = pieces = real = cells = 0
     left = None if pipeline.tokens else pipeline.elements(0)  # of this large batch
-    for x, _, _, valid in pipeline.dataset(autotune=False):
+    for x, y, w, valid in pipeline.dataset(autotune=False):
         if is_end_marker((valid,)):  # with tokens, a large batch's end
             read += 1
         else:
             rows = valid > 0
-            leaves = [t for t in tf.nest.flatten(inputs_of(x)) if t.shape.rank >= 2]
-            if pre:
-                leaves = [t[:, ::-1] for t in leaves]
-            real += int(tf.reduce_sum(tf.boolean_mask(real_lengths(leaves), rows)))
-            cells += int(tf.reduce_sum(tf.cast(rows, tf.int64))) * int(leaves[0].shape[1])
+            leaves = tf.nest.flatten((inputs_of(x), y, w))
+            real += int(tf.reduce_sum(tf.boolean_mask(group_lengths(leaves, lengths, pre=pre),
+                                                      rows)))
+            count = int(tf.reduce_sum(tf.cast(rows, tf.int64)))
+            cells += count * sum(int(tf.shape(leaves[lengths.members(g)[0]])[
+                lengths.axes[lengths.members(g)[0]]]) for g in range(lengths.number))
             pieces += 1
             if left is not None:
                 left -= 1

@@ -106,6 +106,11 @@ class DatasetInput(InputAdapter):
     def own_batch_rows(self) -> int | None:
         return batch_rows(self.dataset) if self.batched else None
 
+    def first_elements(self, rows: int = 256, most: int = 64) -> list:
+        # A look at a dataset that shuffles or augments would move its seed, and so the
+        # order of the first epoch: none is taken (InputAdapter.lengths then assumes).
+        return [] if draws_randomness(self.dataset) else super().first_elements(rows, most)
+
     def rows_dataset(self, *, shuffle_seed: int | None = None,
                      epoch: int | tf.Variable = 0,
                      batch_size: int | None = None) -> tf.data.Dataset:

@@ -68,6 +68,12 @@ class KerasInput(InputAdapter):
             return self.materialize(rows)
         return super().sample(n)
 
+    def first_elements(self, rows: int = 256, most: int = 64) -> list:
+        if self.generator:  # peeked batches, put back by Keras's adapter: none is read
+            return [keras.tree.lists_to_tuples(b) for b in _keras.peeked_batches(
+                self.adapter)][:most]
+        return super().first_elements(rows, most)
+
     def on_epoch_begin(self) -> None:
         self.adapter.on_epoch_begin()
 

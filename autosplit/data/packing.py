@@ -1,5 +1,11 @@
-"""How a large batch's rows, sorted by length, are cut into micro-batches under a token
-budget: for the least work, or each filled to the budget (the probe's trials)."""
+"""How a large batch's rows, sorted by what they cost, are cut into micro-batches under a
+token budget: for the least work, or each filled to the budget (the probe's trials).
+
+A row has one length per group of its parts (``autosplit.data.example_lengths``): a
+translation pair its source's and its target's. A micro-batch pads each group to its own
+longest row, so it costs its rows times the sum of its longest lengths, and that must fit
+the budget. With one length the rows' order makes the last row the longest; with several,
+each group's longest is found over the piece."""
 
 from __future__ import annotations
 
@@ -20,16 +26,18 @@ _BLOCKS = 1024
 
 def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
                  packing: Packing = "least_work") -> tuple[tf.Tensor, tf.Tensor]:
-    """The (starts, ends) of pieces of rows sorted by their padded ``lengths``
-    (ascending), each of at most ``cap`` rows and of up to ``tokens`` tokens (or one
-    row): :func:`_least_work` or :func:`_fullest`.
+    """The (starts, ends) of pieces of rows sorted by what they cost, whose padded
+    ``lengths`` are (rows, lengths per example), each of at most ``cap`` rows and of up
+    to ``tokens`` tokens (or one row): :func:`_least_work` or :func:`_fullest`.
 
     The longest piece comes first, then the shortest, then the rest from short to long:
     the first two a trial step pulls (``autosplit.search.trials``) are the two ends,
     where the memory per token is highest (under attention, and with costs per row).
     Last comes an empty piece, ``(n, n)``: the large batch's end, whose element has no
-    row (``autosplit.data.pipeline.is_end_marker``)."""
-    n = tf.size(lengths, out_type=tf.int64)
+    row (``autosplit.data.pipeline.is_end_marker``). Lengths of rank 1 are one length."""
+    if lengths.shape.rank == 1:
+        lengths = lengths[:, None]
+    n = tf.shape(lengths, out_type=tf.int64)[0]
     pieces = (_fullest if packing == "fullest" else _least_work)(lengths, n, tokens, cap)
     count = tf.shape(pieces)[0]
     order = tf.concat([tf.range(tf.minimum(count, 1)),
@@ -38,17 +46,45 @@ def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
     return pieces[:, 0], pieces[:, 1]
 
 
-def _rows_within(tokens: int, length: tf.Tensor, cap: int | None) -> tf.Tensor:
-    """The most rows of ``length`` a piece holds: ``tokens // length``, in [1, cap]."""
-    rows = tf.maximum(tokens // length, 1)
+def _rows_within(tokens: int, cost: tf.Tensor, cap: int | None) -> tf.Tensor:
+    """The most rows of ``cost`` each a piece holds: ``tokens // cost``, in [1, cap]."""
+    rows = tf.maximum(tokens // cost, 1)
     return rows if cap is None else tf.minimum(rows, cap)
 
 
+def _suffix_max(rows: tf.Tensor) -> tf.Tensor:
+    """Per row of ``rows`` (rows, groups): the most of it and every row after it, per
+    group (log2(rows) vectorised steps)."""
+    count = tf.shape(rows, out_type=tf.int64)[0]
+
+    def body(shift, most):
+        later = tf.concat([most[shift:], tf.zeros_like(most[:tf.minimum(shift, count)])], 0)
+        return shift * 2, tf.maximum(most, later)
+
+    _, most = tf.while_loop(lambda shift, _: shift < count, body,
+                            [tf.constant(1, tf.int64), rows])
+    return most
+
+
+def _costs(lengths: tf.Tensor, first: tf.Tensor, end: tf.Tensor, at: tf.Tensor) -> tf.Tensor:
+    """What each piece ``[at[i], end)`` costs (its rows times the sum of its longest
+    lengths), for pieces that start at ``at`` (rows from ``first`` on)."""
+    span = lengths[first:end]
+    if lengths.shape[1] == 1:  # one length: a piece's longest row is its last
+        longest = tf.broadcast_to(span[-1:], tf.shape(span))
+    else:
+        longest = _suffix_max(span)
+    return (end - at) * tf.reduce_sum(tf.gather(longest, at - first), axis=1)
+
+
 def _fullest(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None) -> tf.Tensor:
-    """Pieces (start, end), longest first: from the longest row down, each holds as many
-    rows as the budget allows at its longest."""
+    """Pieces (start, end), longest first: from the costliest row down, each holds as
+    many rows as the budget allows at its padded lengths."""
     def body(end, found):
-        rows = tf.minimum(_rows_within(tokens, lengths[end - 1], cap), end)
+        most = tf.minimum(_rows_within(tokens, tf.reduce_sum(lengths[end - 1]), cap), end)
+        at = tf.range(end - most, end)
+        fits = _costs(lengths, end - most, end, at) <= tokens  # every start after one fits
+        rows = tf.maximum(tf.reduce_sum(tf.cast(fits, tf.int64)), 1)
         return end - rows, found.write(found.size(), tf.stack([end - rows, end]))
 
     _, found = tf.while_loop(lambda end, _: end > 0, body,
@@ -62,27 +98,30 @@ def _least_work(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None
     """Pieces (start, end), longest first, that feed the fewest cells plus ``STEP_COST``
     budgets per piece, each within the budget (a shortest path over the boundaries).
 
-    Boundaries fall every ``block`` rows counted from the longest: one row where the
+    Boundaries fall every ``block`` rows counted from the costliest: one row where the
     large batch has at most ``_BLOCKS`` rows, else as few as make ``_BLOCKS``, but never
-    more than the budget's rows at the longest length (so that any block fits): then
+    more than the budget's rows at the longest lengths (so that any block fits): then
     there are more than ``_BLOCKS`` boundaries, each weighing the pieces the budget
     allows to end there."""
-    longest = tf.maximum(tf.reduce_max(tf.concat([lengths, [1]], 0)), 1)
+    longest = tf.reduce_sum(tf.reduce_max(tf.concat(
+        [lengths, tf.ones([1, tf.shape(lengths)[1]], lengths.dtype)], 0), axis=0))
     block = tf.clip_by_value((n + _BLOCKS - 1) // _BLOCKS, 1,
                              _rows_within(tokens, longest, cap))
     blocks = (n + block - 1) // block
     at = tf.maximum(n - (blocks - tf.range(blocks + 1, dtype=tf.int64)) * block, 0)
     step = tf.constant(int(tokens * STEP_COST), tf.int64)
+    never = tf.constant(2**62, tf.int64)
 
     def body(t, cost, back):
         end = at[t]
-        length = lengths[end - 1]
-        first = end - _rows_within(tokens, length, cap)  # at[t - 1] is never before it
+        first = end - _rows_within(tokens, tf.reduce_sum(lengths[end - 1]), cap)
         start = tf.minimum(tf.searchsorted(at, tf.reshape(first, [1]), side="left",
                                            out_type=tf.int64)[0], t - 1)
         starts = tf.range(start, t)
-        options = (cost.gather(tf.cast(starts, tf.int32)) + (end - tf.gather(at, starts))
-                   * length + step)
+        cells = _costs(lengths, at[start], end, tf.gather(at, starts))
+        # One block always fits; more must fit the budget (with one length they do).
+        cells = tf.where((cells <= tokens) | (starts == t - 1), cells, never)
+        options = cost.gather(tf.cast(starts, tf.int32)) + cells + step
         best = tf.argmin(options, output_type=tf.int64)
         return t + 1, cost.write(tf.cast(t, tf.int32), options[best]), back.write(
             tf.cast(t, tf.int32), start + best)

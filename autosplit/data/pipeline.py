@@ -27,16 +27,16 @@ from typing import Any
 import tensorflow as tf
 
 from autosplit.data.adapter import HOST, InputAdapter, varying_shapes
-from autosplit.data.layout import ALONE, Layout
-from autosplit.data.lengths import (
-    LengthCut,
-    Padded,
+from autosplit.data.cuts import (
+    Cut,
     Trimmed,
     cut_by_length,
     cut_rows_by_length,
     pad_to_longest,
     trim,
 )
+from autosplit.data.example_lengths import Padded
+from autosplit.data.layout import ALONE, Layout
 from autosplit.data.sharded import SHARE_ELEMENTS, cut_shares
 from autosplit.data.split import Piece, piece_pattern
 from autosplit.data.structure import none_to_empty
@@ -70,7 +70,7 @@ def _pad_rows(piece: Any, rows: int | None, *, row_numbers: bool = False, all_re
     def fixed(t):  # the static row count (a gather or a cond keeps the other dimensions)
         return tf.ensure_shape(t, [rows, *t.shape[1:]])
 
-    if rows is None:  # pieces of any row count (LengthCut.tokens), all real
+    if rows is None:  # pieces of any row count (Cut.tokens), all real
         return piece, tf.ones(tf.shape(tf.nest.flatten(piece)[0])[:1], tf.float32)
     if all_real:
         return tf.nest.map_structure(fixed, piece), tf.ones([rows], tf.float32)
@@ -114,7 +114,7 @@ def _element(*piece: Any, materialize, rows: int, row_numbers: bool, all_real: b
 @tf.autograph.experimental.do_not_convert
 def _trimmed_element(piece: Any, stretch: tf.Tensor, *, materialize, rows: int | None
                      ) -> tuple:
-    """:func:`_element` of a piece cut by length (``lengths.cut_by_length``): its inputs
+    """:func:`_element` of a piece cut by length (``cuts.cut_by_length``): its inputs
     as a :class:`Trimmed` with their stretch."""
     (padded, stretch), valid = _pad_rows((piece, stretch), rows)
     x, y, w = materialize(padded)
@@ -124,7 +124,7 @@ def _trimmed_element(piece: Any, stretch: tf.Tensor, *, materialize, rows: int |
 @tf.autograph.experimental.do_not_convert
 def _trimmed_rows(numbers: tf.Tensor, length: tf.Tensor, stretch: tf.Tensor, *, materialize,
                   rows: int | None, padded: Padded) -> tuple:
-    """:func:`_trimmed_element` of a piece of row numbers (``lengths.cut_rows_by_length``):
+    """:func:`_trimmed_element` of a piece of row numbers (``cuts.cut_rows_by_length``):
     the rows gathered, then cut to the piece's length."""
     (numbers, stretch), valid = _pad_rows((numbers, stretch), rows, row_numbers=True)
     x, y, w = trim(materialize(numbers), padded, length)
@@ -171,7 +171,7 @@ def skip_to_end_marker(iterator: Any, *, batches_marked: bool = False) -> int:
     ``model.fit`` trains on no more of a longer epoch. Eager, on the host: mostly one
     element.
 
-    ``batches_marked``: every large batch ends with a marker too (``LengthCut.tokens``),
+    ``batches_marked``: every large batch ends with a marker too (``Cut.tokens``),
     read already for the last one run; the epoch's is the marker that follows a marker.
     """
     dropped, after_marker = 0, batches_marked
@@ -213,27 +213,29 @@ class MicroBatches:
         batch_size: B, the global large batch.
         rows: rows per micro-batch on this worker.
         where: the ``tf.distribute`` layout of this process (``autosplit.data.layout``).
-        by_length: None: cut each large batch as its rows come. A ``LengthCut``: sort
-            each large batch's rows by length and pad each micro-batch to its own
-            longest row rounded up to a multiple of ``by_length.multiple``
-            (``autosplit.data.lengths``), for a model that ignores padding; its inputs
-            then come as ``lengths.Trimmed``. With ``by_length.tokens``, micro-batches of
-            up to that many tokens and ``rows`` rows, as many as a large batch needs,
+        cut: how each large batch is cut (``autosplit.data.cuts.Cut``). None or
+            ``"rows"``/``"longest"``: as its rows come, each micro-batch padded to its
+            large batch's longest row where rows vary in shape. ``"length"``: its rows
+            sorted by length and each micro-batch padded to its own longest row in
+            each of an example's lengths, rounded up to a multiple of ``cut.multiple``,
+            for a model that ignores padding; its inputs then come as
+            ``cuts.Trimmed``. ``"tokens"``: the same in micro-batches of up to
+            ``cut.tokens`` tokens and ``rows`` rows, as many as a large batch needs,
             then an element with no row that ends it (``is_end_marker``): elements have
             no static row count, and none is padding.
     """
 
     def __init__(self, adapter: InputAdapter, batch_size: int, rows: int,
-                 where: Layout = ALONE, *, by_length: LengthCut | None = None) -> None:
+                 where: Layout = ALONE, *, cut: Cut | None = None) -> None:
         self.adapter = adapter
-        self.by_length = by_length
+        self.cut = Cut() if cut is None else cut
         self.where = where
         self.batch_size = batch_size
         self.rows = rows
         self.local_replicas = local_replicas = where.local_replicas
         self.pattern = piece_pattern(batch_size, rows, workers=where.workers,
                                      worker=where.worker, local_replicas=local_replicas)
-        self.tokens = None if by_length is None else by_length.tokens
+        self.tokens = self.cut.tokens if self.cut.by == "tokens" else None
         # With tokens, a large batch has at most a piece per kept row, then its end's
         # marker, which the loop must pull too.
         self.per_batch = (sum(p.rows for p in self.pattern if p.keep) + 1 if self.tokens
@@ -352,15 +354,15 @@ class MicroBatches:
             # Functions that hold the adapter, not this object: a dataset kept in
             # self._cuts must not point back at self (a cycle would keep the input's
             # arrays alive until the next garbage collection).
-            materialize, cut = self.adapter.materialize, self.by_length
+            materialize, cut = self.adapter.materialize, self.cut
             if self.adapter.shares:
                 return cut_shares(
                     ds, rows=self.rows, local_replicas=self.local_replicas, marker=end_marker,
                     element=functools.partial(_element, materialize=materialize,
                                               rows=self.rows, row_numbers=False, all_real=False),
                     group=functools.partial(_pad_replicas_of, replicas=self.local_replicas))
-            if cut is None:
-                ds = self._cut_as_it_comes(ds)
+            if not cut.sorted:
+                ds = self._cut_as_it_comes(ds, cut)
                 element = functools.partial(_element, materialize=materialize, rows=self.rows,
                                             row_numbers=self.adapter.row_numbers,
                                             all_real=self.all_real())
@@ -387,11 +389,13 @@ class MicroBatches:
                     sum(self.elements(step) for step in range(steps))))
             return ds
 
-    def _cut_as_it_comes(self, ds: tf.data.Dataset) -> tf.data.Dataset:
+    def _cut_as_it_comes(self, ds: tf.data.Dataset, cut: Cut) -> tf.data.Dataset:
         """The runs of :attr:`pattern`, rows in the order they come, this worker's kept."""
         sizes = [p.rows for p in self.pattern]
         if varying_shapes(ds.element_spec):
-            ds = pad_to_longest(ds, sizes, own_lengths=self.adapter.own_lengths)
+            ds = pad_to_longest(ds, sizes, own_lengths=self.adapter.own_lengths,
+                                lengths=cut.lengths if cut.lengths is not None
+                                else self.adapter.lengths())
         else:
             ds = ds.rebatch(sizes if len(sizes) > 1 else sizes[0])
         keep = [p.keep for p in self.pattern]

@@ -76,8 +76,9 @@ class IsolatedTrials:
         jit_compile: the step's compilation, as resolved in this process.
         step_held: ``held_bytes`` includes a compiled step of this model (its sums and
             stash), which the child makes too (:func:`autosplit.search.trials.child_trials`).
-        tokens: ``(multiple, length)``: trials in tokens, the sample's padded sequences
-            cut by length with lengths rounded up to ``multiple``, a trial at m of
+        tokens: ``(multiple, length, outputs)``: trials in tokens, the sample's padded
+            sequences cut by length with lengths rounded up to ``multiple`` and a stretch
+            per output as ``outputs`` says (``Cut.outputs``), a trial at m of
             ``m * length`` tokens (``autosplit.search.trials.TrialRunner``).
 
     Raises:
@@ -86,7 +87,7 @@ class IsolatedTrials:
 
     def __init__(self, model: Any, sample: tuple, batch_size: int, budget: int,
                  held_bytes: int, jit_compile: bool, step_held: bool = False,
-                 tokens: tuple[int, int] | None = None) -> None:
+                 tokens: tuple[int, int, tuple[int | None, ...]] | None = None) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="autosplit-trials-"))
         try:
             model.save(self.folder / "model.keras")

@@ -22,10 +22,11 @@ import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter
 from autosplit.data.arrays import ArrayInput
+from autosplit.data.cuts import Cut
+from autosplit.data.example_lengths import costliest_row, padded_lengths, padded_sequences
 from autosplit.data.hub import preprocessed, takes_raw_data
 from autosplit.data.inputs import get_input
 from autosplit.data.layout import Layout, layout
-from autosplit.data.lengths import LengthCut, longest_row, padded_sequences
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import check_size
 from autosplit.errors import ArgumentError, MemoryLimitError, check_choice, describe
@@ -41,8 +42,8 @@ from autosplit.search.result import ProbeResult, invalidate_cache, result_of
 from autosplit.search.speed import run_speed
 from autosplit.search.trials import TRIAL_SHUFFLE_SEED, TrialRunner
 from autosplit.step.compiled import Compilation
+from autosplit.step.cut_choice import choose_cut
 from autosplit.step.model_state import model_state
-from autosplit.step.padding import length_cut
 from autosplit.step.snapshot import Snapshot
 from autosplit.step.train_step import build_for, step_for
 from autosplit.units import format_bytes, parse_memory
@@ -130,24 +131,14 @@ def probe(
         adapter = get_input(x, y, sample_weight, shuffle=False, model=model)
         check_choice("micro_batch_tokens", micro_batch_tokens, ("auto", None))
         cut = None
-        jit = Compilation.of(model, jit_compile).jit_compile
-        where = layout(model.distribute_strategy)
-        if micro_batch_tokens == "auto" and tokens_refused(where, jit) is None:
-            cut, _ = length_cut(model, adapter, batch_size, where, by_length=None, jit=jit)
+        if micro_batch_tokens == "auto":
+            cut = choose_cut(model, adapter, batch_size, layout(model.distribute_strategy),
+                             by_length=None, jit=Compilation.of(model, jit_compile).jit_compile,
+                             tokens="auto")
         return search_micro_batch(model, adapter, batch_size, memory_limit=memory_limit,
                                   headroom=headroom, cache=cache, jit_compile=jit_compile,
                                   verbose=verbose, on_trial=on_trial, objective=objective,
-                                  isolate=isolate, by_length=cut)
-
-
-def tokens_refused(where: Layout, jit: bool) -> str | None:
-    """Why micro-batches cannot be sized in tokens here, or None: their row counts vary,
-    so they need one replica and no XLA."""
-    if where.replicas > 1:
-        return f"{where.replicas} replicas"
-    if jit:
-        return "jit_compile: under XLA each row count compiles a program of its own"
-    return None
+                                  isolate=isolate, cut=cut)
 
 
 def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: int, *,
@@ -155,21 +146,19 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
                        cache: bool = True, jit_compile: bool | None = None, verbose: int = 0,
                        on_trial: Callable[[Trial, int], None] | None = None,
                        objective: str = "memory", isolate: bool | None = None,
-                       by_length: LengthCut | None = None) -> ProbeResult:
+                       cut: Cut | None = None) -> ProbeResult:
     """``probe`` for an input adapter (what ``fit_large_batch(micro_batch_size="auto")`` calls).
 
-    ``by_length``: search a token budget for that cut (``LengthCut.tokens``), in this
-    process: m rows of the sample's longest length, its rows' lengths rounded up as
-    the cut rounds them."""
+    ``cut``: the run's cut (``autosplit.step.cut_choice``); in tokens without a budget
+    (``Cut.tokens`` None), search one for it: m rows of what the sample's costliest row
+    costs, its rows' lengths rounded up as the cut rounds them."""
     started = time.perf_counter()
     where = layout(model.distribute_strategy)
     limit = _checked(objective, isolate, memory_limit, headroom, where)
     local_batch = batch_size // where.replicas
     sample = functools.cache(lambda: adapter.sample(local_batch))  # taken once, if needed
     trial_input = adapter if adapter.reiterable else ArrayInput(*sample(), shuffle=False)
-    if by_length is not None and not adapter.reiterable:  # a sample of padded sequences
-        padded = padded_sequences(sample(), takes_any_length=True)
-        by_length = None if padded is None else by_length._replace(padded=padded)
+    by_length = _in_tokens(cut, adapter.reiterable, sample)
     pipeline = MicroBatches(trial_input, batch_size, min(local_batch, 8), where)
     spec = pipeline.dataset(shuffle_seed=TRIAL_SHUFFLE_SEED).element_spec
     # Built before the meter's baseline, which then holds the weights and the optimizer
@@ -188,10 +177,13 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     if cached is not None:
         return cached
     say = _reporter(verbose, on_trial, budget)
-    length = 1 if by_length is None else longest_row(sample(), by_length.padded,
-                                                     by_length.multiple)
+    length = 1 if by_length is None else costliest_row(
+        sample(), by_length.lengths, by_length.padded, by_length.multiple)
     isolated = _isolated(model, sample, local_batch, budget, meter, jit, where, isolate,
-                         None if by_length is None else (by_length.multiple, length))
+                         None if by_length is None else (by_length.multiple, length,
+                                                         by_length.outputs),
+                         several=by_length is not None and by_length.padded is None and
+                         by_length.lengths is not None and by_length.lengths.number > 1)
     if isolated is not None:
         with isolated:
             chosen, trials, speed_reason = _searched(
@@ -214,6 +206,23 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
     if cache:
         _cache.store(key, result.to_dict())
     return result
+
+
+def _in_tokens(cut: Cut | None, reiterable: bool, sample: Callable[[], tuple[Any, ...]]
+               ) -> Cut | None:
+    """The cut whose token budget the trials search (``cut`` in tokens, without one), or
+    None: rows. An input read once is tried on its sample, as arrays that hold padded
+    sequences (one length: the first sequence's)."""
+    if cut is None or cut.by != "tokens" or cut.tokens is not None:
+        return None
+    if reiterable:
+        return cut
+    padded = padded_sequences(sample(), takes_any_length=True)
+    if padded is None:
+        return None
+    spec = tf.nest.map_structure(tf.TensorSpec.from_tensor,
+                                 tuple(() if part is None else part for part in sample()))
+    return cut._replace(padded=padded, lengths=padded_lengths(spec, padded))
 
 
 def _checked(objective: str, isolate: bool | None, memory_limit: int | str | None,
@@ -312,11 +321,13 @@ def _reporting(trial: Callable[[int], Trial], say: Callable[[Trial], None]
 
 def _isolated(model: keras.Model, sample: Callable[[], tuple[Any, ...]], local_batch: int,
               budget: int, meter: PeakMeter, jit: bool, where: Layout, isolate: bool | None,
-              tokens: tuple[int, int] | None = None) -> IsolatedTrials | None:
+              tokens: tuple[int, int, tuple[int | None, ...]] | None = None,
+              several: bool = False) -> IsolatedTrials | None:
     """The child process the trials run in (``autosplit.search.isolation``) on ``sample()``
     (the input's first rows), or None: in this process. ``isolate=None`` isolates where
     an allocation failure may crash a kernel. ``tokens``: the trials search in tokens
-    (``IsolatedTrials``)."""
+    (``IsolatedTrials``), where the child cuts arrays of one length by length: examples
+    of ``several`` lengths are tried in this process."""
     if where.replicas > 1:
         if isolate:
             raise ArgumentError(
@@ -328,11 +339,13 @@ def _isolated(model: keras.Model, sample: Callable[[], tuple[Any, ...]], local_b
         isolate = kernels_may_crash()
     if not isolate:
         return None
-    if tokens is not None and padded_sequences(sample(), takes_any_length=True) is None:
-        warn_user("The probe's trials in tokens run in this process: a child process cuts "
-                  "sequences of integer token ids by length, and these are not. Under "
-                  "TensorFlow's CPU cap a kernel that runs out of memory may end the "
-                  "process instead of raising.")
+    if tokens is not None and (padded_sequences(sample(), takes_any_length=True) is None
+                               or several):
+        what = ("examples of several lengths, and these have " if several else
+                "sequences of integer token ids, and these are not")
+        warn_user(f"The probe's trials in tokens run in this process: a child process cuts "
+                  f"by length arrays of one length, of {what}. Under TensorFlow's CPU cap a "
+                  "kernel that runs out of memory may end the process instead of raising.")
         return None
     try:
         return IsolatedTrials(model, sample(), local_batch, budget,

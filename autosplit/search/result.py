@@ -44,8 +44,9 @@ class ProbeResult:
     workers: int = 1  # for itself, in lockstep, and may use its own size
     objective: str = "memory"  # "memory": the largest that fits; "speed": the fastest
     speed_reason: str | None = None  # objective="speed": why this size
-    # Searched in tokens (a cut by length): micro_batch_size rows of the sample's longest
-    # length, reference_length, make the micro-batch's budget of `tokens`.
+    # Searched in tokens (a cut by length): micro_batch_size rows of what the sample's
+    # costliest row costs (its lengths summed), reference_length, make the micro-batch's
+    # budget of `tokens`.
     tokens: int | None = None
     reference_length: int | None = None
 
@@ -65,7 +66,7 @@ class ProbeResult:
         where = f"worker {self.worker} of {self.workers}: " if self.workers > 1 else ""
         if self.tokens is not None:
             where += (f"{self.tokens} tokens per micro-batch ({self.micro_batch_size} rows "
-                      f"of the longest length sampled, {self.reference_length}): ")
+                      f"of the costliest row sampled, {self.reference_length} tokens): ")
         if self.from_cache:
             return f"{where}cached probe result ({self.cache_key[:8]})"
         if self.speed_reason is not None:

@@ -22,8 +22,9 @@ import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter
 from autosplit.data.arrays import ArrayInput
+from autosplit.data.cuts import Cut
+from autosplit.data.example_lengths import padded_lengths, padded_sequences
 from autosplit.data.layout import Layout, layout
-from autosplit.data.lengths import LengthCut, padded_sequences
 from autosplit.data.pipeline import MicroBatches, is_end_marker
 from autosplit.data.split import split_batch
 from autosplit.errors import NothingFitsError
@@ -87,13 +88,13 @@ class TrialRunner:
 
     def __init__(self, step: TrainStep, snapshot: Snapshot, meter: PeakMeter, budget: int,
                  data: InputAdapter, batch_size: int, where: Layout,
-                 say: Callable[[Trial], None], by_length: LengthCut | None = None,
+                 say: Callable[[Trial], None], by_length: Cut | None = None,
                  length: int = 1) -> None:
         self.step, self.snapshot, self.meter = step, snapshot, meter
         self.budget, self.data, self.batch_size, self.where = budget, data, batch_size, where
         self.say = say
         # With by_length, a trial at m runs the cut by length with a budget of m rows of
-        # `length` tokens each (LengthCut.tokens): the search runs in tokens.
+        # what its costliest row costs (Cut.tokens): the search runs in tokens.
         self.by_length, self.length = by_length, length
         self.collector = _Collector()
         self.ballast: Any = None  # child_trials: what the parent holds, held here
@@ -123,7 +124,7 @@ class TrialRunner:
                 cut = (MicroBatches(self.data, self.batch_size, rows, self.where)
                        if self.by_length is None else
                        MicroBatches(self.data, self.batch_size, local, self.where,
-                                    by_length=self.by_length._replace(
+                                    cut=self.by_length._replace(
                                         tokens=rows * self.length, packing="fullest")))
                 data = trial_dataset(cut)
                 # As training at this size will run: whole elements where none is padded.
@@ -216,7 +217,7 @@ class TrialRunner:
 
 def child_trials(model: keras.Model, sample: tuple[Any, Any, Any], batch_size: int,
                  budget: int, jit_compile: bool, *, held_bytes: int, step_held: bool,
-                 tokens: tuple[int, int] | None = None) -> TrialRunner:
+                 tokens: tuple[int, int, tuple[int | None, ...]] | None = None) -> TrialRunner:
     """The trials of ``search_micro_batch``, in the child process of
     ``autosplit.search.isolation``: on ``sample``, holding what the parent holds.
 
@@ -225,8 +226,8 @@ def child_trials(model: keras.Model, sample: tuple[Any, Any, Any], batch_size: i
     call), which this process makes too. The difference is allocated and kept (a ballast
     tensor), so that a trial meets the cap where the parent's training would.
 
-    ``tokens``: ``(multiple, length)``, trials in tokens (``IsolatedTrials``) on the
-    sample's padded sequences, which the parent found there (``padded_sequences``).
+    ``tokens``: ``(multiple, length, outputs)``, trials in tokens (``IsolatedTrials``) on
+    the sample's padded sequences, which the parent found there (``padded_sequences``).
     """
     where = layout(model.distribute_strategy)
     data = ArrayInput(*sample, shuffle=False)
@@ -243,7 +244,10 @@ def child_trials(model: keras.Model, sample: tuple[Any, Any, Any], batch_size: i
     by_length, length = None, 1
     if tokens is not None:
         arrays = tf.nest.map_structure(lambda t: t if t is None else tf.constant(t), sample)
-        by_length = LengthCut(tokens[0], padded_sequences(arrays, takes_any_length=True))
+        padded = padded_sequences(arrays, takes_any_length=True)
+        assert padded is not None
+        by_length = Cut("tokens", lengths=padded_lengths(pipeline.element_spec()[:3], padded),
+                        multiple=tokens[0], padded=padded, outputs=tuple(tokens[2]))
         length = tokens[1]
     runner = TrialRunner(step, Snapshot(model), meter, budget, data, batch_size, where,
                          lambda trial: None, by_length=by_length, length=length)

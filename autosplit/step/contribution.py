@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from autosplit.data.lengths import Trimmed, inputs_of
+from autosplit.data.cuts import Trimmed, inputs_of
 from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.batchnorm import recording
@@ -39,6 +39,7 @@ from autosplit.step.loss_plan import (
     forward,
     forward_parts,
     forward_totals,
+    output_stretches,
     weight_regularization,
 )
 from autosplit.step.reduction import COUNT, SUM, combined_loss
@@ -75,7 +76,9 @@ class Contribution(NamedTuple):
     # per deferred tracker update of a custom step (interception.weighed_trackers):
     # ([(value, weight)] per part, the row count it was given or None)
     tracker_parts: Any = None
-    stretch: Any = None  # a micro-batch cut by length: lengths.Trimmed.stretch, a scalar
+    # a micro-batch cut by length: per output (y_pred's structure), its stretch
+    # (cuts.Trimmed.stretch), a scalar or None
+    stretch: Any = None
 
 
 def _dense_f32(g) -> tf.Tensor | None:
@@ -121,7 +124,8 @@ def compute_contribution(model, plan: LossPlan, x, y, sample_weight, valid, *,
     masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
     return Contribution(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
                  forward_totals(in_call_mean, in_call_sum, rows), rows, y, y_pred, masks, None,
-                 _moments(pool, records), sample_weight, valid, stretch=stretch)
+                 _moments(pool, records), sample_weight, valid,
+                 stretch=output_stretches(stretch, y_pred))
 
 
 def _moments(pool, records) -> list | None:
@@ -271,11 +275,12 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
     ``all_real``: the caller knows every row is real; the rows pass as they are, with their
     static shapes, and no ``tf.cond`` checks for padding.
 
-    ``stretch``: a micro-batch cut by length (``autosplit.data.lengths.Trimmed``). A
-    Keras metric averages each row's values over its length before it weighs rows, so
-    a row padded to ``P`` weighs ``L / P`` times what it weighs in the large batch of
-    length ``L``: the metrics of an output with a length axis get weights divided by
-    the stretch (``autosplit.step.padding`` checks that this gives the large batch's).
+    ``stretch``: a micro-batch cut by length, per output (``y_pred``'s structure;
+    ``autosplit.data.cuts.Trimmed``). A Keras metric averages each row's values over
+    its length before it weighs rows, so a row padded to ``P`` weighs ``L / P`` times
+    what it weighs in the large batch of length ``L``: the metrics of an output with a
+    length axis get weights divided by its stretch (``autosplit.step.padding`` checks
+    that this gives the large batch's).
     """
     unweighted, weighted, flatten = _keras.metric_lists(model)
     if not unweighted and not weighted:
@@ -290,18 +295,19 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
             if mask is not None:
                 _keras.set_keras_mask(tensor, mask)
     y_flat, p_flat = flatten(y), flatten(y_pred)
-    for mls, y_t, y_p in zip(unweighted, y_flat, p_flat, strict=False):
+    s_flat = [None] * len(p_flat) if stretch is None else flatten(stretch)
+    for mls, y_t, y_p, s in zip(unweighted, y_flat, p_flat, s_flat, strict=False):
         if mls:
-            mls.update_state(y_t, y_p, **_shrunk(None, y_p, stretch))
+            mls.update_state(y_t, y_p, **_shrunk(None, y_p, s))
     if sample_weight is not None:
         sw_flat = flatten(sample_weight)
         if len(sw_flat) < len(y_flat):
             sw_flat = [sw_flat[0]] * len(y_flat)
     else:
         sw_flat = [None] * len(y_flat)
-    for mls, y_t, y_p, s_w in zip(weighted, y_flat, p_flat, sw_flat, strict=False):
+    for mls, y_t, y_p, s_w, s in zip(weighted, y_flat, p_flat, sw_flat, s_flat, strict=False):
         if mls:
-            mls.update_state(y_t, y_p, **(_shrunk(s_w, y_p, stretch) or {"sample_weight": s_w}))
+            mls.update_state(y_t, y_p, **(_shrunk(s_w, y_p, s) or {"sample_weight": s_w}))
 
 
 def _shrunk(sample_weight, y_pred, stretch) -> dict:

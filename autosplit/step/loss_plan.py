@@ -34,6 +34,7 @@ __all__ = [
     "forward_parts",
     "forward_totals",
     "loss_plan",
+    "output_stretches",
     "step_plan",
     "weight_regularization",
 ]
@@ -119,11 +120,23 @@ def _n_weight_regularizers(model: keras.Model) -> int:
     return sum(1 for v in model.trainable_variables if getattr(v, "regularizer", None))
 
 
+def output_stretches(stretch, y_pred):
+    """``stretch`` (one entry per flat model output, ``cuts.Trimmed.stretch``'s row) as
+    ``y_pred``'s structure: each output's own; None without one."""
+    if stretch is None or not stretch.shape[-1]:
+        return None
+    outputs = keras.tree.flatten(y_pred)
+    columns = int(stretch.shape[-1])
+    return keras.tree.pack_sequence_as(y_pred, [stretch[k] if k < columns else None
+                                                for k in range(len(outputs))])
+
+
 def forward(model, x, y, sample_weight, valid, *, training=True, stretch=None):
     """One micro-batch forward pass: targets, predictions, loss terms, forward losses
-    (``stretch``: ``reduction.output_terms``'s)."""
+    (``stretch``: per flat output, ``reduction.output_terms``'s)."""
     y_pred = model(x, training=training) if _keras.call_has_training_arg(model) else model(x)
     y = align_targets(model, y, y_pred)
+    stretches = output_stretches(stretch, y_pred)
     terms = []
     for flat in _keras.flat_losses(model):
         y_t = _keras.resolve_path(flat.path, y)
@@ -131,7 +144,8 @@ def forward(model, x, y, sample_weight, valid, *, training=True, stretch=None):
         s_w = sample_weight
         if sample_weight is not None and keras.tree.is_nested(sample_weight):
             s_w = _keras.resolve_path(flat.path, sample_weight)
-        terms.append(output_terms(flat.loss, y_t, y_p, s_w, valid, stretch))
+        terms.append(output_terms(flat.loss, y_t, y_p, s_w, valid, None if stretches is None
+                                  else _keras.resolve_path(flat.path, stretches)))
     losses = list(model.losses)
     in_call = losses[: len(losses) - _n_weight_regularizers(model)]
     return y, y_pred, terms, [tf.cast(loss, tf.float32) for loss in in_call]

@@ -94,7 +94,7 @@ def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_val
         sample_weight: the user's sample weights for the micro-batch, or None.
         row_valid: float tensor (m,): 1.0 for real examples, 0.0 for padding.
         stretch: for a micro-batch padded short of its large batch's length
-            (``autosplit.data.lengths.Trimmed``), the large batch's length over its own:
+            (``autosplit.data.cuts.Trimmed``), the large batch's length over its own:
             a denominator that counts every loss element along a length counts the
             large batch's.
 

@@ -28,7 +28,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from autosplit.data.lengths import inputs_of
+from autosplit.data.cuts import inputs_of
 from autosplit.data.structure import empty_to_none
 from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
@@ -124,7 +124,7 @@ class LargeBatchUpdate:
             x, y, w, valid = without_replica_axis((x, y, w, valid))
         self.element_spec = element_spec
         self.micro_batch_spec = (x, empty_to_none(y), empty_to_none(w), valid)
-        self.rows = valid.shape[0]  # None: each element's own (LengthCut.tokens)
+        self.rows = valid.shape[0]  # None: each element's own (Cut.tokens)
         self.plan = step_plan(model, _static_rows((inputs_of(x), *self.micro_batch_spec[1:3])))
         self.pool = [layer for layer, calls in self.plan.batch_norm_calls
                      if calls] if self.pooled else []

@@ -174,14 +174,14 @@ class Epochs:
 
 def rebuild(plan: Plan, recovery: Recovery) -> MicroBatches:
     """After a recovery, a new epoch's pipeline cuts at the size that worked."""
-    cut = plan.pipeline.by_length
+    cut = plan.pipeline.cut
     rows = recovery.rows
-    if cut is not None and cut.tokens:  # a budget as much smaller, the rows as capped
+    if cut.tokens:  # a budget as much smaller, the rows as capped
         cut = cut._replace(tokens=max(1, cut.tokens // recovery.slices))
         rows = plan.pipeline.rows
     split = split_batch(plan.split.batch_size, rows)
     pipeline = MicroBatches(plan.pipeline.adapter, plan.pipeline.batch_size,
-                            split.micro_batch_size, plan.layout, by_length=cut)
+                            split.micro_batch_size, plan.layout, cut=cut)
     recovery.rebind(pipeline.element_spec(), all_real=pipeline.all_real(), rows=pipeline.rows)
     plan.pipeline, plan.split = pipeline, split
     return pipeline

@@ -130,16 +130,18 @@ def fit_large_batch(
             ``"speed"`` keeps a smaller size that runs more than 5% faster than the
             largest that fits.
         by_length: for rows that vary in length (``padded_batch``, ragged or
-            variable-length examples): ``"auto"`` (default) sorts each large batch's
-            rows by length and pads each micro-batch only to its own longest row
-            (rounded up to a multiple of 8) where a check on a few rows finds that the
-            model ignores padding, and pads every micro-batch to its large batch's
-            longest row, as ``model.fit`` sees it, where not; ``True`` asks for the
-            first and raises if the check fails; ``False`` asks for the second.
-            ``history.autosplit.padding`` says which ran, and why.
+            variable-length examples, a pair's source and target each of its own
+            length): ``"auto"`` (default) sorts each large batch's rows by length and
+            pads each part of a micro-batch only to its own longest row (rounded up to
+            a multiple of 8 under XLA) where a check on a few rows, through the step
+            the model trains with, finds that the model ignores padding, and pads
+            every micro-batch to its large batch's longest row, as ``model.fit`` sees
+            it, where not; ``True`` asks for the first and raises if it cannot be
+            made; ``False`` asks for the second. ``history.autosplit.padding`` says
+            which ran, and why.
         micro_batch_tokens: where rows are cut by length, the most tokens (rows x
-            padded length) per micro-batch: short rows then come many to a
-            micro-batch and long rows few. ``"auto"`` (default): with
+            padded length, summed over an example's lengths) per micro-batch: short
+            rows then come many to a micro-batch and long rows few. ``"auto"`` (default): with
             ``micro_batch_size="auto"``, the probe finds the budget by real trial
             steps of that cut; with a given ``micro_batch_size``, micro-batches of that
             many rows. An int: that budget (a given ``micro_batch_size`` caps the rows).
@@ -322,9 +324,9 @@ def _report(plan: Plan, adapter: InputAdapter, args: Args, recovery: Recovery,
         oom_recoveries=tuple(recovery.records),
         probe=plan.probe,
         traces=traces,
-        padding=plan.padding,
+        padding=plan.pipeline.cut.why,
         tokens=plan.pipeline.tokens,
-        cut=cut_stats(plan.pipeline) if plan.pipeline.by_length is not None else None,
+        cut=cut_stats(plan.pipeline) if plan.pipeline.cut.by != "rows" else None,
     )
 
 

@@ -12,20 +12,19 @@ import keras
 import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter
+from autosplit.data.example_lengths import costliest_row
 from autosplit.data.layout import Layout, layout
-from autosplit.data.lengths import LengthCut, longest_row
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import Split, split_batch
-from autosplit.errors import BatchSizeError, UnsupportedModelError
+from autosplit.errors import BatchSizeError
 from autosplit.memory.host import bfc_enabled
 from autosplit.search.isolation import (
     checked_micro_batch,
     crash_prone_layers,
     kernels_may_crash,
 )
-from autosplit.search.probe import tokens_refused
 from autosplit.step.compiled import Compilation
-from autosplit.step.padding import length_cut
+from autosplit.step.cut_choice import choose_cut
 from autosplit.step.train_step import TrainStep, step_for
 from autosplit.training.arguments import Args, warn_if_inexact
 
@@ -44,8 +43,7 @@ class Plan:
     probe: ProbeResult | None
     reason: str
     shuffle_seed: int | None = None  # every epoch's order (arrays); the same on every worker
-    padding: str | None = None  # FitReport.padding
-    length: int | None = None  # in tokens: the longest row sampled, which validation's rows fit
+    length: int | None = None  # in tokens: the costliest row sampled, which validation's rows fit
 
     def validation_rows(self, rows: int) -> int:
         """Rows of a validation micro-batch: training's ``rows``, or in tokens as many
@@ -72,37 +70,38 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
             f"{args.batch_size - args.batch_size % where.replicas or where.replicas}.")
     jit = Compilation.of(model, jit_compile).jit_compile
     local = args.batch_size // where.replicas
-    cut, padding = length_cut(model, adapter, args.batch_size, where, by_length=args.by_length,
-                              jit=jit, verbose=args.verbose)
-    tokens = _tokens(cut, args, where, jit)  # None: rows; 0: the probe's budget
+    # How every large batch is cut, and why: decided once, here.
+    cut = choose_cut(model, adapter, args.batch_size, where, by_length=args.by_length, jit=jit,
+                     tokens=args.micro_batch_tokens,
+                     rows_given=args.micro_batch_size is not None, verbose=args.verbose)
     probe_result = None
-    if args.micro_batch_size is None and not tokens:
+    if args.micro_batch_size is None and cut.tokens is None:
         from autosplit.search.probe import search_micro_batch
 
         probe_result = search_micro_batch(
             model, adapter, args.batch_size, memory_limit=memory_limit, headroom=headroom,
             cache=cache, jit_compile=jit_compile, verbose=args.verbose, objective=objective,
-            by_length=None if tokens is None else cut)
+            cut=cut)
         micro = probe_result.micro_batch_size
         reason = probe_result.reason()
-        tokens = probe_result.tokens
+        if cut.by == "tokens":
+            cut = cut._replace(tokens=probe_result.tokens)
     elif args.micro_batch_size is None:
-        micro, reason = local, f"micro_batch_tokens={tokens} given"
+        micro, reason = local, f"micro_batch_tokens={cut.tokens} given"
     else:
         micro, reason = _given_size(model, adapter, args, where, jit)
-    length = None  # of the sample's longest row, where micro-batches are sized in tokens
-    if tokens and cut is not None:  # of up to `tokens` tokens and the rows given, or of B's
-        cut = cut._replace(tokens=tokens)
+    length = None  # of the sample's costliest row, where micro-batches are sized in tokens
+    if cut.by == "tokens":  # of up to `tokens` tokens and the rows given, or of B's
+        assert cut.lengths is not None
         micro = min(args.micro_batch_size or local, local)
         length = (probe_result.reference_length if probe_result is not None else
-                  longest_row(adapter.sample(local), cut.padded, cut.multiple))
-        padding = f"{padding}; micro-batches of up to {tokens} tokens"
+                  costliest_row(adapter.sample(local), cut.lengths, cut.padded, cut.multiple))
+        cut = cut._replace(why=f"{cut.why}; micro-batches of up to {cut.tokens} tokens")
     split = split_batch(local, micro)
-    pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where,
-                            by_length=cut)
+    pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where, cut=cut)
     step = step_for(model, pipeline, jit_compile=jit_compile, batch_norm=args.batch_norm)
     # In tokens, a large batch has as many micro-batches as it needs: it may be split.
-    steps = max(split.accumulation_steps, 2) if tokens else split.accumulation_steps
+    steps = max(split.accumulation_steps, 2) if cut.by == "tokens" else split.accumulation_steps
     warn_if_inexact(model, accumulation_steps=steps, rows=step.rows,
                     batch_size=args.batch_size, pooled=bool(step.update.pool),
                     adds_losses=step.update.plan.forward_losses,
@@ -111,7 +110,7 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
                     batch_norm_in_training=any(
                         calls for _, calls in step.update.plan.batch_norm_calls))
     return Plan(split, where, pipeline, step, probe_result, reason,
-                 _shuffle_seed(step, where, adapter), padding, length)
+                 _shuffle_seed(step, where, adapter), length)
 
 
 def _given_size(model: keras.Model, adapter: InputAdapter, args: Args, where: Layout,
@@ -127,33 +126,6 @@ def _given_size(model: keras.Model, adapter: InputAdapter, args: Args, where: La
             return micro, (f"given {given}; a trial step in a child process ran out of "
                            f"memory, so training starts at {micro}")
     return given, "given"
-
-
-def _tokens(cut: LengthCut | None, args: Args, where: Layout, jit: bool) -> int | None:
-    """The micro-batch's token budget asked for (``args.micro_batch_tokens``): an int
-    given, 0 for the probe's, None for rows (not cut by length, rows asked for, or the
-    budget left to the probe where tokens cannot apply)."""
-    asked = args.micro_batch_tokens
-    if cut is None or asked is None or (asked == "auto" and args.micro_batch_size is not None):
-        if isinstance(asked, int) and cut is None:
-            raise UnsupportedModelError(
-                f"Expected rows cut by length with micro_batch_tokens={asked}. Received: "
-                "an input or model that is not (history.autosplit.padding says why: run "
-                "with micro_batch_tokens=None to see it). Pass micro_batch_tokens=None to "
-                "cut micro-batches by rows.")
-        return None
-    if asked != "auto":
-        why = tokens_refused(where, jit)
-        if why is not None:
-            raise UnsupportedModelError(
-                f"Expected one replica and jit_compile=False with micro_batch_tokens={asked}. "
-                f"Received: {why}. Pass jit_compile=False to fit_large_batch, or "
-                "micro_batch_tokens=None to cut micro-batches by rows.")
-        return int(asked)
-    why = tokens_refused(where, jit)
-    if why is not None and args.verbose:
-        print(f"autosplit: micro-batches sized in rows, not tokens: {why}.", flush=True)
-    return 0 if why is None else None
 
 
 def _shuffle_seed(step: TrainStep, where: Layout, adapter: InputAdapter) -> int | None:

@@ -65,16 +65,19 @@ class FitReport:
     """Compiled functions traced by this call (0: every one was reused)."""
     padding: str | None = None
     """For rows that vary in length: ``"by length: ..."`` (each large batch's rows
-    sorted by length, each micro-batch padded to its own longest row) or ``"to the
-    large batch's longest row: ..."``, each with why. None for rows of one shape."""
+    sorted by length, each part of a micro-batch padded to its own longest row) or
+    ``"to the large batch's longest row: ..."``, each with why. None for rows of one
+    shape."""
     tokens: int | None = None
-    """Tokens (rows x padded length) per micro-batch at the end, where micro-batches are
-    sized in tokens (``micro_batch_tokens``); ``micro_batch_size`` then caps their rows.
-    None: micro-batches of ``micro_batch_size`` rows."""
+    """Tokens (rows x padded length, summed over an example's lengths) per micro-batch
+    at the end, where micro-batches are sized in tokens (``micro_batch_tokens``);
+    ``micro_batch_size`` then caps their rows. None: micro-batches of
+    ``micro_batch_size`` rows."""
     cut: CutStats | None = None
-    """Cut by length: micro-batches per large batch, the share of padding fed and the
-    real tokens, read from the first 4 large batches of an epoch in the input's order.
-    None otherwise."""
+    """For rows that vary in length, cut by length or padded to the large batch's
+    longest row: micro-batches per large batch, the share of padding fed and the real
+    tokens, read from the first 4 large batches of an epoch in the input's order (None
+    for an input read once). None for rows of one shape."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values: lists for tuples, dicts for records (the probe's too)."""

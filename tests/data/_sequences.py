@@ -8,11 +8,19 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from common import tensor_relative_error
+from common import assert_within_reorder_noise
 
 import autosplit
+from autosplit.data.cuts import Cut
 
 B, M, VOCAB = 64, 16, 50
+
+
+def cut_by_length(adapter, multiple=1, tokens=None, outputs=(0,)):
+    """The pipeline's Cut by length (in tokens with ``tokens``) of ``adapter``'s rows,
+    with one output that follows the first length (its stretch, ``Trimmed.stretch``)."""
+    return Cut("tokens" if tokens else "length", lengths=adapter.lengths(),
+               multiple=multiple, tokens=tokens, outputs=outputs)
 
 
 def sequences(n=192, seed=0, median=10, longest=60):
@@ -138,7 +146,7 @@ def hungry_gru():
 def trains_as_model_fit(kind, given, *, seqs=None, rtol=1e-5, epochs=2, **options):
     """fit_large_batch on ``given`` (in micro-batches of M rows unless ``options`` size
     them) equals model.fit on padded_batch(B) of the same rows: weights
-    (:func:`assert_within_reorder_noise`), iterations and logs. Returns the history."""
+    (``common.assert_within_reorder_noise``), iterations and logs. Returns the history."""
     seqs = sequences() if seqs is None else seqs
     reference, reordered, model = (model_of(kind, options.get("jit_compile", False))
                                    for _ in range(3))
@@ -157,13 +165,3 @@ def trains_as_model_fit(kind, given, *, seqs=None, rtol=1e-5, epochs=2, **option
     for name, values in expected.history.items():
         np.testing.assert_allclose(got.history[name], values, rtol=rtol, err_msg=name)
     return got
-
-
-def assert_within_reorder_noise(reference, reordered, weights, rtol=1e-5):
-    """Each of ``weights`` within ``rtol`` of ``reference``'s, or 3x the distance between
-    ``reference`` and ``reordered`` (trained on each large batch's rows in another order)
-    where that is larger: a gradient that cancels moves with the summation order."""
-    for variable, e, noisy, a in zip(reference.weights, reference.get_weights(),
-                                     reordered.get_weights(), weights, strict=True):
-        bound = max(rtol, 3 * tensor_relative_error(e, noisy))
-        assert tensor_relative_error(e, a) <= bound, (variable.path, bound)

@@ -19,6 +19,7 @@ from _sequences import (
     VOCAB,
     B,
     M,
+    cut_by_length,
     dataset,
     features,
     hungry_gru,
@@ -31,7 +32,6 @@ from common import tensor_relative_error
 
 import autosplit
 from autosplit.data.inputs import get_input
-from autosplit.data.lengths import LengthCut
 from autosplit.data.pipeline import MicroBatches
 from autosplit.errors import DatasetError, UnsupportedModelError
 from autosplit.step.padding import check_padding
@@ -166,7 +166,7 @@ def _cells(pipeline):
     """(real tokens, cells fed, the real rows' token lists) over one epoch of elements."""
     real, cells, rows = 0, 0, []
     for x, _, _, valid in pipeline.dataset():
-        tokens = (x.inputs if pipeline.by_length is not None else x).numpy()
+        tokens = (x.inputs if pipeline.cut.sorted else x).numpy()
         kept = tokens[valid.numpy() > 0]
         cells += tokens.size
         real += int((kept != 0).sum())
@@ -180,13 +180,13 @@ def test_the_length_cut_feeds_each_row_once_with_less_than_half_the_padding():
     seqs = sequences(256)
     adapter = get_input(dataset(seqs, "gru").padded_batch(24))
     as_batched = _cells(MicroBatches(adapter, 128, 24))
-    by_length = _cells(MicroBatches(adapter, 128, 24, by_length=LengthCut(1)))
+    by_length = _cells(MicroBatches(adapter, 128, 24, cut=cut_by_length(adapter)))
     assert sorted(by_length[2]) == sorted(as_batched[2]) == sorted(tuple(s) for s in seqs)
     share = [1 - real / cells for real, cells, _ in (as_batched, by_length)]
     assert share[1] <= share[0] / 2, share
-    for x, _, _, _ in MicroBatches(adapter, 128, 24, by_length=LengthCut(8)).dataset():
+    for x, _, _, _ in MicroBatches(adapter, 128, 24, cut=cut_by_length(adapter, 8)).dataset():
         # under XLA a multiple of 8, or the large batch's own length
-        assert x.inputs.shape[1] % 8 == 0 or float(x.stretch[0]) == 1.0
+        assert x.inputs.shape[1] % 8 == 0 or float(x.stretch[0, 0]) == 1.0
 
 
 def test_the_check_finds_what_reads_padding_and_leaves_the_model_as_it_was():
@@ -199,7 +199,7 @@ def test_the_check_finds_what_reads_padding_and_leaves_the_model_as_it_was():
         spec = MicroBatches(adapter, 16, 8).element_spec()
         build_for(model, spec)
         before = [v.numpy().copy() for v in model.variables + model.optimizer.variables]
-        found = check_padding(model, adapter.sample(16), spec[:3])
+        found = check_padding(model, adapter.sample(16), spec[:3], adapter.lengths())
         assert found.ignores_padding is expected, found
         after = [v.numpy() for v in model.variables + model.optimizer.variables]
         for b, a in zip(before, after, strict=True):
@@ -248,7 +248,7 @@ def test_each_worker_cuts_its_own_share_of_every_large_batch_by_length():
     for worker in (0, 1):
         where = Layout(workers=2, worker=worker, local_replicas=1, replicas=2)
         as_batched = _cells(MicroBatches(adapter, B, M, where))
-        by_length = _cells(MicroBatches(adapter, B, M, where, by_length=LengthCut(1)))
+        by_length = _cells(MicroBatches(adapter, B, M, where, cut=cut_by_length(adapter)))
         assert sorted(by_length[2]) == sorted(as_batched[2])
         shares.append(by_length[2])
     # rows 0-31 and 64-95 and the short last batch's 22 (the first share of it), and

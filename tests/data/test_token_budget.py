@@ -19,18 +19,18 @@ import tensorflow as tf
 from _sequences import (
     VOCAB,
     B,
-    assert_within_reorder_noise,
+    cut_by_length,
     dataset,
+    features,
     hungry_gru,
     model_of,
     sequences,
     trains_as_model_fit,
 )
-from common import tensor_relative_error
+from common import assert_within_reorder_noise, tensor_relative_error
 
 import autosplit
 from autosplit.data.inputs import get_input
-from autosplit.data.lengths import LengthCut
 from autosplit.data.pipeline import MicroBatches, is_end_marker
 from autosplit.errors import ArgumentError, UnsupportedModelError
 
@@ -98,8 +98,8 @@ def test_each_micro_batch_holds_at_most_the_budget_and_every_row_once(cap):
     # one row, at most the rows given); an element with no row ends each large batch.
     seqs = sequences(150)
     rows = cap or B
-    cut = MicroBatches(get_input(dataset(seqs, "gru").padded_batch(16)), B, rows,
-                       by_length=LengthCut(1, tokens=TOKENS))
+    adapter = get_input(dataset(seqs, "gru").padded_batch(16))
+    cut = MicroBatches(adapter, B, rows, cut=cut_by_length(adapter, tokens=TOKENS))
     large, seen, counts = [], [], []
     for x, _, _, valid in cut.dataset():
         if bool(is_end_marker((valid,))):
@@ -113,7 +113,7 @@ def test_each_micro_batch_holds_at_most_the_budget_and_every_row_once(cap):
         assert len(tokens) == 1 or tokens.size <= TOKENS
         longest = max(len(np.trim_zeros(t, "b")) for t in tokens)
         assert tokens.shape[1] == longest  # padded to its own longest row
-        np.testing.assert_allclose(x.stretch.numpy(), x.stretch.numpy()[0])
+        np.testing.assert_allclose(x.stretch.numpy(), x.stretch.numpy()[:1].repeat(len(tokens), 0))
         seen += [tuple(np.trim_zeros(t, "b")) for t in tokens]
     assert counts == [64, 64, 22] and not seen
     for index, rows_seen in enumerate(large):
@@ -196,7 +196,8 @@ def test_a_budget_that_is_not_a_positive_integer_is_refused_before_anything_chan
 @pytest.mark.slow
 def test_a_budget_is_refused_where_tokens_cannot_apply():
     # Under XLA each row count would compile a program of its own; rows of one shape
-    # hold no sequences to cut by length.
+    # hold no sequences to cut by length; a model that reads its padding cannot be cut
+    # by length. Each refusal says why.
     seqs = sequences(64)
     with pytest.raises(UnsupportedModelError, match="jit_compile"):
         autosplit.fit_large_batch(model_of("gru", jit_compile=True),
@@ -205,9 +206,14 @@ def test_a_budget_is_refused_where_tokens_cannot_apply():
     x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
-    with pytest.raises(UnsupportedModelError, match="cut by length"):
+    with pytest.raises(UnsupportedModelError, match=r"vary in length.*all have one shape"):
         autosplit.fit_large_batch(model, x, x[:, :1], batch_size=32, micro_batch_tokens=TOKENS,
                                   verbose=0)
+    # A model that reads its padding: the refusal says what changed with the padding.
+    with pytest.raises(UnsupportedModelError, match="does not ignore padding: its gradients "
+                       "change"):
+        autosplit.fit_large_batch(model_of("features"), features(seqs).padded_batch(16),
+                                  batch_size=B, micro_batch_tokens=TOKENS, verbose=0)
 
 
 @pytest.mark.slow

@@ -15,33 +15,12 @@ import math
 
 import keras
 import numpy as np
-import tensorflow as tf
-from common import relative_error
+from common import dense_gradients, relative_error  # noqa: F401 (the examples import it here)
 
 import autosplit
 
 SGD_RTOL = 1e-5  # README "What exact means": SGD to 1e-5 relative
 ADAM_RTOL = 1e-4  # the Adam family (Adam, AdamW, RMSprop) to 1e-4
-
-
-def dense_gradients(optimizer_class):
-    """``optimizer_class`` given dense gradients, for models with an Embedding.
-
-    An Embedding's gradient is an ``IndexedSlices`` with repeated rows. Keras's Adam and
-    RMSprop apply that sparse form differently from the dense gradient (README, "What exact
-    means": autosplit accumulates densely and matches the step on the dense gradient), so
-    the examples with an Embedding and an adaptive optimizer give both twins this subclass:
-    model.fit's step then takes the same dense gradient that autosplit applies.
-    """
-
-    class Dense(optimizer_class):
-        def apply(self, grads, trainable_variables=None):
-            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                     for g in grads]
-            return super().apply(grads, trainable_variables)
-
-    Dense.__name__ = f"Dense{optimizer_class.__name__}"
-    return Dense
 
 
 def twins(make, build=None, seed=1234):

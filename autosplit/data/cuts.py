@@ -1,0 +1,355 @@
+"""How a large batch of rows that vary in shape is cut into micro-batches: the decision
+(:class:`Cut`) and its pipelines.
+
+Rows of varying length come padded (``padded_batch``, a ragged input autosplit pads). A
+large batch cut as it comes pads every micro-batch to the large batch's longest row
+(:func:`pad_to_longest`): exact for every model, and mostly padding on a heavy-tailed
+corpus. Sorted by length first (:func:`cut_by_length`), the short rows share
+micro-batches and the long ones theirs, and every part of a micro-batch is padded only to
+its own longest row in its own length (``autosplit.data.example_lengths``): a source to
+the micro-batch's longest source, its target to its longest target. Under XLA, which
+compiles a program per shape, each length is rounded up to a multiple of
+:data:`LENGTH_MULTIPLE`: a bounded number of programs. A step that is not XLA's takes any
+length without tracing again, and pads no further.
+
+That is exact only for a model whose losses and gradients ignore padding
+(``autosplit.step.padding`` checks it), and only if every denominator that counts padded
+cells counts the large batch's: each micro-batch's inputs come as :class:`Trimmed`, whose
+``stretch`` holds, per model output, the large batch's padded length over the
+micro-batch's in the length that output follows.
+
+Arrays of one shape that hold padded sequences (``keras.utils.pad_sequences``, at the
+front by default or at the end) are cut alike (:func:`cut_rows_by_length`): their row
+numbers sorted by each row's length, each micro-batch gathered and cut to its longest row
+(:func:`trim`); their large batch is as long as the arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import tensorflow as tf
+
+from autosplit.data.example_lengths import Lengths, Padded, round_up, row_costs
+from autosplit.data.packing import Packing, token_pieces
+from autosplit.data.split import Piece
+
+__all__ = ["LENGTH_MULTIPLE", "Cut", "CutBy", "Trimmed", "cut_by_length", "cut_rows_by_length",
+           "inputs_of", "pad_to_longest", "trim"]
+
+LENGTH_MULTIPLE = 8  # under XLA, padded lengths are multiples of this: few programs
+
+CutBy = Literal["rows", "longest", "length", "tokens"]
+
+
+class Cut(NamedTuple):
+    """How a run cuts each large batch into micro-batches, decided once before its first
+    step (``autosplit.step.cut_choice``); the pipeline, the probe and ``FitReport`` read it.
+
+    ``by``: ``"rows"``, rows of one shape as they come; ``"longest"``, each micro-batch
+    padded to its large batch's longest row, as ``model.fit`` sees it; ``"length"``, each
+    large batch's rows sorted by length and each micro-batch padded to its own longest
+    row; ``"tokens"``, the same in micro-batches of up to ``tokens`` tokens (the cells
+    of every length a row has), not of a fixed row count, cut for the least work
+    (``"least_work"``) or each filled to the budget (``"fullest"``: the probe's trials,
+    which must meet the budget's peak).
+    """
+
+    by: CutBy = "rows"
+    why: str | None = None  # FitReport.padding: how and why; None for rows of one shape
+    lengths: Lengths | None = None  # the lengths of an example, where it has any
+    multiple: int = 1  # each length rounded up to a multiple of this (XLA)
+    padded: Padded | None = None  # arrays of one shape that hold padded sequences
+    tokens: int | None = None  # with by="tokens": the budget (None: the probe finds it)
+    packing: Packing = "least_work"
+    # Per model output (keras.tree.flatten's order): the length group its second axis
+    # follows, whose stretch its loss and metrics take; None: no length.
+    outputs: tuple[int | None, ...] = ()
+
+    @property
+    def sorted(self) -> bool:
+        """Whether each large batch's rows are sorted by length (``"length"``, ``"tokens"``)."""
+        return self.by in ("length", "tokens")
+
+
+class Trimmed(NamedTuple):
+    """A micro-batch's inputs padded to its own longest row, not its large batch's."""
+
+    inputs: Any  # x, as the model takes it
+    # float32 (rows, outputs): per model output (Cut.outputs), the large batch's padded
+    # length over this micro-batch's in the length the output follows (1: none)
+    stretch: tf.Tensor
+
+
+def inputs_of(x: Any) -> Any:
+    """The model's inputs, from ``x`` or from a :class:`Trimmed`."""
+    return x.inputs if isinstance(x, Trimmed) else x
+
+
+def _strip(_: Any, *row: Any) -> Any:
+    return row[0] if len(row) == 1 else row
+
+
+def pad_to_longest(ds: tf.data.Dataset, sizes: list[int], *, own_lengths: bool,
+                   lengths: Lengths | None = None) -> tf.data.Dataset:
+    """``ds.rebatch(sizes)`` for batches whose shapes differ beyond the row count: every
+    piece of a large batch is padded to the longest row of that large batch, with zeros
+    (``""`` for strings), as ``padded_batch(B)`` pads the large batch by default: each
+    part to its own longest.
+
+    Each micro-batch then holds its rows exactly as ``model.fit`` on the large batch
+    sees them, so every denominator that counts padded cells (Keras's
+    ``sum_over_batch_size`` over a per-token loss masked by ``sample_weight``, a custom
+    step's ``tf.size``) and every model that reads its padding (a pooling without a
+    mask) is the large batch's.
+
+    ``rebatch`` copies slices of its input batches into each piece and stops with
+    "source and dst shapes are not compatible" when a piece spans two ``padded_batch``
+    batches padded to different lengths. Here the batches are unbatched, each row is
+    numbered, and ``group_by_window`` gathers the rows of each large batch (the rows
+    come in order); a first pass over them finds the longest row, a second pads each
+    row to it and cuts the pieces. The host holds the large batch's rows, one by one
+    (its longest row is known only after the last), and stacks no more than a piece.
+
+    Without ``own_lengths`` (rows padded by the user's ``padded_batch``, whose batches
+    may hold rows of the next large batch), the parts with a length in ``lengths`` count
+    as long as their group is without trailing zeros
+    (``example_lengths.group_lengths``), so a large batch is as long, in each of its
+    lengths, as ``padded_batch(B)`` of the same rows makes it.
+    """
+    period = sum(sizes)
+    trim = not own_lengths and lengths is not None and lengths.number > 0
+
+    plain = tf.data.Options()  # a window has no graph to optimise (TensorFlow warns)
+    plain.experimental_optimization.apply_default_optimizations = False
+
+    def shape_of(row):
+        leaves = tf.nest.flatten(row)
+        shapes = [tf.shape(t, out_type=tf.int64) for t in leaves]
+        if trim:  # each length as long as the row is without its trailing zeros
+            assert lengths is not None
+            real = _row_lengths(leaves, lengths)
+            for index in range(len(leaves)):
+                found = lengths.of(index)
+                if found is not None:
+                    shapes[index] = tf.tensor_scatter_nd_update(
+                        shapes[index], [[found[0] - 1]], [real[found[1]]])
+        return tf.nest.pack_sequence_as(row, shapes)
+
+    def longest(rows: tf.data.Dataset) -> Any:
+        start = tf.nest.map_structure(lambda spec: tf.zeros([spec.shape.rank], tf.int64),
+                                      rows.element_spec)
+        return rows.with_options(plain).reduce(start, lambda most, row: tf.nest.map_structure(
+            tf.maximum, most, shape_of(row)))
+
+    def pad(row, shape):
+        known = row.shape  # the sizes the rows share (a feature axis) stay static
+        if trim and row.shape.rank:
+            row = tf.slice(row, tf.zeros_like(shape), tf.minimum(
+                shape, tf.shape(row, out_type=tf.int64)))
+        gap = shape - tf.shape(row, out_type=tf.int64)
+        return tf.ensure_shape(tf.pad(row, tf.stack([tf.zeros_like(gap), gap], axis=1),
+                                      constant_values=tf.zeros([], row.dtype)), known)
+
+    def large_batch(_, window):
+        rows = window.map(_strip)
+        shapes = longest(rows)
+        padded = rows.map(lambda *row: tf.nest.map_structure(
+            pad, row[0] if len(row) == 1 else row, shapes))
+        return padded.batch(1).rebatch(sizes if len(sizes) > 1 else sizes[0])
+
+    return ds.unbatch().enumerate().group_by_window(lambda index, *_: index // period,
+                                                    large_batch, window_size=period)
+
+
+def _row_lengths(leaves: list[tf.Tensor], lengths: Lengths) -> list[tf.Tensor]:
+    """Per group, one row's length (its leaves without the row axis): one past its last
+    non-zero entry in any leaf of the group."""
+    found: list[list[tf.Tensor]] = [[] for _ in range(lengths.number)]
+    for index, t in enumerate(leaves):
+        found_in = lengths.of(index)
+        if found_in is None:
+            continue
+        axis, group = found_in
+        nonzero = tf.not_equal(t, tf.zeros([], t.dtype))
+        others = [a for a in range(t.shape.rank) if a != axis - 1]
+        if others:
+            nonzero = tf.reduce_any(nonzero, axis=others)
+        columns = tf.range(1, tf.size(nonzero, out_type=tf.int64) + 1)
+        found[group].append(tf.reduce_max(tf.where(nonzero, columns, 0)))
+    return [tf.reduce_max(tf.stack(group)) for group in found]
+
+
+def _front(t: tf.Tensor, axis: int) -> tf.Tensor:
+    """One row's ``t`` with its ``axis`` (counted with the rows) first."""
+    order = [axis - 1] + [a for a in range(t.shape.rank) if a != axis - 1]
+    return t if axis == 1 else tf.transpose(t, order)
+
+
+def _back(t: tf.Tensor, axis: int) -> tf.Tensor:
+    """:func:`_front` undone on a batch of rows."""
+    rank = t.shape.rank
+    order = [0, *range(2, axis + 1), 1, *range(axis + 1, rank)]
+    return t if axis == 1 else tf.transpose(t, order)
+
+
+def _ragged_lengths(rt: tf.RaggedTensor) -> tf.Tensor:
+    """Per row of one ragged part (rows, (length), ...): one past its last non-zero entry."""
+    values = rt.values
+    nonzero = tf.not_equal(values, tf.zeros([], values.dtype))
+    if values.shape.rank > 1:
+        nonzero = tf.reduce_any(nonzero, axis=list(range(1, values.shape.rank)))
+    rows = rt.value_rowids()
+    column = tf.range(1, tf.size(rows, out_type=tf.int64) + 1) - tf.gather(rt.row_starts(), rows)
+    return tf.math.unsorted_segment_max(tf.where(nonzero, column, 0), rows, rt.nrows())
+
+
+def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
+                  own_lengths: bool, cap: int | None = None) -> tf.data.Dataset:
+    """The kept pieces of ``pattern`` from every large batch of ``ds`` (batches of rows,
+    of any size), each large batch's kept rows sorted by what they cost
+    (``example_lengths.row_costs``) first; each piece ``(rows, stretch)``, each of its
+    parts padded with zeros to the piece's longest row in the part's length, rounded up
+    to ``cut.multiple`` (at most the large batch's longest), ``stretch`` per model output
+    the large batch's length over that (:class:`Trimmed`).
+
+    The large batch's length, in each of an example's lengths, is its longest row's: as
+    the row comes with ``own_lengths`` (``InputAdapter.own_lengths``), else as long as
+    it is without the padding of the user's batch (which may hold rows of the next large
+    batch).
+
+    A short last large batch gives the pieces ``rebatch`` would: those that start
+    before its last row. The host holds one large batch's rows, unpadded (a ragged
+    batch; a part whose length is not on its first axis after the rows has that axis
+    moved there, and back in the piece), and stacks no more than a piece. With
+    ``cut.tokens``, the pieces are :func:`token_pieces` of at most ``cap`` rows, each
+    large batch's last an empty one.
+    """
+    lengths = cut.lengths
+    assert lengths is not None
+    period = sum(p.rows for p in pattern)
+    bounds = _kept_bounds(pattern)
+
+    def row(*element):
+        leaves = tf.nest.flatten(element[0] if len(element) == 1 else element)
+        moved = []
+        for i, t in enumerate(leaves):
+            found = lengths.of(i)
+            moved.append(t if found is None else _front(t, found[0]))
+        return tuple(moved)
+
+    def pieces(*leaves):
+        n = tf.shape(leaves[0], out_type=tf.int64)[0] if not isinstance(
+            leaves[0], tf.RaggedTensor) else leaves[0].nrows()
+        given, real = [], []
+        for group in range(lengths.number):
+            members = [leaves[i] for i in lengths.members(group)]
+            given.append(tf.reduce_max(tf.stack([t.row_lengths() for t in members]), axis=0))
+            real.append(tf.reduce_max(tf.stack([_ragged_lengths(t) for t in members]), axis=0))
+        real_lengths = tf.stack(real, axis=1)
+        longest = tf.reduce_max(tf.stack(given, axis=1) if own_lengths else real_lengths,
+                                axis=0)
+
+        def piece(index, length, stretch):
+            def take(i, t):
+                found = lengths.of(i)
+                if found is None:
+                    return tf.gather(t, index)
+                kept = tf.gather(t, index)
+                shape = tf.concat([tf.stack([tf.size(index, out_type=tf.int64),
+                                             length[found[1]]]),
+                                   tf.constant(t.shape[2:].as_list(), tf.int64)], 0)
+                dense = tf.ensure_shape(kept.to_tensor(shape=shape), [None, *t.shape[1:]])
+                return _back(dense, found[0])
+
+            return tf.nest.pack_sequence_as(structure, [take(i, t) for i, t in enumerate(
+                leaves)]), stretch
+
+        return _sorted_pieces(real_lengths, n, longest, bounds, cut, cap).map(piece)
+
+    structure = ds.element_spec  # of a row, once unbatched
+
+    @tf.autograph.experimental.do_not_convert
+    def large_batch(_, window):
+        return window.map(_strip).ragged_batch(period).flat_map(pieces)
+
+    return ds.unbatch().map(row).enumerate().group_by_window(
+        lambda index, *_: index // period, large_batch, window_size=period)
+
+
+def trim(rows: Any, padded: Padded, length: tf.Tensor) -> Any:
+    """``rows`` (a gathered micro-batch of ``(x, y, sample_weight)``) with every input
+    as long as the arrays along its second axis cut to ``length``, on the side without
+    data."""
+    def cut(t):
+        if t is None or t.shape.rank < 2 or t.shape[1] != padded.length:
+            return t
+        return t[:, padded.length - length:] if padded.pre else t[:, :length]
+
+    return tf.nest.map_structure(cut, rows)
+
+
+def cut_rows_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
+                       cap: int | None = None) -> tf.data.Dataset:
+    """:func:`cut_by_length` for batches of row numbers (arrays, gathered later): each
+    kept piece ``(row numbers, length, stretch)``, the rows of each large batch sorted
+    by their length in ``cut.padded``, its length the longest rounded up to
+    ``cut.multiple`` (at most the arrays'), ``stretch`` the arrays' length over it."""
+    padded = cut.padded
+    assert padded is not None
+    period = sum(p.rows for p in pattern)
+    bounds = _kept_bounds(pattern)
+    table = tf.constant(padded.lengths)
+    full = tf.constant([padded.length], tf.int64)
+
+    def pieces(numbers):
+        n = tf.size(numbers, out_type=tf.int64)
+        return _sorted_pieces(tf.gather(table, numbers)[:, None], n, full, bounds, cut,
+                              cap).map(lambda index, length, stretch: (
+                                  tf.gather(numbers, index), length[0], stretch))
+
+    return ds.unbatch().batch(period).flat_map(pieces)
+
+
+def _kept_bounds(pattern: list[Piece]) -> tuple[tf.Tensor, tf.Tensor, int, int]:
+    """The kept pieces' (starts, ends) in a large batch, and the first and last row kept."""
+    bounds, start = [], 0
+    for p in pattern:
+        if p.keep:
+            bounds.append((start, start + p.rows))
+        start += p.rows
+    return (tf.constant([b[0] for b in bounds], tf.int64),
+            tf.constant([b[1] for b in bounds], tf.int64), bounds[0][0], bounds[-1][1])
+
+
+def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
+                   bounds: tuple[tf.Tensor, tf.Tensor, int, int], cut: Cut,
+                   cap: int | None = None) -> tf.data.Dataset:
+    """The kept pieces of a large batch of ``n`` rows whose lengths are ``lengths``
+    (rows, groups): its kept rows sorted by cost, each piece ``(positions, lengths,
+    stretch)`` for those that start before row ``n``; its lengths its rows' longest in
+    each group rounded up to ``cut.multiple``, at most ``longest`` (the large batch's),
+    ``stretch`` per model output ``longest`` over it in the output's group. With
+    ``cut.tokens``, the pieces are :func:`token_pieces`' (of at most ``cap`` rows)
+    instead of ``bounds``'."""
+    starts, ends, first, last = bounds
+    end = tf.minimum(tf.constant(last, tf.int64), n)
+    order = first + tf.cast(tf.argsort(row_costs(lengths[first:end]), stable=True), tf.int64)
+    groups = int(lengths.shape[1])
+
+    def length_of(most):
+        return tf.minimum(round_up(tf.maximum(most, 1), cut.multiple), longest)
+
+    def piece(a, b):
+        index = order[a - first:tf.minimum(b, n) - first]
+        length = length_of(tf.reduce_max(tf.gather(lengths, index), axis=0))
+        ratio = tf.cast(longest, tf.float32) / tf.cast(length, tf.float32)
+        stretch = tf.stack([tf.constant(1.0) if g is None or g >= groups else ratio[g]
+                            for g in cut.outputs]) if cut.outputs else tf.zeros([0])
+        return index, length, tf.tile(stretch[None, :], tf.stack([tf.size(index), 1]))
+
+    if cut.tokens is not None:
+        sorted_lengths = length_of(tf.gather(lengths, order))
+        starts, ends = token_pieces(sorted_lengths, cut.tokens, cap, cut.packing)
+        return tf.data.Dataset.from_tensor_slices((first + starts, first + ends)).map(piece)
+    return tf.data.Dataset.from_tensor_slices((starts, ends)).filter(lambda a, b: a < n).map(piece)

@@ -1,0 +1,228 @@
+"""An example's lengths: which parts of an example vary in length, along which axis, and
+which of them share one length.
+
+A translation pair has two lengths, its source's and its target's; a token classifier's
+tokens and tags have one, as have a model's ids and their padding mask. Each length is a
+*group* of parts (:class:`Lengths`). Parts share a group where the data says so
+(:func:`tie`): their lengths agree in every example read, or, for batches a user padded
+(``padded_batch``), in every batch. Parts that only happen to agree are then padded
+together, which pads a little more and changes nothing for a model that ignores padding;
+parts that must agree never come apart.
+
+Sequences come padded with zeros (``padded_batch``'s default, ``pad_sequences``), so an
+example's length in a group is one past its last non-zero entry in any part of the group
+(:func:`group_lengths`): trailing zeros are padding to a model that ignores padding. Arrays
+of one shape that hold padded sequences, at the front or at the end, are
+:class:`Padded`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["Lengths", "Padded", "costliest_row", "group_lengths", "lengths_of", "padded_lengths",
+           "padded_sequences", "round_up", "row_costs", "tie"]
+
+_PARTS = ("x", "y", "sample_weight")
+
+
+class Lengths(NamedTuple):
+    """The lengths of an element's parts: per leaf of ``tf.nest.flatten((x, y,
+    sample_weight))`` (an input's own element ``(x, y[, sample_weight])`` flattens to the
+    same leaves, in the same places), the axis along which it varies and its group."""
+
+    axes: tuple[int | None, ...]  # per leaf: its axis of varying length (1: after the rows)
+    groups: tuple[int | None, ...]  # per leaf: its length, 0..number - 1; None: fixed
+    names: tuple[str, ...]  # per leaf, as messages name it: x[0], x['ids'], y
+    # Why the element cannot be cut by length (a part that varies along two axes, a
+    # ragged part); () where it can.
+    uncut: tuple[str, ...] = ()
+
+    @property
+    def number(self) -> int:
+        """How many lengths an example has."""
+        return 1 + max((g for g in self.groups if g is not None), default=-1)
+
+    def members(self, group: int) -> list[int]:
+        """The leaves of ``group``."""
+        return [i for i, g in enumerate(self.groups) if g == group]
+
+    def described(self, group: int) -> str:
+        """``group`` as messages name it: ``x[0]``, ``x['ids'] and x['mask']``."""
+        return " and ".join(self.names[i] for i in self.members(group))
+
+    def joined(self) -> Lengths:
+        """Every varying part in one group: one length per example."""
+        return self._replace(groups=tuple(None if g is None else 0 for g in self.groups))
+
+    def of(self, leaf: int) -> tuple[int, int] | None:
+        """``(axis, group)`` of ``leaf`` where it has a length, else None (a leaf past
+        :attr:`axes` is one the input's own element lacks: a class weight)."""
+        if leaf >= len(self.axes):
+            return None
+        axis, group = self.axes[leaf], self.groups[leaf]
+        return None if axis is None or group is None else (axis, group)
+
+
+def lengths_of(spec: Any) -> Lengths | None:
+    """The parts of ``spec`` (``(x, y_or_(), sample_weight_or_())`` specs, rows first)
+    that vary in length, each a group of its own until :func:`tie` joins them; None where
+    none varies."""
+    axes: list[int | None] = []
+    groups: list[int | None] = []
+    names: list[str] = []
+    uncut: list[str] = []
+    for path, leaf in keras.tree.flatten_with_path(spec):
+        name = _PARTS[path[0]] + "".join(f"[{p!r}]" for p in path[1:]) if path else "x"
+        names.append(name)
+        varying = _varying_axes(leaf)
+        if varying is None:
+            uncut.append(f"{name} is {type(leaf).__name__}")
+        elif len(varying) > 1:
+            uncut.append(f"{name} varies in length along {len(varying)} axes "
+                         f"({', '.join(map(str, varying))})")
+        axis = varying[0] if varying is not None and len(varying) == 1 else None
+        axes.append(axis)
+        groups.append(None if axis is None else len([g for g in groups if g is not None]))
+    if not any(g is not None for g in groups) and not uncut:
+        return None
+    return Lengths(tuple(axes), tuple(groups), tuple(names), tuple(uncut))
+
+
+def _varying_axes(leaf: Any) -> list[int] | None:
+    """The axes after the rows of unknown size; None for a part that is not a plain
+    tensor of known rank (ragged, sparse)."""
+    if type(leaf) is not tf.TensorSpec or leaf.shape.rank is None:
+        return None
+    return [axis for axis in range(1, leaf.shape.rank) if leaf.shape[axis] is None]
+
+
+def tie(lengths: Lengths, elements: Iterable[Any]) -> Lengths:
+    """``lengths`` with the parts whose lengths agree in every one of ``elements`` (an
+    input's own elements: its examples, or the batches a user padded) in one group."""
+    varying = [i for i, g in enumerate(lengths.groups) if g is not None]
+    seen = [[int(tf.shape(leaves[i])[lengths.axes[i] or 0]) for i in varying]
+            for leaves in (tf.nest.flatten(e) for e in elements)]
+    if not seen:
+        return lengths
+    columns = np.asarray(seen).T  # per varying leaf, its length in each element
+    groups: list[int | None] = [None] * len(lengths.groups)
+    firsts: list[int] = []  # a leaf of each group so far
+    for index, column in zip(varying, columns, strict=True):
+        same = [g for g, first in enumerate(firsts) if np.array_equal(columns[
+            varying.index(first)], column)]
+        if same:
+            groups[index] = same[0]
+        else:
+            groups[index] = len(firsts)
+            firsts.append(index)
+    return lengths._replace(groups=tuple(groups))
+
+
+def group_lengths(leaves: list[Any], lengths: Lengths, *, pre: bool = False) -> tf.Tensor:
+    """Per row of a batch's ``leaves`` (dense, padded with zeros, flattened as
+    ``lengths`` counts them) and per group: one past its last non-zero entry along its
+    axis in any leaf of the group (``pre``: padded at the front, counted from its end),
+    int64 (rows, groups)."""
+    per_group = []
+    for group in range(lengths.number):
+        found = []
+        for index in lengths.members(group):
+            t, axis = leaves[index], lengths.axes[index]
+            if axis is not None and t is not None:
+                found.append(_real_lengths(t, axis, pre))
+        per_group.append(tf.reduce_max(tf.stack(found), axis=0))
+    return tf.stack(per_group, axis=1)
+
+
+def _real_lengths(t: tf.Tensor, axis: int, pre: bool) -> tf.Tensor:
+    """Per row: one past the last non-zero entry of ``t`` along ``axis`` (from the end
+    where ``pre``), int64 (rows,)."""
+    nonzero = tf.not_equal(t, tf.zeros([], t.dtype))
+    others = [a for a in range(1, t.shape.rank) if a != axis]
+    if others:
+        nonzero = tf.reduce_any(nonzero, axis=others)
+    if pre:
+        nonzero = nonzero[:, ::-1]
+    columns = tf.range(1, tf.shape(nonzero, out_type=tf.int64)[1] + 1)
+    return tf.reduce_max(tf.where(nonzero, columns[None, :], 0), axis=1)
+
+
+def round_up(n: Any, multiple: int) -> Any:
+    """``n`` rounded up to a multiple of ``multiple`` (ints or tensors)."""
+    return (n + multiple - 1) // multiple * multiple
+
+
+def row_costs(lengths: tf.Tensor) -> tf.Tensor:
+    """What each row of ``lengths`` (rows, groups) costs a micro-batch: the sum of its
+    lengths, the cells of its every part (a pair's source and target)."""
+    return tf.reduce_sum(lengths, axis=-1)
+
+
+def costliest_row(sample: tuple, lengths: Lengths | None, padded: Padded | None,
+                  multiple: int = 1) -> int:
+    """What the costliest row of ``sample`` (``(x, y, sample_weight)`` padded to its
+    longest, as ``InputAdapter.sample`` gives it) costs (:func:`row_costs`), each length
+    rounded up to ``multiple``; for arrays that hold ``padded`` sequences, their longest."""
+    if padded is not None:
+        return int(round_up(max(int(padded.lengths.max()), 1), multiple))
+    assert lengths is not None, "sequences that are not arrays have their lengths"
+    leaves = tf.nest.flatten(tuple(() if part is None else part for part in sample))
+    found = round_up(tf.maximum(group_lengths(leaves, lengths), 1), multiple)
+    return max(int(tf.reduce_max(row_costs(found))), 1)
+
+
+class Padded(NamedTuple):
+    """Arrays of one shape that hold sequences padded with zeros to one length
+    (``keras.utils.pad_sequences``)."""
+
+    length: int  # the arrays' length L: what model.fit pads every batch to
+    pre: bool  # padded at the front (pad_sequences' default), not at the end
+    lengths: np.ndarray  # int64 (rows,): each row's length without its padding
+
+
+def padded_sequences(arrays: tuple, takes_any_length: bool) -> Padded | None:
+    """How ``arrays`` = ``(x, y, sample_weight)`` hold padded sequences, or None.
+
+    Sequences are integer inputs of rank 2 or more (token ids) whose second axis some
+    rows end (or start) with zeros along, fed to a model that ``takes_any_length``
+    (its inputs' second axis is unknown). Every array as long along its second axis
+    counts as padded with them: targets and a ``sample_weight`` mask per token.
+    """
+    leaves = tf.nest.flatten(arrays)
+    tokens = [t for t in tf.nest.flatten(arrays[0]) if t is not None and t.shape.rank >= 2
+              and t.dtype.is_integer]
+    if not takes_any_length or not tokens:
+        return None
+    length = int(tokens[0].shape[1])
+    varying = tuple(t is not None and t.shape.rank >= 2 and int(t.shape[1]) == length
+                    for t in leaves)
+    nonzero = np.zeros((int(tokens[0].shape[0]), length), bool)
+    for t, v in zip(leaves, varying, strict=True):
+        if v:
+            held = np.asarray(t) != 0
+            nonzero |= held.any(axis=tuple(range(2, held.ndim))) if held.ndim > 2 else held
+    columns = np.arange(1, length + 1)
+    post = np.where(nonzero, columns, 0).max(axis=1)
+    pre = np.where(nonzero, length + 1 - columns, 0).max(axis=1)
+    if min(post.sum(), pre.sum()) >= length * len(post):
+        return None  # no row is padded
+    front = bool(pre.sum() < post.sum())
+    return Padded(length, front, (pre if front else post).astype(np.int64))
+
+
+def padded_lengths(spec: Any, padded: Padded | int) -> Lengths:
+    """The one length of arrays that hold ``padded`` sequences (or sequences padded to
+    that many columns): every part as long as they are along its second axis (``spec``:
+    ``(x, y, sample_weight)``'s, rows first)."""
+    length = padded if isinstance(padded, int) else padded.length
+    axes, names = [], []
+    for path, leaf in keras.tree.flatten_with_path(spec):
+        names.append(_PARTS[path[0]] + "".join(f"[{p!r}]" for p in path[1:]))
+        axes.append(1 if leaf.shape.rank >= 2 and leaf.shape[1] in (None, length) else None)
+    return Lengths(tuple(axes), tuple(None if a is None else 0 for a in axes), tuple(names))

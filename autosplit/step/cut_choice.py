@@ -1,0 +1,170 @@
+"""How a run cuts each large batch, decided once before its first step
+(:func:`choose_cut`): rows as they come, padded to the large batch's longest row, by
+length, or by length in micro-batches of a token budget, and why.
+
+The decision reads the input's lengths (``autosplit.data.example_lengths``) and the
+check of padding (``autosplit.step.padding``) once, and every refusal is raised here,
+with its reason, before anything changes; the pipeline, the probe and ``FitReport`` read
+the :class:`~autosplit.data.cuts.Cut` it returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from autosplit.data.adapter import InputAdapter
+from autosplit.data.cuts import LENGTH_MULTIPLE, Cut
+from autosplit.data.example_lengths import Lengths, Padded, padded_lengths
+from autosplit.data.layout import Layout
+from autosplit.data.pipeline import MicroBatches
+from autosplit.errors import DatasetError, UnsupportedModelError
+from autosplit.step.padding import PaddingCheck, check_padding
+from autosplit.step.train_step import build_for
+
+__all__ = ["choose_cut", "tokens_refused"]
+
+_SAMPLE = 64  # rows read for the check, of which it runs on the shortest
+
+
+def tokens_refused(where: Layout, jit: bool) -> str | None:
+    """Why micro-batches cannot be sized in tokens here, or None: their row counts vary,
+    so they need one replica and no XLA."""
+    if where.replicas > 1:
+        return f"{where.replicas} replicas"
+    if jit:
+        return "jit_compile: under XLA each row count compiles a program of its own"
+    return None
+
+
+def choose_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where: Layout, *,
+               by_length: bool | None, jit: bool, tokens: int | str | None = None,
+               rows_given: bool = False, verbose: int = 0) -> Cut:
+    """How ``adapter``'s large batches are cut for ``model`` (see the module's docstring).
+
+    Args:
+        by_length: True asks for the cut by length (raising where it cannot be), False
+            refuses it, None (``"auto"``) lets the check of padding decide.
+        jit: the step runs under XLA: lengths are rounded up to a multiple of 8, and
+            micro-batches are not sized in tokens.
+        tokens: ``micro_batch_tokens``: an int budget, ``"auto"`` (the probe's budget,
+            or rows where ``rows_given``) or None (rows).
+        rows_given: a ``micro_batch_size`` was given.
+        verbose: say so where ``"auto"`` settles for less.
+
+    Raises:
+        DatasetError: ``by_length=True`` on rows of one shape.
+        UnsupportedModelError: ``by_length=True`` or an int ``tokens`` where the rows
+            cannot be cut by length, or an int ``tokens`` where they cannot be sized in
+            tokens; each says why.
+    """
+    padded = adapter.padded_sequences(_takes_any_length(model))
+    lengths = adapter.lengths() if padded is None else None
+    if padded is None and (lengths is None or (lengths.number == 0 and not lengths.uncut)):
+        _refuse_rows(adapter, by_length, tokens)
+        return Cut()
+    element = MicroBatches(adapter, batch_size, min(batch_size // where.replicas, 8),
+                           where).element_spec()
+    if padded is not None:
+        lengths = padded_lengths(element[:3], padded)
+    assert lengths is not None
+    why, cut = _by_length(model, adapter, batch_size, element, lengths, padded, where,
+                          by_length, jit)
+    if cut is None:
+        if by_length:
+            raise UnsupportedModelError(
+                f"Expected a model and input that can be cut by length with by_length=True. "
+                f"Received: {why}. Pass by_length='auto' to pad every micro-batch to its "
+                "large batch's longest row instead, exactly as model.fit sees it.")
+        if isinstance(tokens, int):
+            raise UnsupportedModelError(
+                f"Expected rows cut by length with micro_batch_tokens={tokens}. Received: "
+                f"rows that are padded to their large batch's longest row, because {why}. "
+                "Pass micro_batch_tokens=None to cut micro-batches by rows.")
+        if verbose and by_length is None:
+            print(f"autosplit: micro-batches padded to their large batch's longest row: "
+                  f"{why}.", flush=True)
+        return Cut("longest", f"to the large batch's longest row: {why}", lengths)
+    if tokens is None or (tokens == "auto" and rows_given):
+        return cut
+    refused = tokens_refused(where, jit)
+    if refused is not None:
+        if isinstance(tokens, int):
+            raise UnsupportedModelError(
+                f"Expected one replica and jit_compile=False with micro_batch_tokens={tokens}. "
+                f"Received: {refused}. Pass jit_compile=False to fit_large_batch, or "
+                "micro_batch_tokens=None to cut micro-batches by rows.")
+        if verbose:
+            print(f"autosplit: micro-batches sized in rows, not tokens: {refused}.", flush=True)
+        return cut
+    return cut._replace(by="tokens", tokens=tokens if isinstance(tokens, int) else None)
+
+
+def _refuse_rows(adapter: InputAdapter, by_length: bool | None, tokens: Any) -> None:
+    """Refuse what asks for a cut by length of rows of one shape."""
+    what = (f"an input whose rows all have one shape ({adapter.kind}) and hold no padded "
+            "sequences for a model that takes any length")
+    if by_length:
+        raise DatasetError(
+            f"Expected rows that vary in length with by_length=True. Received: {what}. Pass "
+            "them as a padded_batch, a ragged tensor, variable-length examples or arrays "
+            "padded with zeros (pad_sequences) to a model whose inputs take any length "
+            "(keras.Input((None,))), or leave by_length='auto'.")
+    if isinstance(tokens, int):
+        raise UnsupportedModelError(
+            f"Expected rows that vary in length with micro_batch_tokens={tokens}. Received: "
+            f"{what}. Pass micro_batch_tokens=None to cut micro-batches by rows.")
+
+
+def _by_length(model: keras.Model, adapter: InputAdapter, batch_size: int, element: tuple,
+               lengths: Lengths, padded: Padded | None, where: Layout, by_length: bool | None,
+               jit: bool) -> tuple[str, Cut | None]:
+    """The cut by length, or None with why not (``element``: the pipeline's spec)."""
+    if by_length is False:
+        return "by_length=False", None
+    if where.local_replicas > 1:
+        return f"{where.local_replicas} replicas on this worker", None
+    if lengths.uncut:
+        return f"its inputs cannot be cut by length ({'; '.join(lengths.uncut)})", None
+    build_for(model, element)  # the compiled loss and metrics, as the step builds them
+    spec = _length_spec(element[:3], lengths)
+    sample = adapter.sample(min(batch_size, _SAMPLE))
+    pre = padded is not None and padded.pre
+    found = check_padding(model, sample, spec, lengths, pre=pre)
+    if not found.ran and lengths.number > 1:  # the model may need its parts together
+        joined = check_padding(model, sample, spec, lengths.joined(), pre=pre)
+        if joined.ran:
+            lengths, found = lengths.joined(), joined
+    if not found.ignores_padding:
+        return _not_ignored(found), None
+    rounded = f" (lengths rounded up to a multiple of {LENGTH_MULTIPLE} for XLA)"
+    several = f"{lengths.number} lengths per example, " if lengths.number > 1 else ""
+    return "", Cut("length", f"by length{rounded if jit else ''}: {several}the model ignores "
+                   f"padding ({found.reason})", lengths, LENGTH_MULTIPLE if jit else 1, padded,
+                   outputs=found.outputs)
+
+
+def _not_ignored(found: PaddingCheck) -> str:
+    return f"the model does not ignore padding: {found.reason}"
+
+
+def _takes_any_length(model: keras.Model) -> bool:
+    """Whether the model's declared inputs (a functional or Sequential model's) of rank 2
+    or more take any length along their second axis."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        return False
+    ranked = [t for t in tf.nest.flatten(inputs or []) if len(t.shape) >= 2]
+    return bool(ranked) and all(t.shape[1] is None for t in ranked)
+
+
+def _length_spec(spec: tuple, lengths: Lengths) -> tuple:
+    """``spec`` with each part that has a length of unknown size along its axis."""
+    leaves = tf.nest.flatten(spec)
+    return tf.nest.pack_sequence_as(spec, [
+        s if lengths.of(i) is None else tf.TensorSpec(
+            [None if a == lengths.axes[i] else d for a, d in enumerate(s.shape)], s.dtype)
+        for i, s in enumerate(leaves)])

@@ -1,0 +1,95 @@
+"""Examples of several lengths: translation pairs, whose source and target each have a
+length of their own, cut by length in each of them (each part of a micro-batch padded to
+its own longest row), and every step exactly model.fit's on the large batch.
+
+The reference is model.fit on ``padded_batch(B)`` of the same pairs, each weight judged
+against 3x the reference's own movement when each large batch's rows come reversed,
+where that is larger than the tolerance (``tests/data/_sequences.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from _pairs import examples, large_batch_padding, pairs, pairs_train_as_model_fit
+from _sequences import B
+
+from autosplit.data.inputs import get_input
+from autosplit.data.layout import ALONE
+from autosplit.data.pipeline import MicroBatches, is_end_marker
+from autosplit.step.cut_choice import choose_cut
+
+pytestmark = pytest.mark.slow  # every test trains encoder-decoders (3-20 s on 2 cores)
+
+TOKENS = 360  # 3 pairs of the longest (60 + 60), 60 of the shortest
+
+
+@pytest.mark.parametrize("kind, optimizer", [("gru", "sgd"), ("gru", "adam"),
+                                             ("transformer", "sgd"), ("transformer", "adam")])
+def test_a_pair_is_cut_by_length_in_each_of_its_lengths_and_trains_as_model_fit(
+        kind, optimizer):
+    # The GRU's loss is a mean over the target's unmasked tokens; the Transformer's is
+    # divided by every target cell (sum_over_batch_size over a sample_weight mask), which
+    # each micro-batch stretches to the large batch's target length.
+    data = pairs()
+    got = pairs_train_as_model_fit(kind, data=data, optimizer=optimizer)
+    assert got.autosplit.padding.startswith("by length: 2 lengths per example"), \
+        got.autosplit.padding
+    full = large_batch_padding(examples(data, kind).padded_batch(B))
+    assert got.autosplit.cut.padding_share <= full / 2, (got.autosplit.cut, full)
+
+
+def test_the_source_and_the_target_of_each_micro_batch_are_padded_to_their_own_longest():
+    data = pairs()
+    adapter = get_input(examples(data, "gru").padded_batch(32))
+    lengths = adapter.lengths()
+    assert lengths.number == 2 and lengths.groups == (0, 1, 1)  # target in and out: one
+    pipeline = MicroBatches(adapter, B, 16, cut=choose_cut_for(adapter))
+    rows = []
+    for x, target_out, _, _ in pipeline.dataset():
+        source, target = (t.numpy() for t in x.inputs)
+        assert target_out.shape == target.shape
+        for part in (source, target):
+            assert part.shape[1] == max(len(np.trim_zeros(r, "b")) for r in part)
+        rows += [(tuple(np.trim_zeros(s, "b")), tuple(np.trim_zeros(t, "b")))
+                 for s, t in zip(source, target, strict=True)]
+    assert sorted(rows) == sorted((tuple(s), tuple(t[:-1])) for s, t in data)
+
+
+def choose_cut_for(adapter):
+    from _pairs import gru_seq2seq
+
+    return choose_cut(gru_seq2seq(), adapter, B, ALONE, by_length=None, jit=False)
+
+
+def test_micro_batches_of_a_token_budget_count_both_lengths_and_train_as_model_fit():
+    # A pair costs a micro-batch its source's and its target's padded cells; the budget
+    # holds their sum, and short pairs come many to a micro-batch.
+    data = pairs()
+    got = pairs_train_as_model_fit("gru", data=data, micro_batch_tokens=TOKENS)
+    assert got.autosplit.tokens == TOKENS
+    assert got.autosplit.padding.endswith(f"micro-batches of up to {TOKENS} tokens")
+    adapter = get_input(examples(data, "gru").padded_batch(32))
+    cut = choose_cut_for(adapter)._replace(by="tokens", tokens=TOKENS)
+    seen = 0
+    for x, _, _, valid in MicroBatches(adapter, B, B, cut=cut).dataset():
+        if bool(is_end_marker((valid,))):
+            continue
+        source, target = x.inputs
+        cells = source.shape[0] * (source.shape[1] + target.shape[1])
+        assert source.shape[0] == 1 or cells <= TOKENS, (source.shape, target.shape)
+        seen += source.shape[0]
+    assert seen == len(data)
+
+
+def test_a_ragged_pair_of_numpy_examples_is_cut_as_its_dataset():
+    # Lists of arrays of their own lengths, one per example, for both parts.
+    data = pairs()
+    sources = [s for s, _ in data]
+    targets_in = [t[:-1] for _, t in data]
+    targets_out = tf.ragged.constant([t[1:] for _, t in data])
+    got = pairs_train_as_model_fit(
+        "gru", (tf.ragged.constant(sources), tf.ragged.constant(targets_in)), data=data,
+        y=targets_out, shuffle=False)
+    assert got.autosplit.padding.startswith("by length: 2 lengths per example")
