@@ -52,38 +52,49 @@ def _rows_within(tokens: int, cost: tf.Tensor, cap: int | None) -> tf.Tensor:
     return rows if cap is None else tf.minimum(rows, cap)
 
 
-def _suffix_max(rows: tf.Tensor) -> tf.Tensor:
-    """Per row of ``rows`` (rows, groups): the most of it and every row after it, per
-    group (log2(rows) vectorised steps)."""
-    count = tf.shape(rows, out_type=tf.int64)[0]
+def _table(lengths: tf.Tensor) -> tf.Tensor | None:
+    """A sparse table of ``lengths`` (rows, lengths per example) for the longest of any
+    run of rows in two lookups: level j holds, per row, the most of it and the 2**j - 1
+    rows after it, per length. None for one length: a run's longest is its last row."""
+    if lengths.shape[1] == 1:
+        return None
+    count = tf.shape(lengths, out_type=tf.int64)[0]
 
-    def body(shift, most):
-        later = tf.concat([most[shift:], tf.zeros_like(most[:tf.minimum(shift, count)])], 0)
-        return shift * 2, tf.maximum(most, later)
+    def body(span, level, table):
+        later = tf.concat([level[span:], tf.zeros_like(level[:tf.minimum(span, count)])], 0)
+        level = tf.maximum(level, later)
+        return span * 2, level, table.write(table.size(), level)
 
-    _, most = tf.while_loop(lambda shift, _: shift < count, body,
-                            [tf.constant(1, tf.int64), rows])
-    return most
+    table = tf.TensorArray(lengths.dtype, size=0, dynamic_size=True,
+                           element_shape=lengths.shape).write(0, lengths)
+    _, _, table = tf.while_loop(lambda span, *_: span < count, body,
+                                [tf.constant(1, tf.int64), lengths, table])
+    return table.stack()
 
 
-def _costs(lengths: tf.Tensor, first: tf.Tensor, end: tf.Tensor, at: tf.Tensor) -> tf.Tensor:
-    """What each piece ``[at[i], end)`` costs (its rows times the sum of its longest
-    lengths), for pieces that start at ``at`` (rows from ``first`` on)."""
-    span = lengths[first:end]
-    if lengths.shape[1] == 1:  # one length: a piece's longest row is its last
-        longest = tf.broadcast_to(span[-1:], tf.shape(span))
-    else:
-        longest = _suffix_max(span)
-    return (end - at) * tf.reduce_sum(tf.gather(longest, at - first), axis=1)
+def _costs(lengths: tf.Tensor, table: tf.Tensor | None, end: tf.Tensor, at: tf.Tensor
+           ) -> tf.Tensor:
+    """What each piece ``[at[i], end)`` costs: its rows times the sum of its longest
+    lengths (:func:`_table`'s two lookups per piece)."""
+    if table is None:  # one length: a piece's longest row is its last
+        return (end - at) * lengths[end - 1, 0]
+    level = tf.cast(tf.math.floor(tf.math.log(tf.cast(end - at, tf.float64) + 0.5)
+                                  / tf.math.log(tf.constant(2.0, tf.float64))), tf.int64)
+    width = tf.bitwise.left_shift(tf.ones_like(level), level)
+    longest = tf.maximum(tf.gather_nd(table, tf.stack([level, at], 1)),
+                         tf.gather_nd(table, tf.stack([level, end - width], 1)))
+    return (end - at) * tf.reduce_sum(longest, axis=1)
 
 
 def _fullest(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None) -> tf.Tensor:
     """Pieces (start, end), longest first: from the costliest row down, each holds as
     many rows as the budget allows at its padded lengths."""
+    table = _table(lengths)
+
     def body(end, found):
         most = tf.minimum(_rows_within(tokens, tf.reduce_sum(lengths[end - 1]), cap), end)
         at = tf.range(end - most, end)
-        fits = _costs(lengths, end - most, end, at) <= tokens  # every start after one fits
+        fits = _costs(lengths, table, end, at) <= tokens  # every start after one fits
         rows = tf.maximum(tf.reduce_sum(tf.cast(fits, tf.int64)), 1)
         return end - rows, found.write(found.size(), tf.stack([end - rows, end]))
 
@@ -111,6 +122,7 @@ def _least_work(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None
     at = tf.maximum(n - (blocks - tf.range(blocks + 1, dtype=tf.int64)) * block, 0)
     step = tf.constant(int(tokens * STEP_COST), tf.int64)
     never = tf.constant(2**62, tf.int64)
+    longest_of = _table(lengths)
 
     def body(t, cost, back):
         end = at[t]
@@ -118,7 +130,7 @@ def _least_work(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None
         start = tf.minimum(tf.searchsorted(at, tf.reshape(first, [1]), side="left",
                                            out_type=tf.int64)[0], t - 1)
         starts = tf.range(start, t)
-        cells = _costs(lengths, at[start], end, tf.gather(at, starts))
+        cells = _costs(lengths, longest_of, end, tf.gather(at, starts))
         # One block always fits; more must fit the budget (with one length they do).
         cells = tf.where((cells <= tokens) | (starts == t - 1), cells, never)
         options = cost.gather(tf.cast(starts, tf.int32)) + cells + step

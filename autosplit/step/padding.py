@@ -124,10 +124,12 @@ def check_padding(model: keras.Model, sample: tuple, spec: tuple, lengths: Lengt
         return tf.nest.pack_sequence_as(sample, [resized(i, t, extra, group)
                                                  for i, t in enumerate(leaves)])
 
+    # What the step is made of (a refusal of the model's own step stands: training
+    # would meet it too).
+    plan = step_plan(model, (spec[0], empty_to_none(spec[1]), empty_to_none(spec[2])))
     snapshot = Snapshot(model)
     try:
         with _still(model):
-            plan = step_plan(model, (spec[0], empty_to_none(spec[1]), empty_to_none(spec[2])))
             outputs = () if plan.custom is not None else _outputs(
                 model, padded(), [padded(LENGTH_MULTIPLE, g) for g in range(lengths.number)])
             if isinstance(outputs, str):

@@ -9,12 +9,15 @@ where that is larger than the tolerance (``tests/data/_sequences.py``).
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from _pairs import examples, large_batch_padding, pairs, pairs_train_as_model_fit
-from _sequences import B
+from _sequences import VOCAB, B
+from common import tensor_relative_error
 
+import autosplit
 from autosplit.data.inputs import get_input
 from autosplit.data.layout import ALONE
 from autosplit.data.pipeline import MicroBatches, is_end_marker
@@ -93,3 +96,39 @@ def test_a_ragged_pair_of_numpy_examples_is_cut_as_its_dataset():
         "gru", (tf.ragged.constant(sources), tf.ragged.constant(targets_in)), data=data,
         y=targets_out, shuffle=False)
     assert got.autosplit.padding.startswith("by length: 2 lengths per example")
+
+
+def test_under_xla_each_length_is_rounded_up_to_a_multiple_of_8_and_trains_as_model_fit():
+    # XLA compiles a program per shape: each of a pair's lengths is rounded up on its own
+    # (at most the large batch's), a bounded set of programs. The loss is divided by every
+    # target cell, which each micro-batch stretches to the large batch's target length.
+    r = np.random.default_rng(3)
+    data = [(r.integers(1, VOCAB, int(n)).astype("int32"),
+             r.integers(1, VOCAB, int(n) + 1 + int(r.integers(0, 4))).astype("int32"))
+            for n in np.clip(r.lognormal(np.log(6), 0.5, 128), 2, 20)]
+
+    def make():
+        keras.utils.set_random_seed(0)
+        source = keras.Input((None,), dtype="int32", name="source")
+        target = keras.Input((None,), dtype="int32", name="target")
+        pooled = keras.layers.GlobalAveragePooling1D()(
+            keras.layers.Embedding(VOCAB, 8, mask_zero=True)(source))
+        hidden = keras.layers.Embedding(VOCAB, 8)(target) + keras.ops.expand_dims(pooled, 1)
+        model = keras.Model({"source": source, "target": target},
+                            keras.layers.Dense(VOCAB)(hidden))
+        model.compile(keras.optimizers.SGD(0.5),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      weighted_metrics=["accuracy"], jit_compile=True)
+        return model
+
+    reference, model = make(), make()
+    expected = reference.fit(examples(data, "transformer").padded_batch(B), epochs=2, verbose=0)
+    got = autosplit.fit_large_batch(model, examples(data, "transformer").padded_batch(32),
+                                    batch_size=B, micro_batch_size=16, epochs=2, verbose=0)
+    assert got.autosplit.padding.startswith("by length (lengths rounded up to a multiple of 8 "
+                                            "for XLA): 2 lengths per example"), got.autosplit
+    assert int(model.optimizer.iterations) == 4
+    for e, a in zip(reference.get_weights(), model.get_weights(), strict=True):
+        assert tensor_relative_error(e, a) <= 1e-5
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(got.history[name], values, rtol=1e-5, err_msg=name)

@@ -105,3 +105,52 @@ def test_a_large_batch_past_the_boundaries_it_weighs_is_cut_in_blocks_within_the
 
 def test_an_empty_large_batch_has_its_end_alone():
     assert _pieces([], 100) == [] and _pieces([], 100, packing="fullest") == []
+
+
+# A pair's two lengths (a source's and a target's): a piece costs its rows times the sum
+# of its longest source and its longest target, which need not be its last row's.
+
+def _pair_pieces(pairs, tokens, cap=None, packing="least_work"):
+    lengths = tf.constant(pairs, tf.int64, shape=[len(pairs), 2])
+    starts, ends = _traced(tokens, cap, packing)(lengths)
+    return list(zip(starts.numpy().tolist()[:-1], ends.numpy().tolist()[:-1], strict=True))
+
+
+def _pair_cells(pairs, a, b):
+    return (b - a) * (max(s for s, _ in pairs[a:b]) + max(t for _, t in pairs[a:b]))
+
+
+def _pairs(seed, n=9):
+    r = np.random.default_rng(seed)
+    source = r.integers(1, 30, n)
+    target = np.clip(source + r.integers(-8, 9, n), 1, None)
+    return sorted(zip(source.tolist(), target.tolist(), strict=True), key=sum)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("cap", [None, 3])
+def test_with_two_lengths_the_least_work_cut_is_the_best_of_every_cut(seed, cap):
+    pairs, n = _pairs(seed), 9
+    tokens = int(np.random.default_rng(seed).integers(60, 200))
+    step = int(tokens * STEP_COST)
+
+    def fits(a, b):
+        return b - a == 1 or (_pair_cells(pairs, a, b) <= tokens and (cap is None or b - a <= cap))
+
+    cuts = [list(itertools.pairwise([0, *inner, n])) for count in range(n)
+            for inner in itertools.combinations(range(1, n), count)]
+    best = min(sum(_pair_cells(pairs, a, b) + step for a, b in pieces) for pieces in cuts
+               if all(fits(a, b) for a, b in pieces))
+    pieces = _pair_pieces(pairs, tokens, cap)
+    assert sorted(r for a, b in pieces for r in range(a, b)) == list(range(n))
+    assert all(fits(a, b) for a, b in pieces)
+    assert sum(_pair_cells(pairs, a, b) + step for a, b in pieces) == best
+
+
+def test_with_two_lengths_the_fullest_cut_holds_as_many_rows_as_fit():
+    pairs = _pairs(0, 60)
+    pieces = _pair_pieces(pairs, 150, packing="fullest")
+    assert sorted(r for a, b in pieces for r in range(a, b)) == list(range(60))
+    for a, b in pieces:
+        assert b - a == 1 or _pair_cells(pairs, a, b) <= 150
+        assert a == 0 or _pair_cells(pairs, a - 1, b) > 150  # one more row would not fit
