@@ -1,21 +1,15 @@
 """Sequences of varying length: what does cutting each large batch by length buy?
 
-The question: on a heavy-tailed length distribution, how many real tokens per second
-does each way of training at one large batch B and micro-batch m reach, how much of
-what it feeds is padding, and at what peak memory?
+The question: on a heavy-tailed length distribution, and on translation pairs of two
+lengths, how many real tokens per second does each way of training at one large batch B
+and micro-batch m reach, how much of what it feeds is padding, and at what peak memory?
 
-Data: token ids of lognormal length shaped like the IMDB reviews of
-``keras.datasets.imdb`` (median 178 tokens, mean 239, longest about 2,500: a lognormal
-of median 178 and sigma 0.77 has that mean), clipped to [8, 2,500]. On 2 CPU cores the
-default run divides every length by ``--scale 4`` (median 44, longest 625), which keeps
-the distribution's shape and so its padding shares; ``--scale 1`` is IMDB's own.
-
-Models (vocabulary 2,000, width 32, Adam):
-- ``transformer``: Embedding(mask_zero) -> MultiHeadAttention (2 heads, its padding mask)
-  -> feed-forward -> masked mean -> Dense(1), a binary classifier;
-- ``gru``: Embedding(mask_zero) -> GRU(32) -> Dense(1);
-- ``causal_lm``: Embedding -> causal MultiHeadAttention -> Dense(vocabulary), next-token
-  cross-entropy weighted by a ``sample_weight`` mask of the real tokens.
+Data and models (``benchmarks/sequence_data.py``): token ids of IMDB-shaped lognormal
+lengths, divided by ``--scale 4`` on 2 CPU cores, for a Transformer encoder classifier
+(``transformer``), a masked GRU classifier (``gru``) and a causal language model
+(``causal_lm``); and pairs shaped like WMT14 English-German after BPE (median 24 source
+tokens, the target 1.05 times as long, longest 250), for a Transformer encoder-decoder
+(``translation``), each part of a pair a length of its own.
 
 Methods, each from the same weights, side by side (round-robin repeats):
 - ``rows``: ``fit_large_batch(by_length=False)``: every micro-batch padded to its large
@@ -23,8 +17,9 @@ Methods, each from the same weights, side by side (round-robin repeats):
 - ``by_length``: ``fit_large_batch(by_length=True)``: each large batch's rows sorted by
   length, each micro-batch padded to its own longest row;
 - ``tokens``: ``fit_large_batch(micro_batch_tokens=m x the longest row)``: the same cut
-  by length, in micro-batches of up to the tokens m rows of the longest row hold, so
-  short rows come many to a micro-batch (the memory bound of m rows, not their count);
+  by length, in micro-batches of up to the tokens m rows of the longest row hold (a
+  pair's two lengths summed), so short rows come many to a micro-batch (the memory
+  bound of m rows, not their count);
 - ``keras_accumulation``: ``model.fit`` on ``padded_batch(m)`` with
   ``Adam(gradient_accumulation_steps=B/m)`` (each micro-batch padded to its own longest
   row, in the input's order; not exact for the LM's per-token mean);
@@ -54,16 +49,15 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from benchmarks import harness
+from benchmarks import sequence_data as data
 
 QUESTION = ("On a heavy-tailed length distribution, how many real tokens per second does "
             "each way of training at one B and m reach, how much of what it feeds is "
             "padding, and at what peak memory?")
 UNITS = ("real tokens per second in the timed epoch; padding share = 1 - real tokens / "
          "token cells fed; peak MiB of TensorFlow's CPU allocator in the timed epoch")
-MODELS = ("transformer", "gru", "causal_lm")
+MODELS = ("transformer", "gru", "causal_lm", "translation")
 METHODS = ("rows", "by_length", "tokens", "keras_accumulation", "bare_loop", "bare_loop_tokens")
-VOCAB, WIDTH = 2000, 32
-IMDB_MEDIAN, IMDB_SIGMA, IMDB_LONGEST = 178, 0.77, 2500
 
 
 @dataclass(frozen=True)
@@ -80,88 +74,51 @@ FULL = Settings()
 QUICK = Settings(rows=256, batch_size=64, micro_batch_size=16, scale=16, repeats=1)
 
 
-def lengths(settings: Settings, seed: int = 0) -> list[int]:
-    import numpy as np
-
-    r = np.random.default_rng(seed)
-    drawn = r.lognormal(np.log(IMDB_MEDIAN), IMDB_SIGMA, settings.rows)
-    clipped = np.clip(drawn, 8, IMDB_LONGEST) / settings.scale
-    return [max(int(n), 2) for n in clipped]
+def lengths(settings: Settings, kind: str) -> list[Any]:
+    return data.lengths(kind, settings.rows, settings.scale)
 
 
-def examples(kind: str, sizes: Sequence[int], seed: int = 0):
-    """The rows as a ``tf.data`` dataset of examples, each as long as it is."""
-    import numpy as np
-    import tensorflow as tf
-
-    r = np.random.default_rng(seed)
-    seqs = [r.integers(1, VOCAB, n).astype("int32") for n in sizes]
-    if kind == "causal_lm":
-        return tf.data.Dataset.from_generator(
-            lambda: ((s[:-1], s[1:], np.ones(len(s) - 1, "float32")) for s in seqs),
-            output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32),
-                              tf.TensorSpec([None], tf.float32))).cache()
-    return tf.data.Dataset.from_generator(
-        lambda: ((s, np.float32(s[0] % 2)) for s in seqs),
-        output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.float32))).cache()
+def budget(settings: Settings, kind: str) -> int:
+    """The ``tokens`` method's budget: m rows of the corpus's costliest row."""
+    return settings.micro_batch_size * data.longest(kind, lengths(settings, kind))
 
 
-def build(kind: str, accumulation: int | None = None):
-    import keras
+def cut_of(adapter, settings: Settings, kind: str, method: str):
+    """The pipeline's ``Cut`` of a method: by length (in tokens), else as rows come."""
+    from autosplit.data.cuts import Cut
 
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((None,), dtype="int32")
-    if kind == "gru":
-        embedded = keras.layers.Embedding(VOCAB, WIDTH, mask_zero=True)(tokens)
-        hidden = keras.layers.GRU(WIDTH)(embedded)
-        outputs = keras.layers.Dense(1)(hidden)
-    else:
-        lm = kind == "causal_lm"
-        embedded = keras.layers.Embedding(VOCAB, WIDTH, mask_zero=not lm)(tokens)
-        attended = keras.layers.MultiHeadAttention(2, WIDTH // 2)(
-            embedded, embedded, use_causal_mask=lm)
-        # a layer (not `+`), so that the padding mask reaches the pooling
-        hidden = keras.layers.LayerNormalization()(keras.layers.Add()([embedded, attended]))
-        hidden = keras.layers.Dense(WIDTH * 2, activation="relu")(hidden)
-        hidden = keras.layers.Dense(WIDTH)(hidden)
-        outputs = (keras.layers.Dense(VOCAB)(hidden) if lm else
-                   keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(hidden)))
-    model = keras.Model(tokens, outputs)
-    loss = (keras.losses.SparseCategoricalCrossentropy(from_logits=True) if kind == "causal_lm"
-            else keras.losses.BinaryCrossentropy(from_logits=True))
-    model.compile(keras.optimizers.Adam(1e-3, gradient_accumulation_steps=accumulation), loss)
-    return model
-
-
-def budget(settings: Settings) -> int:
-    """The ``tokens`` method's budget: m rows of the corpus's longest row."""
-    return settings.micro_batch_size * max(lengths(settings))
-
-
-def length_cut(settings: Settings, method: str):
-    """The pipeline's ``LengthCut`` of a method that cuts by length."""
-    from autosplit.data.lengths import LengthCut
-
-    return LengthCut(tokens=budget(settings) if "tokens" in method else None)
+    if method == "rows":
+        return Cut("longest", lengths=adapter.lengths())
+    tokens = "tokens" in method
+    return Cut("tokens" if tokens else "length", lengths=adapter.lengths(),
+               tokens=budget(settings, kind) if tokens else None)
 
 
 def padding_share(kind: str, settings: Settings, method: str) -> tuple[float, int]:
     """(the share of padding among the token cells a method feeds, real tokens) per epoch."""
+    import tensorflow as tf
+
     from autosplit.data.cut_stats import cut_stats
     from autosplit.data.inputs import get_input
     from autosplit.data.pipeline import MicroBatches
 
-    ds = examples(kind, lengths(settings))
-    if method == "keras_accumulation":
-        batches = [x.numpy() for x, *_ in ds.padded_batch(settings.micro_batch_size)]
-        real = sum(int((b != 0).sum()) for b in batches)
-        return 1 - real / sum(b.size for b in batches), real
+    ds = examples(kind, settings)
+    if method == "keras_accumulation":  # each input of a padded batch: a length of its own
+        batches = [[t.numpy() for t in tf.nest.flatten(x)]
+                   for x, *_ in ds.padded_batch(settings.micro_batch_size)]
+        real = sum(int((t != 0).sum()) for b in batches for t in b)
+        return 1 - real / sum(t.size for b in batches for t in b), real
     rows = settings.batch_size if "tokens" in method else settings.micro_batch_size
-    cut = MicroBatches(get_input(ds), settings.batch_size, rows,
-                       by_length=None if method == "rows" else length_cut(settings, method))
-    stats = cut_stats(cut, large_batches=-(-settings.rows // settings.batch_size))
+    adapter = get_input(ds)
+    pipeline = MicroBatches(adapter, settings.batch_size, rows,
+                            cut=cut_of(adapter, settings, kind, method))
+    stats = cut_stats(pipeline, large_batches=-(-settings.rows // settings.batch_size))
     assert stats is not None  # the examples are a dataset, read more than once
     return stats.padding_share, stats.tokens
+
+
+def examples(kind: str, settings: Settings):
+    return data.examples(kind, lengths(settings, kind))
 
 
 def bare_loop(model, kind: str, settings: Settings, epochs: int, meter, method: str
@@ -177,8 +134,9 @@ def bare_loop(model, kind: str, settings: Settings, epochs: int, meter, method: 
 
     tokens = method == "bare_loop_tokens"
     rows = settings.batch_size if tokens else settings.micro_batch_size
-    cut = MicroBatches(get_input(examples(kind, lengths(settings))), settings.batch_size,
-                       rows, by_length=length_cut(settings, method))
+    adapter = get_input(examples(kind, settings))
+    cut = MicroBatches(adapter, settings.batch_size, rows,
+                       cut=cut_of(adapter, settings, kind, method))
     k, steps = cut.per_batch, settings.rows // settings.batch_size
     variables, optimizer = model.trainable_variables, model.optimizer
     optimizer.build(variables)
@@ -192,7 +150,8 @@ def bare_loop(model, kind: str, settings: Settings, epochs: int, meter, method: 
             def added():
                 with tf.GradientTape() as tape:
                     loss = summed(y, model(x.inputs, training=True), sample_weight=(
-                        w if kind == "causal_lm" else valid)) / settings.batch_size
+                        w if kind in ("causal_lm", *data.PAIRS) else valid)) / (
+                        settings.batch_size)
                 return [g + n for g, n in zip(grads, tape.gradient(loss, variables),
                                               strict=True)]
 
@@ -208,11 +167,11 @@ def bare_loop(model, kind: str, settings: Settings, epochs: int, meter, method: 
         optimizer.apply_gradients(zip(grads, variables, strict=True))
 
     records = []
-    data = cut.dataset()
+    elements = cut.dataset()
     for epoch in range(epochs):
         meter.reset()
         start = time.perf_counter()
-        iterator = iter(data)
+        iterator = iter(elements)
         for _ in range(steps):
             step(iterator)
         records.append({"seconds": time.perf_counter() - start, "peak": meter.peak_bytes(),
@@ -250,20 +209,21 @@ def run(kind: str, method: str, settings: Settings) -> dict[str, Any]:
 
     meter = PeakMeter()
     m, b = settings.micro_batch_size, settings.batch_size
-    data = examples(kind, lengths(settings))
+    rows = examples(kind, settings)
     if method.startswith("bare_loop"):
-        records = bare_loop(build(kind), kind, settings, 2, meter, method)
+        records = bare_loop(data.build(kind), kind, settings, 2, meter, method)
     else:
         timer = _Timer(meter)
         if method == "keras_accumulation":
-            build(kind, b // m).fit(data.padded_batch(m), epochs=2, verbose=0,
-                                    callbacks=[timer.callback])
+            data.build(kind, b // m).fit(rows.padded_batch(m), epochs=2, verbose=0,
+                                         callbacks=[timer.callback])
         elif method == "tokens":
-            autosplit.fit_large_batch(build(kind), data, batch_size=b,
-                                      micro_batch_tokens=budget(settings), epochs=2, verbose=0,
-                                      by_length=True, callbacks=[timer.callback], cache=False)
+            autosplit.fit_large_batch(data.build(kind), rows, batch_size=b,
+                                      micro_batch_tokens=budget(settings, kind), epochs=2,
+                                      verbose=0, by_length=True, callbacks=[timer.callback],
+                                      cache=False)
         else:
-            autosplit.fit_large_batch(build(kind), data, batch_size=b, micro_batch_size=m,
+            autosplit.fit_large_batch(data.build(kind), rows, batch_size=b, micro_batch_size=m,
                                       epochs=2, verbose=0, by_length=method == "by_length",
                                       micro_batch_tokens=None, callbacks=[timer.callback],
                                       cache=False)
@@ -362,8 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {
         "question": QUESTION, "command": harness.command("sequences", argv), "units": UNITS,
         "machine": info, "settings": asdict(s), "results": results, "checks": checks(results),
-        "notes": [f"tokens: a budget of m rows of the longest row, {budget(s):,} tokens "
-                  f"per micro-batch; the other methods run m = {s.micro_batch_size} rows."]}
+        "notes": ["tokens: a budget of m rows of the costliest row, " + ", ".join(
+            f"{kind} {budget(s, kind):,}" for kind in s.models) + " tokens per micro-batch; "
+            f"the other methods run m = {s.micro_batch_size} rows."]}
     report["seconds"] = clock()
     harness.conclude(harness.out_dir(args), "sequences", report, markdown(report))
     return 0
