@@ -136,6 +136,7 @@ def mirrored(out):
         report[f"all_reduces_k{split.accumulation_steps}"] = count_all_reduces(graph)
         report["trainable_variables"] = len(model.trainable_variables)
     report["bn_synchronized"] = synchronized_batch_norm(strategy, x, y)
+    report["pairs"] = pairs_on_replicas(strategy)
     with strategy.scope():
         model = make(OPTIMIZERS["sgd"])
     try:
@@ -144,6 +145,44 @@ def mirrored(out):
     except autosplit.BatchSizeError as exc:
         report["errors"]["indivisible"] = str(exc)
     out.write(json.dumps(report))
+
+
+def pairs_on_replicas(strategy):
+    """Pairs of two lengths on two replicas: padded to each large batch's longest row
+    (each part to its own), and the report of the padding fed comes back."""
+    r = np.random.default_rng(0)
+    rows = [(r.integers(1, 20, int(n)).astype("int32"),
+             r.integers(1, 20, int(n) + int(r.integers(1, 4))).astype("int32"))
+            for n in r.integers(2, 12, 64)]
+    ids = tf.TensorSpec([None], tf.int32)
+
+    def examples():
+        return tf.data.Dataset.from_generator(
+            lambda: (((s, t[:-1]), t[1:]) for s, t in rows),
+            output_signature=((ids, ids), ids)).apply(
+                tf.data.experimental.assert_cardinality(len(rows)))
+
+    def make():
+        keras.utils.set_random_seed(0)
+        source, target = keras.Input((None,), dtype="int32"), keras.Input((None,), dtype="int32")
+        _, state = keras.layers.GRU(8, return_state=True)(
+            keras.layers.Embedding(20, 8, mask_zero=True)(source))
+        decoded = keras.layers.GRU(8, return_sequences=True)(
+            keras.layers.Embedding(20, 8, mask_zero=True)(target), initial_state=state)
+        model = keras.Model([source, target], keras.layers.Dense(20)(decoded))
+        model.compile(keras.optimizers.SGD(0.5),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    reference = make()
+    reference.fit(examples().padded_batch(32), epochs=2, verbose=0)
+    with strategy.scope():
+        model = make()
+    history = autosplit.fit_large_batch(model, examples().padded_batch(8), batch_size=32,
+                                        micro_batch_size=6, epochs=2, verbose=0)
+    return {"error": relative_error(reference.get_weights(), model.get_weights()),
+            "padding": history.autosplit.padding,
+            "padding_share": history.autosplit.cut.padding_share}
 
 
 def distributed_inputs(strategy, rows, batch_size):

@@ -41,9 +41,11 @@ __all__ = [
     "InputAdapter",
     "arity",
     "check_class_weight_alone",
+    "check_known_rank",
     "check_shared_rows",
     "class_weight_fn",
     "leading_rows",
+    "named_leaves",
     "varying_shapes",
 ]
 
@@ -56,16 +58,20 @@ _PARTS = ("x", "y", "sample_weight")
 
 
 
+def named_leaves(parts: tuple) -> list[tuple[str, Any]]:
+    """``[("x[0]", leaf), ("y", leaf), ...]``: every leaf of ``(x, y[, sample_weight])``
+    but None, named as messages name it."""
+    return [(name + "".join(f"[{p!r}]" for p in path), leaf)
+            for name, part in zip(_PARTS, parts, strict=False)
+            for path, leaf in keras.tree.flatten_with_path(part) if leaf is not None]
+
+
 def leading_rows(parts: tuple) -> dict[str, int | None]:
     """``{"x[0]": rows, "y": rows, ...}``: the leading dimension of every leaf."""
     counts: dict[str, int | None] = {}
-    for name, part in zip(_PARTS, parts, strict=False):
-        for path, leaf in keras.tree.flatten_with_path(part):
-            if leaf is None:
-                continue
-            shape = tf.TensorShape(getattr(leaf, "shape", None))
-            label = name + "".join(f"[{p!r}]" for p in path)
-            counts[label] = None if shape.rank in (None, 0) else shape[0]
+    for label, leaf in named_leaves(parts):
+        shape = tf.TensorShape(getattr(leaf, "shape", None))
+        counts[label] = None if shape.rank in (None, 0) else shape[0]
     return counts
 
 
@@ -78,6 +84,19 @@ def check_shared_rows(parts: tuple, what: str) -> None:
             f"(one row per example). Received: rows {counts}. Inputs whose parts do not "
             "share a row count (a merged graph of atoms and bonds, say) cannot be split "
             "into micro-batches by rows: train them with model.fit.")
+
+
+def check_known_rank(parts: tuple, what: str) -> None:
+    """Refuse, before anything runs, parts whose rank is unknown: the pipeline cuts and
+    pads every part along its axes."""
+    unknown = [f"{label}: {leaf}" for label, leaf in named_leaves(parts)
+               if isinstance(leaf, tf.TensorSpec) and leaf.shape.rank is None]
+    if unknown:
+        raise DatasetError(
+            f"Expected every part of {what} to have a known rank (its number of axes). "
+            f"Received: {', '.join(unknown)}. Give the parts their shapes, e.g. "
+            "output_signature=tf.TensorSpec([None], tf.int32) in from_generator, or "
+            "dataset.map(lambda x, y: (tf.ensure_shape(x, [None, 3]), y)).")
 
 
 def varying_shapes(element_spec: Any) -> bool:
@@ -173,11 +192,9 @@ class InputAdapter:
         if "_lengths" not in vars(self):
             found = lengths_of(self._parts(self.rows_dataset().element_spec))
             if found is not None and found.number > 1:
-                seen = [self._parts(e) for e in self.first_elements()]
-                # Nothing read (a look would move a seed): examples of their own lengths
-                # keep a length per part, which pads each as its own longest, whatever
-                # they share; the batches of a user's padded_batch share one.
-                found = tie(found, seen) if seen or self.own_lengths else found.joined()
+                # A dataset that shuffles moves its seed with this look, as with the
+                # check's sample (``sample``): its first epoch's order is not model.fit's.
+                found = tie(found, [self._parts(e) for e in self.first_elements()])
             vars(self)["_lengths"] = found
         return vars(self)["_lengths"]
 
@@ -190,8 +207,7 @@ class InputAdapter:
 
     def first_elements(self, rows: int = 256, most: int = 64) -> list:
         """The input's first elements as they come, up to ``rows`` rows or ``most``
-        elements, or none where a look would change what training reads: what
-        :meth:`lengths` reads."""
+        elements: what :meth:`lengths` reads."""
         found, seen = [], 0
         for element in self.rows_dataset():
             found.append(element)

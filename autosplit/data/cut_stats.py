@@ -41,8 +41,11 @@ def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None
         if is_end_marker((valid,)):  # with tokens, a large batch's end
             read += 1
         else:
-            rows = valid > 0
             leaves = tf.nest.flatten((inputs_of(x), y, w))
+            if pipeline.local_replicas > 1:  # a micro-batch per replica, side by side
+                leaves = [tf.reshape(t, [-1, *t.shape[2:]]) for t in leaves]
+                valid = tf.reshape(valid, [-1])
+            rows = valid > 0
             real += int(tf.reduce_sum(tf.boolean_mask(group_lengths(leaves, lengths, pre=pre),
                                                       rows)))
             count = int(tf.reduce_sum(tf.cast(rows, tf.int64)))

@@ -334,6 +334,7 @@ def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
     instead of ``bounds``'."""
     starts, ends, first, last = bounds
     end = tf.minimum(tf.constant(last, tf.int64), n)
+    longest = tf.maximum(longest, 1)  # a length whose every part is zeros: one column
     order = first + tf.cast(tf.argsort(row_costs(lengths[first:end]), stable=True), tf.int64)
     groups = int(lengths.shape[1])
 

@@ -14,6 +14,7 @@ from autosplit.data.adapter import (
     InputAdapter,
     arity,
     check_class_weight_alone,
+    check_known_rank,
     check_shared_rows,
     class_weight_fn,
     leading_rows,
@@ -73,6 +74,7 @@ class DatasetInput(InputAdapter):
                 f"by rows and pads them. Received: {', '.join(map(str, composite))}. Make "
                 "them dense first: `.padded_batch(...)` in place of `.ragged_batch(...)`, "
                 "or a map with `x.to_tensor()` (ragged) or `tf.sparse.to_dense(x)`.")
+        check_known_rank(spec if found else (spec,), f"`{name}`")
         cardinality = int(dataset.cardinality())
         if cardinality == 0:
             raise DatasetError(f"Expected a non-empty `{name}`. Received: an empty dataset.")
@@ -105,11 +107,6 @@ class DatasetInput(InputAdapter):
 
     def own_batch_rows(self) -> int | None:
         return batch_rows(self.dataset) if self.batched else None
-
-    def first_elements(self, rows: int = 256, most: int = 64) -> list:
-        # A look at a dataset that shuffles or augments would move its seed, and so the
-        # order of the first epoch: none is taken (InputAdapter.lengths then assumes).
-        return [] if draws_randomness(self.dataset) else super().first_elements(rows, most)
 
     def rows_dataset(self, *, shuffle_seed: int | None = None,
                      epoch: int | tf.Variable = 0,

@@ -4,10 +4,12 @@ which of them share one length.
 A translation pair has two lengths, its source's and its target's; a token classifier's
 tokens and tags have one, as have a model's ids and their padding mask. Each length is a
 *group* of parts (:class:`Lengths`). Parts share a group where the data says so
-(:func:`tie`): their lengths agree in every example read, or, for batches a user padded
-(``padded_batch``), in every batch. Parts that only happen to agree are then padded
-together, which pads a little more and changes nothing for a model that ignores padding;
-parts that must agree never come apart.
+(:func:`tie`): their lengths agree in every one of the first examples read (256 rows),
+or, for batches a user padded (``padded_batch``), in every one of its first batches.
+Parts that must agree never come apart. Parts that agree there by chance and differ
+later are padded together, each to the longer: exact for a model that ignores padding,
+but a loss divided by every cell of one of them (``sum_over_batch_size`` over a
+``sample_weight`` mask) then counts the longer one's cells.
 
 Sequences come padded with zeros (``padded_batch``'s default, ``pad_sequences``), so an
 example's length in a group is one past its last non-zero entry in any part of the group
@@ -55,10 +57,6 @@ class Lengths(NamedTuple):
     def described(self, group: int) -> str:
         """``group`` as messages name it: ``x[0]``, ``x['ids'] and x['mask']``."""
         return " and ".join(self.names[i] for i in self.members(group))
-
-    def joined(self) -> Lengths:
-        """Every varying part in one group: one length per example."""
-        return self._replace(groups=tuple(None if g is None else 0 for g in self.groups))
 
     def of(self, leaf: int) -> tuple[int, int] | None:
         """``(axis, group)`` of ``leaf`` where it has a length, else None (a leaf past

@@ -86,7 +86,8 @@ def choose_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where
         if verbose and by_length is None:
             print(f"autosplit: micro-batches padded to their large batch's longest row: "
                   f"{why}.", flush=True)
-        return Cut("longest", f"to the large batch's longest row: {why}", lengths)
+        return Cut("longest", f"to the large batch's longest row: {why}", lengths,
+                   padded=padded)
     if tokens is None or (tokens == "auto" and rows_given):
         return cut
     refused = tokens_refused(where, jit)
@@ -133,10 +134,6 @@ def _by_length(model: keras.Model, adapter: InputAdapter, batch_size: int, eleme
     sample = adapter.sample(min(batch_size, _SAMPLE))
     pre = padded is not None and padded.pre
     found = check_padding(model, sample, spec, lengths, pre=pre)
-    if not found.ran and lengths.number > 1:  # the model may need its parts together
-        joined = check_padding(model, sample, spec, lengths.joined(), pre=pre)
-        if joined.ran:
-            lengths, found = lengths.joined(), joined
     if not found.ignores_padding:
         return _not_ignored(found), None
     rounded = f" (lengths rounded up to a multiple of {LENGTH_MULTIPLE} for XLA)"

@@ -84,8 +84,9 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
             cut=cut)
         micro = probe_result.micro_batch_size
         reason = probe_result.reason()
-        if cut.by == "tokens":
-            cut = cut._replace(tokens=probe_result.tokens)
+        if cut.by == "tokens":  # the budget found; or rows, where the trials ran in rows
+            cut = (cut._replace(tokens=probe_result.tokens) if probe_result.tokens
+                   else cut._replace(by="length"))
     elif args.micro_batch_size is None:
         micro, reason = local, f"micro_batch_tokens={cut.tokens} given"
     else:

@@ -276,3 +276,21 @@ def test_an_oom_in_a_micro_batch_cut_by_length_redoes_it_in_pieces_exactly():
     for e, a in zip(reference.get_weights(), model.get_weights(), strict=True):
         assert tensor_relative_error(e, a) <= 1e-5
     np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
+
+
+def test_arrays_padded_at_the_front_that_the_model_reads_report_the_padding_they_feed():
+    # pad_sequences pads at the front by default; a model without a mask reads it, so
+    # every micro-batch keeps the arrays' length, and the report counts the padding from
+    # the side it is on.
+    x = keras.utils.pad_sequences(sequences(), maxlen=60)
+    y = np.array([row[-1] % 2 for row in x], "float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None,), dtype="int32"),
+                              keras.layers.Embedding(VOCAB, 8),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+    model.compile("sgd", keras.losses.BinaryCrossentropy(from_logits=True))
+    got = autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M,
+                                    shuffle=False, verbose=0)
+    assert got.autosplit.padding.startswith("to the large batch's longest row: the model "
+                                            "does not ignore padding")
+    assert got.autosplit.cut.padding_share == pytest.approx(1 - (x != 0).sum() / x.size)

@@ -340,3 +340,30 @@ def test_a_generator_of_padded_batches_is_probed_in_tokens_on_its_sample():
     for e, a in zip(reference.get_weights(), model.get_weights(), strict=True):
         assert tensor_relative_error(e, a) <= 1e-5
     np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_generator_of_features_the_child_cannot_cut_keeps_the_probes_rows():
+    # Padded features, not token ids: the probe's trials on the generator's sample run
+    # in rows (no budget in tokens to find), and training keeps the rows they chose,
+    # cut by length, where it ran micro-batches of the whole large batch.
+    seqs = sequences()
+    labels = np.array([s[0] % 2 for s in seqs], "float32")
+
+    def batches():
+        for start in range(0, len(seqs), 16):
+            part = keras.utils.pad_sequences(seqs[start:start + 16], padding="post")
+            yield np.stack([part, part % 7, part % 3], axis=2).astype("float32"), labels[
+                start:start + 16]
+
+    reference, model = model_of("masked_features"), model_of("masked_features")
+    expected = reference.fit(features(seqs).padded_batch(B), epochs=1, verbose=0)
+    got = autosplit.fit_large_batch(model, batches(), batch_size=B, epochs=1, verbose=0,
+                                    cache=False)
+    report = got.autosplit
+    assert report.tokens is None and report.probe.tokens is None
+    assert report.micro_batch_size == report.probe.micro_batch_size
+    assert report.padding.startswith("by length") and "tokens" not in report.padding
+    for e, a in zip(reference.get_weights(), model.get_weights(), strict=True):
+        assert tensor_relative_error(e, a) <= 1e-5
+    np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
