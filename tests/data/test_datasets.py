@@ -71,3 +71,14 @@ def test_a_cache_file_is_not_counted_through(tmp_path):
     from autosplit.data.datasets import batch_rows, counted_rows
 
     assert counted_rows(stale) is None and batch_rows(stale) is None
+
+
+def test_a_part_of_unknown_rank_is_refused_before_anything_runs():
+    from autosplit.data.inputs import get_input
+    from autosplit.errors import DatasetError
+
+    ds = tf.data.Dataset.from_generator(
+        lambda: ((np.ones(3, "float32"), np.float32(1)) for _ in range(8)),
+        output_signature=(tf.TensorSpec(None, tf.float32), tf.TensorSpec([], tf.float32)))
+    with pytest.raises(DatasetError, match=r"known rank.*Received: x: TensorSpec\(shape=<unknown>"):
+        get_input(ds.batch(4))
