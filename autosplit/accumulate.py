@@ -67,7 +67,10 @@ def accumulate_gradients(
             (mixed precision); the gradients come back scaled, the loss does not.
 
     Returns:
-        ``Accumulated(loss, gradients)`` aligned with ``model.trainable_variables``.
+        ``Accumulated(loss, gradients)`` aligned with ``model.trainable_variables``;
+        under ``mixed_float16`` the gradients are ``inf`` where the whole batch's
+        float16 ones would overflow (``autosplit.step.overflow``), so that a
+        ``LossScaleOptimizer`` skips the step as it would the whole batch's.
 
     Example:
         >>> @tf.function

@@ -86,6 +86,10 @@ class CheckReport:
     # a batch of padded sequences: whether the model ignores padding (fit_large_batch
     # then cuts by length) and why; None for a batch without rows padded at their end
     padding: str | None = None
+    # mixed_float16: a float16 gradient within 2x of float16's overflow at the current
+    # loss scale on this batch (where a full batch and a split could decide an overflow
+    # apart); None where none comes that close
+    float16: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -127,6 +131,8 @@ class CheckReport:
             lines += [f"  {v.relative_difference:9.2e}  {v.path}" for v in ranked]
         if self.padding:
             lines.append(f"padding     {self.padding}")
+        if self.float16:
+            lines.append(f"float16     {self.float16}")
         if self.hint:
             lines.append(f"hint        {self.hint}")
         return "\n".join(lines)

@@ -43,9 +43,11 @@ from autosplit.data.structure import map_present
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import batch_data, overridden_steps
 from autosplit.keras_hooks.interception import PLAIN, intercept
+from autosplit.keras_hooks.traced import summed_in_float16
 from autosplit.step.accumulation import split_loss
 from autosplit.step.compiled import run_once
 from autosplit.step.loss_plan import align_targets, loss_plan, step_plan
+from autosplit.step.overflow import HALF_OVERFLOW
 from autosplit.step.padding import check_padding
 from autosplit.step.snapshot import Snapshot
 from autosplit.training.arguments import check_compiled_loss
@@ -121,6 +123,9 @@ def check(
         decomposes = all(full.per_example) and decomposition <= tolerance
     if exact:  # a per-batch mean over examples splits exactly: nothing to blame
         culprits = [c for c in culprits if c.reason != PER_BATCH]
+    elif any(full.half):
+        culprits.append(Culprit(model.name, "mixed_float16", FLOAT16))
+        explains = True
     if not exact and not explains and not own and _adds_losses(
             model, x, y, sample_weight, split):
         culprits.append(Culprit(model.name, type(model).__name__, ADDED))
@@ -134,7 +139,28 @@ def check(
         loss_split=None if own else float(split_loss), decomposes=decomposes,
         loss_decomposition_difference=decomposition, per_variable=tuple(per_variable),
         culprits=tuple(culprits), hint=None if exact or explains else HINT,
-        padding=_padding(model, x, y, sample_weight))
+        padding=_padding(model, x, y, sample_weight), float16=_near_overflow(model, full))
+
+
+FLOAT16 = ("float16 rounding: the full batch's gradient of a float16 layer is one float16 "
+           "sum, rounded once; a split's micro-batches are rounded each (2**-11 of their "
+           "value), then added in float32. Judge it at float16's tolerance (about 1e-3)")
+
+
+def _near_overflow(model: keras.Model, full: _Full) -> str | None:
+    """Where the full batch's float16 gradients (``mixed_float16``) come within 2x of
+    float16's overflow at the optimizer's loss scale on this batch: where a full batch
+    and a split could decide an overflow apart (``autosplit.step.overflow``); else None."""
+    scale = float(model.optimizer.scale_loss(tf.constant(1.0))) if model.optimizer else 1.0
+    peaks = sorted(((float(tf.reduce_max(tf.abs(g))) * scale, v.path) for g, v, half in zip(
+        full.gradients, model.trainable_variables, full.half, strict=False)
+        if half and g is not None), reverse=True)
+    if not peaks or peaks[0][0] < HALF_OVERFLOW / 2:
+        return None
+    peak, path = peaks[0]
+    return (f"within 2x of overflow: {path}'s float16 gradient reaches {peak:,.0f} of "
+            f"{HALF_OVERFLOW:,.0f} at the loss scale {scale:g} on this batch; "
+            "fit_large_batch skips a large batch where the full batch's would overflow")
 
 
 def _padding(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> str | None:
@@ -237,6 +263,7 @@ class _Full(NamedTuple):
     per_example: tuple[bool, ...]  # per compiled loss: one value per example
     loss_values: list[tf.Tensor]  # per compiled loss, Keras's value on the whole batch
     split_values: list[tf.Tensor]  # per compiled loss, recombined from micro-batches
+    half: tuple[bool, ...] = ()  # per variable: summed in float16 (mixed_float16)
 
 
 def _own_step(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> _Full:
@@ -273,6 +300,7 @@ def _full_batch(model: keras.Model, x: Any, y: Any, sample_weight: Any, split: S
             loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                       training=True)
         grads = tape.gradient(loss, model.trainable_variables)
+        facts["half"] = tuple(summed_in_float16(g) for g in grads)
         grads = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
                  for g in grads]
         y = align_targets(model, y, y_pred)
@@ -294,7 +322,7 @@ def _full_batch(model: keras.Model, x: Any, y: Any, sample_weight: Any, split: S
         return tf.cast(loss, tf.float32), grads, whole, parts
 
     loss, grads, whole, parts = run_once(run, x, y, sample_weight)
-    return _Full(loss, grads, facts["per_example"], whole, parts)
+    return _Full(loss, grads, facts["per_example"], whole, parts, facts["half"])
 
 
 def _relative(difference: float, scale: float) -> float:

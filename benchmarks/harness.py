@@ -21,6 +21,7 @@ stays light.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -375,3 +376,15 @@ def wall_clock() -> Callable[[], float]:
     """Seconds since this call, for a script's total."""
     start = time.perf_counter()
     return lambda: time.perf_counter() - start
+
+
+def begin(args: argparse.Namespace, full: Any, quick: Any
+          ) -> tuple[Any, Callable[[], float], dict[str, Any]]:
+    """A script's start: its settings (``quick``'s or ``full``'s, ``--repeats`` as
+    given), its clock (:func:`wall_clock`) and the machine, logged."""
+    at_least("repeats", args.repeats)
+    settings = quick if args.quick else full
+    settings = dataclasses.replace(settings, repeats=args.repeats or settings.repeats)
+    clock, info = wall_clock(), machine_info()
+    log(f"# {machine_line(info)}")
+    return settings, clock, info

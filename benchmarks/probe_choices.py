@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks import harness
@@ -253,11 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "objective='speed' keeps, through the autosplit command line.",
                        quick="a small MLP at B = 64 and 128", repeats=FULL.repeats)
     args = p.parse_args(argv)
-    harness.at_least("repeats", args.repeats)
-    s = QUICK if args.quick else FULL
-    s = replace(s, repeats=args.repeats or s.repeats)
-    clock, info = harness.wall_clock(), harness.machine_info()
-    harness.log(f"# {harness.machine_line(info)}")
+    s, clock, info = harness.begin(args, FULL, QUICK)
 
     same: dict[int, list[dict[str, Any]]] = {s.small_batch: [], s.large_batch: []}
     for _ in range(s.repeats):

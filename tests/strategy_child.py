@@ -1,7 +1,8 @@
 """Distribution-strategy scenarios, each in its own process (devices are fixed at start).
 
 ``python tests/strategy_child.py mirrored OUT.json``: MirroredStrategy over two logical
-CPU devices; ``scope``, on the same devices: autosplit called inside ``strategy.scope()``.
+CPU devices; ``scope``, on the same devices: autosplit called inside ``strategy.scope()``;
+``mixed``, on the same devices: ``mixed_float16``'s overflows against model.fit's.
 ``python tests/strategy_child.py worker OUT.json`` with ``TF_CONFIG`` set: one worker of
 a MultiWorkerMirroredStrategy run on localhost.
 """
@@ -21,7 +22,7 @@ import tensorflow as tf
 # Run as a script, the scenario is argv[1]; imported (the tests borrow demo_mlp and
 # demo_data), there is none and no device is configured.
 SCENARIO = sys.argv[1] if __name__ == "__main__" else None
-if SCENARIO in ("mirrored", "scope"):  # before anything initialises the devices
+if SCENARIO in ("mirrored", "scope", "mixed"):  # before anything initialises the devices
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -183,6 +184,41 @@ def pairs_on_replicas(strategy):
     return {"error": relative_error(reference.get_weights(), model.get_weights()),
             "padding": history.autosplit.padding,
             "padding_share": history.autosplit.cut.padding_share}
+
+
+def mixed(out):
+    """mixed_float16 on two replicas: each replica's float16 gradients of its half of the
+    large batch overflow where model.fit's, under the same strategy, do: the same loss
+    scale after every large batch, the same iterations, one decision for both."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    r = np.random.default_rng(0)
+    report = {}
+    for name, y_mean in (("overflows", 2.0), ("small", 0.1)):
+        x = r.normal(3 if name == "overflows" else 0.1, 1, (512, 8)).astype("float32")
+        y = r.normal(y_mean, 1, (512, 1)).astype("float32")
+        seen = {}
+        for way in ("model_fit", "autosplit"):
+            with strategy.scope():
+                keras.utils.set_random_seed(0)
+                model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4),
+                                          keras.layers.Dense(1, dtype="float32")])
+                model.compile(keras.optimizers.SGD(1e-4), "mse")
+            steps: list = []
+            track = keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda b, logs, m=model, seen=steps: seen.append((
+                    float(m.optimizer.dynamic_scale.numpy()),
+                    int(m.optimizer.iterations.numpy()))))
+            if way == "model_fit":
+                model.fit(x, y, batch_size=128, epochs=2, shuffle=False, verbose=0,
+                          callbacks=[track])
+            else:
+                autosplit.fit_large_batch(model, x, y, batch_size=128, micro_batch_size=16,
+                                          epochs=2, shuffle=False, verbose=0, callbacks=[track])
+            seen[way] = (steps, model.get_weights())
+        report[name] = {"model_fit": seen["model_fit"][0], "autosplit": seen["autosplit"][0],
+                        "error": relative_error(seen["model_fit"][1], seen["autosplit"][1])}
+    out.write(json.dumps(report))
 
 
 def distributed_inputs(strategy, rows, batch_size):
@@ -356,4 +392,4 @@ def capped_worker(out):
 if __name__ == "__main__":
     with open(sys.argv[2], "w") as handle:
         {"mirrored": mirrored, "scope": inside_scope, "worker": worker,
-         "capped_worker": capped_worker}[SCENARIO](handle)
+         "capped_worker": capped_worker, "mixed": mixed}[SCENARIO](handle)

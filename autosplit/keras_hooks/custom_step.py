@@ -50,7 +50,7 @@ from autosplit.keras_hooks.gradients import Reading
 from autosplit.keras_hooks.interception import check_writes, intercept, watch_writes
 from autosplit.keras_hooks.patches import object_patches
 from autosplit.keras_hooks.target import gradient_norm, log_parts
-from autosplit.keras_hooks.traced import repeats_rows
+from autosplit.keras_hooks.traced import repeats_rows, summed_in_float16
 from autosplit.keras_hooks.traced import trace as trace_once
 from autosplit.warn import warn_user
 
@@ -103,6 +103,8 @@ class CustomFacts:
     # per scalar tracker update, how its parts combine and its metric's index in
     # internals.all_metrics (interception.weighed_trackers)
     tracker_kinds: tuple[tuple[tuple[str, ...], int], ...] = ()
+    # per model.trainable_variables: a float16 layer's gradient (traced.summed_in_float16)
+    half: tuple[bool, ...] = ()
 
 
 def flat_logs(result: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +199,9 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
                        sparse_gradients=any(isinstance(g, tf.IndexedSlices)
                                             and repeats_rows(g) for g in gradients),
                        batch_norm_calls=facts["batch_norm_calls"],
-                       reading=seen.split.reading(), tracker_kinds=tuple(seen.tracker_kinds))
+                       reading=seen.split.reading(), tracker_kinds=tuple(seen.tracker_kinds),
+                       half=tuple(any(summed_in_float16(g[i]) for g in seen.gradients.values())
+                                  for i in range(len(model.trainable_variables))))
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@ the value is, which the graph a trace builds tells, before anything runs:
 - :func:`repeats_rows`: whether a sparse gradient (an ``Embedding``'s
   ``tf.IndexedSlices``) can name a row twice; a position embedding looked up on a fixed
   ``arange`` never does.
+- :func:`summed_in_float16`: whether a gradient is a float16 tensor cast up, which the
+  full batch sums over its rows in float16 (``mixed_float16``).
 
 The walks read ops and static values; they run nothing of the batch. A value that
 constants and static shapes alone compute, which ``tf.get_static_value`` does not fold
@@ -33,7 +35,7 @@ import tensorflow as tf
 from autosplit.keras_hooks import internals as _keras
 
 __all__ = ["ancestors", "counts_rows", "evaluate", "full_reduction_input", "mixes_rows",
-           "repeats_rows", "row_reduction", "trace"]
+           "repeats_rows", "row_reduction", "summed_in_float16", "trace"]
 
 _PASS_THROUGH = frozenset({"Identity", "Cast", "CheckNumerics"})
 _REDUCTIONS = {"Mean": "mean", "Sum": "sum"}
@@ -331,6 +333,23 @@ def repeats_rows(gradient: tf.IndexedSlices) -> bool:
     """
     values = evaluate(gradient.indices)
     return values is None or np.unique(values).size < values.size
+
+
+def summed_in_float16(gradient: Any) -> bool:
+    """Whether the traced dense ``gradient`` of a float32 variable is a float16 tensor
+    cast up: a float16 layer's (``mixed_float16``), which sums it over the batch's rows
+    in float16 (a ``MatMul``'s, a ``BiasAddGrad``'s), so that a full batch overflows
+    where its micro-batches need not. Several uses of the variable add such casts up;
+    a float32 layer's gradient, BatchNormalization's and an Embedding's sparse one
+    (per occurrence of a row, never summed over rows) are not."""
+    if not isinstance(gradient, tf.Tensor) or not hasattr(gradient, "op"):
+        return False
+    op = gradient.op
+    while op.type == "Identity":
+        op = op.inputs[0].op
+    if op.type in ("AddN", "AddV2", "Add"):
+        return any(summed_in_float16(t) for t in op.inputs)
+    return op.type == "Cast" and op.inputs[0].dtype == tf.float16
 
 
 def evaluate(tensor) -> np.ndarray | None:

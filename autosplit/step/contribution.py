@@ -42,6 +42,7 @@ from autosplit.step.loss_plan import (
     output_stretches,
     weight_regularization,
 )
+from autosplit.step.overflow import overflowed, poisoned
 from autosplit.step.reduction import COUNT, SUM, combined_loss
 from autosplit.warn import warn_user
 
@@ -204,7 +205,7 @@ class Totals(NamedTuple):
 
 
 def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
-            replicas: int = 1) -> tuple[tf.Tensor, list, list]:
+            replicas: int = 1, context: Any = None) -> tuple[tf.Tensor, list, list]:
     """(loss, gradients, per-output losses) of the large batch from its sums.
 
     ``totals`` numerators, denominators, forward and rows must already be summed over
@@ -212,12 +213,17 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
     ``batch_size`` is the global B the loop scaled by; ``scale`` the loss scale the
     gradients carry (the weight regularizer's gradient gets it too). The loss and the
     per-output losses are ``autosplit.step.reduction.combined_loss``'s, as validation's are.
+    The gradients are ``inf`` where the full batch's float16 ones overflow
+    (``autosplit.step.overflow``; ``context``: the replica context of several replicas,
+    which decide together).
     """
     variables = model.trainable_variables
     n = totals.rows
     correction = tf.math.divide_no_nan(tf.constant(float(batch_size)), n)
+    gradients = _combined_gradients(variables, plan, totals, correction)
+    overflow = overflowed(gradients, plan.half, context)
     if plan.custom is not None:  # the step's own loss, regularisation included
-        return tf.constant(0.0), _combined_gradients(variables, plan, totals, correction), []
+        return tf.constant(0.0), poisoned(gradients, overflow), []
     with tf.GradientTape() as tape:
         # Counted once per large batch: each replica adds its 1/replicas share.
         regularization = weight_regularization(model) / replicas
@@ -225,16 +231,19 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
     loss, per_output = combined_loss(
         totals.numerators, totals.denominators, totals.forward, n, kinds=plan.kinds,
         weights=plan.weights, regularization=regularization * replicas)
-    regs = [None if g is None else _dense_f32(g) * scale for g in reg_grads]
-    gradients = _combined_gradients(variables, plan, totals, correction, regs or None)
-    return loss, gradients, per_output
+    # The weight penalties' gradients (float32 in the full batch too), added after.
+    for index, (variable, r) in enumerate(zip(variables, reg_grads, strict=True)):
+        if r is not None:
+            penalty = tf.cast(_dense_f32(r) * scale, variable.dtype)
+            g = gradients[index]
+            gradients[index] = penalty if g is None else g + penalty
+    return loss, poisoned(gradients, overflow), per_output
 
 
-def _combined_gradients(variables, plan: LossPlan, totals: Totals, correction,
-                        extra: list | None = None) -> list:
+def _combined_gradients(variables, plan: LossPlan, totals: Totals, correction) -> list:
     """Per variable: its groups' gradient sums, each divided as its group divides (a
-    ``"count"`` group by the rows, a ``("deferred", j)`` by its denominator's sum), plus
-    ``extra`` (the weight regularisers' gradient), in the variable's dtype."""
+    ``"count"`` group by the rows, a ``("deferred", j)`` by its denominator's sum), in
+    the variable's dtype."""
     gradients = []
     for index, variable in enumerate(variables):
         parts = []
@@ -247,8 +256,6 @@ def _combined_gradients(variables, plan: LossPlan, totals: Totals, correction,
             elif group != SUM_GROUP:
                 g = tf.math.divide_no_nan(g, totals.denominators[group[1]])
             parts.append(g)
-        if extra is not None and extra[index] is not None:
-            parts.append(extra[index])
         gradients.append(tf.cast(tf.add_n(parts), variable.dtype) if parts else None)
     return gradients
 

@@ -20,7 +20,7 @@ from autosplit.keras_hooks.custom_step import (
     custom_facts,
     has_custom_step,
 )
-from autosplit.keras_hooks.traced import repeats_rows, row_reduction
+from autosplit.keras_hooks.traced import repeats_rows, row_reduction, summed_in_float16
 from autosplit.keras_hooks.traced import trace as trace_once
 from autosplit.step.model_state import model_state
 from autosplit.step.reduction import COUNT, SUM, WEIGHT, output_terms
@@ -68,6 +68,9 @@ class LossPlan:
     # given to add_loss, keras-io's CTC endpoint layer; or ops.sum of per-row values),
     # each micro-batch's sum counted whole; the others are weighed as means by rows.
     forward_summed: tuple[bool, ...] = ()
+    # per trainable variable: its gradient is a float16 layer's, which the full batch
+    # sums over its rows in float16 (traced.summed_in_float16; step.overflow)
+    half: tuple[bool, ...] = ()
 
     @property
     def real_rows_only(self) -> bool:
@@ -210,6 +213,7 @@ def loss_plan(model: keras.Model, specs: tuple, *, training: bool = True) -> Los
                      forward_kinds=tuple(_forward_kind(t, rows) for t in in_call),
                      batch_norm_calls=calls_of(layers, records),
                      has_grad=tuple(g is not None for g in grads),
+                     half=tuple(summed_in_float16(g) for g in grads),
                      sparse=any(isinstance(g, tf.IndexedSlices) and repeats_rows(g)
                                     for g in grads))
         return total
@@ -238,6 +242,7 @@ def loss_plan(model: keras.Model, specs: tuple, *, training: bool = True) -> Los
     plan = LossPlan(
         kinds=kinds, per_row=tuple(t.per_row for t in terms), folded=folded,
         forward_losses=facts["forward"], has_grad=facts["has_grad"], groups=tuple(groups),
+        half=facts["half"],
         weights=tuple(1.0 if f.weight is None else float(f.weight)
                       for f in _keras.flat_losses(model)),
         per_batch_losses=not all(t.per_example for t in terms),
@@ -289,6 +294,7 @@ def step_plan(model: keras.Model, specs: tuple) -> LossPlan:
         cache[key] = LossPlan(kinds=(WEIGHT,) * ratios, per_row=(None,) * ratios,
                               folded=(False,) * ratios, forward_losses=False,
                               has_grad=facts.has_grad, groups=facts.reading.groups,
+                              half=facts.half,
                               weights=(1.0,) * ratios, custom=facts,
                               sparse_gradients=facts.sparse_gradients,
                               batch_norm_calls=facts.batch_norm_calls)

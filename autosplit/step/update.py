@@ -336,10 +336,10 @@ class LargeBatchUpdate:
         local_rows = totals.rows
         if self.replicas.count > 1:
             totals = totals.summed_over_replicas(tf.distribute.get_replica_context())
-        loss, gradients, per_output = combine(model, self.plan, totals,
-                                              batch_size=self.batch_size,
-                                              scale=self.loss_scale(),
-                                              replicas=self.replicas.count)
+        loss, gradients, per_output = combine(
+            model, self.plan, totals, batch_size=self.batch_size, scale=self.loss_scale(),
+            replicas=self.replicas.count,
+            context=tf.distribute.get_replica_context() if self.replicas.count > 1 else None)
         pairs = [(g, v) for g, v in zip(gradients, model.trainable_variables, strict=True)
                  if g is not None]
         norms = self._gradient_norms(gradients)

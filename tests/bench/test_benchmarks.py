@@ -13,6 +13,7 @@ from benchmarks import (
     gpu_check,
     harness,
     memory_scaling,
+    overflow_check,
     overhead,
     probe_choices,
     probe_search,
@@ -258,6 +259,7 @@ def test_gpu_check_checks_growth_per_input_kind_and_speed():
     (step_costs, ["--quick", "--repeats", "0"]),
     (probe_choices, ["--quick", "--repeats", "0"]),
     (sequences, ["--quick", "--models", "bert"]),
+    (overflow_check, ["--quick", "--repeats", "0"]),
 ])
 def test_bad_flags_exit_before_anything_runs(module, argv):
     with pytest.raises(SystemExit, match="Expected"):

@@ -189,3 +189,16 @@ def test_probe_choices_quick_run_through_the_command_line(tmp_path):
     [speed] = report["speed"]
     assert speed["objective"] == "speed" and probe_choices.curve(speed)
     assert [c["id"] for c in report["checks"]] == ["same", "time", "speed-mlp 32"]
+
+
+@pytest.mark.slow
+def test_overflow_check_quick_run_restores_the_library(tmp_path):
+    import autosplit.step.contribution as contribution
+    from benchmarks import overflow_check
+
+    original = contribution.overflowed
+    assert overflow_check.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert contribution.overflowed is original  # switched off only inside its run
+    results = read(tmp_path, "overflow_check")["results"]
+    assert results["same_weights"] and results["skipped"] == 0
+    assert set(results["seconds_per_large_batch"]) == set(overflow_check.METHODS)

@@ -56,6 +56,17 @@ def test_mirrored_strategy_two_logical_cpus(tmp_path):
     assert 0 < pairs["padding_share"] < 1
 
 
+def test_mixed_float16_on_two_replicas_overflows_where_model_fit_does(tmp_path):
+    # Each replica's float16 gradients of its 64 rows overflow where model.fit's do under
+    # the same strategy: one decision for both, the same loss scale and iterations.
+    report = run_scenario("mixed", tmp_path)
+    for name in ("overflows", "small"):
+        case = report[name]
+        assert case["autosplit"] == case["model_fit"], case
+        assert case["error"] <= 2e-3, case
+    assert report["overflows"]["model_fit"][-1][1] < 8  # 2 epochs of 4: some skipped
+
+
 def test_called_inside_the_strategy_scope_trains_as_outside(tmp_path):
     """Users indent everything under `with strategy.scope():`, and model.fit works there:
     fit_large_batch (its validation too), probe, check and accumulate_gradients give what
