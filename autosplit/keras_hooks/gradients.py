@@ -70,6 +70,7 @@ class Split:
     calls: list = field(default_factory=list)
     parts: dict = field(default_factory=dict)  # key of a returned gradient -> {group: part}
     denominators: dict = field(default_factory=dict)  # ratio index -> its divisor
+    half: bool = False  # the model computes in float16: ratios differentiated as means
 
     def reading(self) -> Reading:
         return Reading(tuple(self.groups), tuple(self.calls))
@@ -199,8 +200,7 @@ def _answer(split: Split, tape, original, target, sources, kwargs) -> Any:
             by_group.setdefault(group, []).append(
                 (term.tensor, tf.cast(value, term.tensor.dtype)))
     flat_sources = tf.nest.flatten(sources)
-    per_group = {group: original(tape, [t for t, _ in pairs], flat_sources,
-                                 output_gradients=[w for _, w in pairs], **kwargs)
+    per_group = {group: _weighed(split, group, original, tape, pairs, flat_sources, kwargs)
                  for group, pairs in by_group.items()}
     answered: list = []
     for index in range(len(flat_sources)):
@@ -213,6 +213,29 @@ def _answer(split: Split, tape, original, target, sources, kwargs) -> Any:
         split.parts[_key(total)] = parts
         answered.append(total)
     return tf.nest.pack_sequence_as(sources, answered)
+
+
+def _weighed(split: Split, group: Any, original, tape, pairs: list, sources: list,
+             kwargs: dict) -> list:
+    """The gradients of ``pairs`` (tensors, each with its weight) of ``group``. Under
+    ``mixed_float16`` a ratio's are differentiated without its divisor (the micro-batch's
+    own mean, as large in float16 as the full batch's: its numerator's would overflow
+    where the full batch does not), then multiplied by it in float32."""
+    divisor = split.weight(group) if split.half and isinstance(group, tuple) else None
+    weights = [w if divisor is None else tf.math.divide_no_nan(w, tf.cast(divisor, w.dtype))
+               for _, w in pairs]
+    grads = original(tape, [t for t, _ in pairs], sources, output_gradients=weights, **kwargs)
+    if divisor is None:
+        return grads
+    return [None if g is None else _times(g, divisor) for g in grads]
+
+
+def _times(gradient: Any, factor: Any) -> Any:
+    """``gradient`` (dense or sparse) times a scalar ``factor``, in its dtype."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * tf.cast(factor, gradient.values.dtype),
+                                gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)
 
 
 def _reads_weights(tape, original, coefficient, sources) -> bool:
@@ -230,7 +253,8 @@ def split_gradients(model: keras.Model, rows: Any, batch_size: Any, static_rows:
     tapes are persistent (a loss of several groups takes one gradient per group) and their
     gradients of trainable variables are answered per group (:class:`Split`). ``rows``
     None: the throwaway trace. ``plain``: answered as they are, in one group ``PLAIN``."""
-    split = Split(model, rows, batch_size, static_rows, replay)
+    split = Split(model, rows, batch_size, static_rows, replay,
+                  half=getattr(model, "compute_dtype", "float32") == "float16")
     split.stop.update(t.op for t in tf.nest.flatten(inputs) if hasattr(t, "op"))
     original_init, original = tf.GradientTape.__init__, tf.GradientTape.gradient
 

@@ -336,19 +336,27 @@ def repeats_rows(gradient: tf.IndexedSlices) -> bool:
 
 
 def summed_in_float16(gradient: Any) -> bool:
-    """Whether the traced dense ``gradient`` of a float32 variable is a float16 tensor
-    cast up: a float16 layer's (``mixed_float16``), which sums it over the batch's rows
-    in float16 (a ``MatMul``'s, a ``BiasAddGrad``'s), so that a full batch overflows
-    where its micro-batches need not. Several uses of the variable add such casts up;
-    a float32 layer's gradient, BatchNormalization's and an Embedding's sparse one
-    (per occurrence of a row, never summed over rows) are not."""
+    """Whether the traced ``gradient`` of a float32 variable is a float16 tensor cast up:
+    a float16 layer's (``mixed_float16``), which sums it over the batch's rows in float16
+    (a ``MatMul``'s, a ``BiasAddGrad``'s), so that a full batch overflows where its
+    micro-batches need not; also a position embedding's sparse gradient, looked up at
+    fixed indices and so summed over every row. Several uses of a variable add up their
+    parts (checked on their sum: see ``autosplit.step.overflow``); a scalar factor (a
+    custom step's, a ratio's divisor) keeps it. Not: a float32 layer's gradient,
+    BatchNormalization's, a token Embedding's sparse one (per occurrence of a row, never
+    summed over rows), nor a recurrent layer's, which its loop adds up over time steps in
+    float32."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return evaluate(gradient.indices) is not None and summed_in_float16(gradient.values)
     if not isinstance(gradient, tf.Tensor) or not hasattr(gradient, "op"):
         return False
     op = gradient.op
-    while op.type == "Identity":
+    while op.type in ("Identity", "Reshape"):
         op = op.inputs[0].op
     if op.type in ("AddN", "AddV2", "Add"):
         return any(summed_in_float16(t) for t in op.inputs)
+    if op.type == "Mul" and any(t.shape.rank == 0 for t in op.inputs):  # times a scalar
+        return any(summed_in_float16(t) for t in op.inputs if t.shape.rank != 0)
     return op.type == "Cast" and op.inputs[0].dtype == tf.float16
 
 

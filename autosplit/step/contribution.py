@@ -102,8 +102,9 @@ def compute_contribution(model, plan: LossPlan, x, y, sample_weight, valid, *,
         y, y_pred, terms, in_call = forward(model, x, y, sample_weight, valid, stretch=stretch)
         rows = tf.reduce_sum(valid)
         in_call_mean, in_call_sum = forward_parts(in_call, plan.forward_summed)
-        objectives = []
+        objectives, divisors = [], []
         for group in plan.groups:
+            divisor = None
             if group == COUNT_GROUP:
                 # loss_plan folds a "count" loss only when its per_row is static (not None).
                 parts = [terms[j].numerator * (plan.weights[j] / (batch_size * plan.per_row[j]))  # type: ignore[operator]
@@ -118,9 +119,18 @@ def compute_contribution(model, plan: LossPlan, x, y, sample_weight, valid, *,
             else:
                 j = group[1]
                 parts = [terms[j].numerator * plan.weights[j]]
+                if any(plan.half):  # differentiated as the micro-batch's own ratio
+                    divisor = terms[j].denominator
+                    parts = [tf.math.divide_no_nan(parts[0], divisor)]
             objectives.append(tf.add_n(parts) * scale)
-    gradients = [[_dense_f32(g) for g in tape.gradient(objective, variables)]
-                 for objective in objectives]
+            divisors.append(divisor)
+    # Under mixed_float16 a ratio's gradient is the micro-batch's own mean's, as large in
+    # float16 as the full batch's (its numerator's, a sum over the micro-batch's tokens,
+    # is as many times larger and overflows where the full batch does not), times its
+    # divisor again in float32.
+    gradients = [[None if g is None else _dense_f32(g) if d is None else _dense_f32(g) * d
+                  for g in tape.gradient(objective, variables)]
+                 for objective, d in zip(objectives, divisors, strict=True)]
     del tape
     masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
     return Contribution(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
@@ -220,10 +230,13 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
     variables = model.trainable_variables
     n = totals.rows
     correction = tf.math.divide_no_nan(tf.constant(float(batch_size)), n)
-    gradients = _combined_gradients(variables, plan, totals, correction)
-    overflow = overflowed(gradients, plan.half, context)
+    # The float16 layers' gradients as the full batch sums them, without the weight
+    # penalties' (float32 there too): whether they overflow (None: nothing float16).
+    overflow = overflowed(_combined_gradients(variables, plan, totals, correction,
+                                              only=plan.half), plan.half, context)
     if plan.custom is not None:  # the step's own loss, regularisation included
-        return tf.constant(0.0), poisoned(gradients, overflow), []
+        return tf.constant(0.0), poisoned(
+            _combined_gradients(variables, plan, totals, correction), overflow), []
     with tf.GradientTape() as tape:
         # Counted once per large batch: each replica adds its 1/replicas share.
         regularization = weight_regularization(model) / replicas
@@ -231,21 +244,23 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
     loss, per_output = combined_loss(
         totals.numerators, totals.denominators, totals.forward, n, kinds=plan.kinds,
         weights=plan.weights, regularization=regularization * replicas)
-    # The weight penalties' gradients (float32 in the full batch too), added after.
-    for index, (variable, r) in enumerate(zip(variables, reg_grads, strict=True)):
-        if r is not None:
-            penalty = tf.cast(_dense_f32(r) * scale, variable.dtype)
-            g = gradients[index]
-            gradients[index] = penalty if g is None else g + penalty
+    regs = [None if g is None else _dense_f32(g) * scale for g in reg_grads]
+    gradients = _combined_gradients(variables, plan, totals, correction, regs or None)
     return loss, poisoned(gradients, overflow), per_output
 
 
-def _combined_gradients(variables, plan: LossPlan, totals: Totals, correction) -> list:
+def _combined_gradients(variables, plan: LossPlan, totals: Totals, correction,
+                        extra: list | None = None, only: tuple[bool, ...] | None = None
+                        ) -> list:
     """Per variable: its groups' gradient sums, each divided as its group divides (a
-    ``"count"`` group by the rows, a ``("deferred", j)`` by its denominator's sum), in
-    the variable's dtype."""
-    gradients = []
+    ``"count"`` group by the rows, a ``("deferred", j)`` by its denominator's sum), plus
+    ``extra`` (the weight regularisers' gradient), in the variable's dtype; with
+    ``only``, for the variables it marks (None for the others)."""
+    gradients: list = []
     for index, variable in enumerate(variables):
+        if only is not None and not (index < len(only) and only[index]):
+            gradients.append(None)
+            continue
         parts = []
         for group, sums in zip(plan.groups, totals.gradients, strict=True):
             g = sums[index]
@@ -256,6 +271,8 @@ def _combined_gradients(variables, plan: LossPlan, totals: Totals, correction) -
             elif group != SUM_GROUP:
                 g = tf.math.divide_no_nan(g, totals.denominators[group[1]])
             parts.append(g)
+        if extra is not None and extra[index] is not None:
+            parts.append(extra[index])
         gradients.append(tf.cast(tf.add_n(parts), variable.dtype) if parts else None)
     return gradients
 

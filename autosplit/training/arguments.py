@@ -176,6 +176,8 @@ def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
             f"each micro-batch of {rows} with its own statistics (ghost batch norm), "
             f"not the whole batch of {batch_size}, and gradients are exact for that "
             f"computation; {moving}.")
+    if accumulation_steps > 1:
+        _warn_recurrent_float16(model)
     if accumulation_steps > 1 and adds_losses:
         warn_user(
             "This model adds losses in call() (add_loss or activity regularizers). "
@@ -188,6 +190,22 @@ def warn_if_inexact(model: keras.Model, *, accumulation_steps: int, rows: int,
             "means, as a mixture of experts' load-balancing loss). Run "
             "autosplit.check(model, x, y, micro_batch_size=...) to compare with the full "
             "batch.")
+
+
+def _warn_recurrent_float16(model: keras.Model) -> None:
+    """Warn where a recurrent layer computes in float16: its overflow is not decided as
+    the full batch's (``autosplit.step.overflow``)."""
+    recurrent = [layer.name for layer in _keras.flatten_layers(model)
+                 if isinstance(layer, keras.layers.RNN) and layer.compute_dtype == "float16"]
+    if recurrent:
+        warn_user(
+            f"This model's recurrent layers ({', '.join(recurrent[:3])}) compute in float16 "
+            "(mixed_float16). The full batch's loop adds each time step's float16 gradient "
+            "sum over all its rows in float32, and overflows where one step's sum does; "
+            "autosplit's micro-batches sum fewer rows a step, and it cannot tell a step's "
+            "sum from their total: where one step would overflow the full batch and not a "
+            "micro-batch, it applies a large batch that model.fit skips, and the loss scale "
+            "takes another path from there.")
 
 
 # ---------------------------------------------------------------- fit_large_batch's
