@@ -8,6 +8,7 @@ files (weights) in DIR.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import os
@@ -200,10 +201,11 @@ def cnn_under_the_cap(folder):
     write_result(report)
 
 
-def tokens_under_the_cap(folder):
+def tokens_under_the_cap(folder, jit_compile=False):
     """A causal attention LM over heavy-tailed lengths, whose whole large batch at its
     longest rows does not fit the cap: the probe finds a token budget by trials under
-    it, and training runs in micro-batches of that budget. The model as built and the
+    it, and training runs in micro-batches of that budget (under XLA with
+    ``jit_compile``, as a GPU's compile() resolves "auto"). The model as built and the
     rows are saved, for model.fit's reference in the parent."""
     vocab, width = 64, 32
     r = np.random.default_rng(0)
@@ -217,7 +219,8 @@ def tokens_under_the_cap(folder):
     hidden = keras.layers.Add()([embedded, attended])
     model = keras.Model(tokens, keras.layers.Dense(vocab)(hidden))
     model.compile(keras.optimizers.SGD(0.1),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit_compile)
     model.save(os.path.join(folder, "initial.keras"))
     np.savez(os.path.join(folder, "rows.npz"), *seqs)
     data = tf.data.Dataset.from_generator(
@@ -244,5 +247,6 @@ def tokens_under_the_cap(folder):
 if __name__ == "__main__":
     scenarios = {"probe": probe_then_check, "recover": recover_from_real_oom,
                  "nothing": nothing_fits, "kinds": input_kinds, "cnn": cnn_under_the_cap,
-                 "tokens": tokens_under_the_cap}
+                 "tokens": tokens_under_the_cap,
+                 "tokens_xla": functools.partial(tokens_under_the_cap, jit_compile=True)}
     scenarios[sys.argv[1]](sys.argv[2] if len(sys.argv) > 2 else ".")

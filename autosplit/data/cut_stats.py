@@ -29,7 +29,8 @@ def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None
     (no step runs); None for an input read once (a generator) or without lengths. A row's
     tokens are its lengths (``example_lengths.group_lengths``), summed over an example's
     lengths, its cells the micro-batch's padded lengths (arrays padded at their front are
-    read so where cut by length, which knows it)."""
+    read so where cut by length, which knows it), times its real rows (under XLA's
+    buckets, every row of its shape)."""
     cut = pipeline.cut
     lengths = cut.lengths if cut.lengths is not None else pipeline.adapter.lengths()
     if not pipeline.adapter.reiterable or lengths is None or lengths.number == 0:
@@ -37,7 +38,7 @@ def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None
     pre = cut.padded is not None and cut.padded.pre
     read = pieces = real = cells = 0
     left = None if pipeline.tokens else pipeline.elements(0)  # of this large batch
-    for x, y, w, valid in pipeline.dataset(autotune=False):
+    for x, y, w, valid in pipeline.dataset(autotune=False, counted=False):
         if is_end_marker((valid,)):  # with tokens, a large batch's end
             read += 1
         else:
@@ -48,7 +49,9 @@ def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None
             rows = valid > 0
             real += int(tf.reduce_sum(tf.boolean_mask(group_lengths(leaves, lengths, pre=pre),
                                                       rows)))
-            count = int(tf.reduce_sum(tf.cast(rows, tf.int64)))
+            # Under XLA's buckets every row of the shape is computed, copies included.
+            count = int(tf.size(valid)) if cut.buckets else int(tf.reduce_sum(
+                tf.cast(rows, tf.int64)))
             cells += count * sum(int(tf.shape(leaves[lengths.members(g)[0]])[
                 lengths.axes[lengths.members(g)[0]]]) for g in range(lengths.number))
             pieces += 1

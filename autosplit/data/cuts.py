@@ -8,9 +8,12 @@ corpus. Sorted by length first (:func:`cut_by_length`), the short rows share
 micro-batches and the long ones theirs, and every part of a micro-batch is padded only to
 its own longest row in its own length (``autosplit.data.example_lengths``): a source to
 the micro-batch's longest source, its target to its longest target. Under XLA, which
-compiles a program per shape, each length is rounded up to a multiple of
-:data:`LENGTH_MULTIPLE`: a bounded number of programs. A step that is not XLA's takes any
-length without tracing again, and pads no further.
+compiles a program per shape, each length is rounded up to its bucket
+(``example_lengths.LENGTH_BUCKETS``: 16 up to 512), and in tokens (coarser buckets,
+``TOKEN_BUCKETS``: 9 up to 512) each micro-batch's rows to what the budget holds at those
+lengths or half that, with copies of its last row that weigh nothing: a bounded set of
+programs whatever the data (:meth:`Cut.programs`). A step that
+is not XLA's takes any length without tracing again, and pads no further.
 
 That is exact only for a model whose losses and gradients ignore padding
 (``autosplit.step.padding`` checks it), and only if every denominator that counts padded
@@ -30,14 +33,12 @@ from typing import Any, Literal, NamedTuple
 
 import tensorflow as tf
 
-from autosplit.data.example_lengths import Lengths, Padded, round_up, row_costs
-from autosplit.data.packing import Packing, token_pieces
+from autosplit.data.example_lengths import Lengths, Padded, bucket_up, buckets_to, row_costs
+from autosplit.data.packing import Packing, padded_row_count, rows_within, token_pieces
 from autosplit.data.split import Piece
 
-__all__ = ["LENGTH_MULTIPLE", "Cut", "CutBy", "Trimmed", "cut_by_length", "cut_rows_by_length",
+__all__ = ["Cut", "CutBy", "Trimmed", "cut_by_length", "cut_rows_by_length",
            "inputs_of", "pad_to_longest", "trim"]
-
-LENGTH_MULTIPLE = 8  # under XLA, padded lengths are multiples of this: few programs
 
 CutBy = Literal["rows", "longest", "length", "tokens"]
 
@@ -58,7 +59,7 @@ class Cut(NamedTuple):
     by: CutBy = "rows"
     why: str | None = None  # FitReport.padding: how and why; None for rows of one shape
     lengths: Lengths | None = None  # the lengths of an example, where it has any
-    multiple: int = 1  # each length rounded up to a multiple of this (XLA)
+    buckets: bool = False  # XLA: lengths rounded up to buckets, rows in tokens padded
     padded: Padded | None = None  # arrays of one shape that hold padded sequences
     tokens: int | None = None  # with by="tokens": the budget (None: the probe finds it)
     packing: Packing = "least_work"
@@ -70,6 +71,29 @@ class Cut(NamedTuple):
     def sorted(self) -> bool:
         """Whether each large batch's rows are sorted by length (``"length"``, ``"tokens"``)."""
         return self.by in ("length", "tokens")
+
+    def programs(self, longest: int | tuple[int, ...]) -> int | None:
+        """With ``buckets``, the most shapes of micro-batch, so programs XLA compiles,
+        on lengths up to ``longest`` (one per length group): every combination of a
+        bucket per length (and the arrays' own length, below its bucket); in tokens,
+        times the two row counts each takes. In rows, each micro-batch has ``rows``
+        rows, padding included; a model that averages on its own (a custom step, a
+        loss added in call()) is given its real rows only, so a short micro-batch
+        compiles once more per bucket. None without buckets.
+
+        >>> Cut("tokens", buckets=True, tokens=4096).programs(512)
+        18
+        >>> rows = Cut("length", buckets=True)
+        >>> rows.programs(512), rows.programs((60, 60))
+        (16, 49)
+        """
+        if not self.buckets:
+            return None
+        tokens = self.by == "tokens"
+        most = 2 if tokens else 1
+        for length in (longest,) if isinstance(longest, int) else longest:
+            most *= buckets_to(length, tokens) + (self.padded is not None)
+        return most
 
 
 class Trimmed(NamedTuple):
@@ -208,10 +232,11 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
                   own_lengths: bool, cap: int | None = None) -> tf.data.Dataset:
     """The kept pieces of ``pattern`` from every large batch of ``ds`` (batches of rows,
     of any size), each large batch's kept rows sorted by what they cost
-    (``example_lengths.row_costs``) first; each piece ``(rows, stretch)``, each of its
-    parts padded with zeros to the piece's longest row in the part's length, rounded up
-    to ``cut.multiple`` (at most the large batch's longest), ``stretch`` per model output
-    the large batch's length over that (:class:`Trimmed`).
+    (``example_lengths.row_costs``) first; each piece ``(rows, stretch, valid)``, each of
+    its parts padded with zeros to the piece's longest row in the part's length (at most
+    the large batch's longest; under XLA its bucket, see :func:`_sorted_pieces`),
+    ``stretch`` per model output the large batch's length over that (:class:`Trimmed`),
+    ``valid`` 1.0 per real row.
 
     The large batch's length, in each of an example's lengths, is its longest row's: as
     the row comes with ``own_lengths`` (``InputAdapter.own_lengths``), else as long as
@@ -250,7 +275,7 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
         longest = tf.reduce_max(tf.stack(given, axis=1) if own_lengths else real_lengths,
                                 axis=0)
 
-        def piece(index, length, stretch):
+        def piece(index, length, stretch, valid):
             def take(i, t):
                 found = lengths.of(i)
                 if found is None:
@@ -263,7 +288,7 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
                 return _back(dense, found[0])
 
             return tf.nest.pack_sequence_as(structure, [take(i, t) for i, t in enumerate(
-                leaves)]), stretch
+                leaves)]), stretch, valid
 
         return _sorted_pieces(real_lengths, n, longest, bounds, cut, cap).map(piece)
 
@@ -292,9 +317,9 @@ def trim(rows: Any, padded: Padded, length: tf.Tensor) -> Any:
 def cut_rows_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
                        cap: int | None = None) -> tf.data.Dataset:
     """:func:`cut_by_length` for batches of row numbers (arrays, gathered later): each
-    kept piece ``(row numbers, length, stretch)``, the rows of each large batch sorted
-    by their length in ``cut.padded``, its length the longest rounded up to
-    ``cut.multiple`` (at most the arrays'), ``stretch`` the arrays' length over it."""
+    kept piece ``(row numbers, length, stretch, valid)``, the rows of each large batch
+    sorted by their length in ``cut.padded``, its length the longest (under XLA its
+    bucket), at most the arrays', ``stretch`` the arrays' length over it."""
     padded = cut.padded
     assert padded is not None
     period = sum(p.rows for p in pattern)
@@ -304,9 +329,9 @@ def cut_rows_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
 
     def pieces(numbers):
         n = tf.size(numbers, out_type=tf.int64)
-        return _sorted_pieces(tf.gather(table, numbers)[:, None], n, full, bounds, cut,
-                              cap).map(lambda index, length, stretch: (
-                                  tf.gather(numbers, index), length[0], stretch))
+        return _sorted_pieces(tf.gather(table, numbers)[:, None], n, full, bounds, cut, cap,
+                              static_longest=True).map(lambda index, length, stretch, valid: (
+                                  tf.gather(numbers, index), length[0], stretch, valid))
 
     return ds.unbatch().batch(period).flat_map(pieces)
 
@@ -324,33 +349,51 @@ def _kept_bounds(pattern: list[Piece]) -> tuple[tf.Tensor, tf.Tensor, int, int]:
 
 def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
                    bounds: tuple[tf.Tensor, tf.Tensor, int, int], cut: Cut,
-                   cap: int | None = None) -> tf.data.Dataset:
+                   cap: int | None = None, *, static_longest: bool = False
+                   ) -> tf.data.Dataset:
     """The kept pieces of a large batch of ``n`` rows whose lengths are ``lengths``
     (rows, groups): its kept rows sorted by cost, each piece ``(positions, lengths,
-    stretch)`` for those that start before row ``n``; its lengths its rows' longest in
-    each group rounded up to ``cut.multiple``, at most ``longest`` (the large batch's),
-    ``stretch`` per model output ``longest`` over it in the output's group. With
-    ``cut.tokens``, the pieces are :func:`token_pieces`' (of at most ``cap`` rows)
+    stretch, valid)`` for those that start before row ``n``; its lengths its rows'
+    longest in each group, at most ``longest`` (the large batch's), ``stretch`` per
+    model output ``longest`` over it in the output's group, ``valid`` 1.0 per real row.
+
+    With ``cut.buckets`` (XLA) each length is rounded up to its bucket, capped only at a
+    ``static_longest`` (the arrays'): the large batch's own longest would be a shape,
+    and a program, per large batch. In tokens each piece's positions are then padded to
+    the rows the budget holds at its lengths with copies of its last (``valid`` 0.0).
+    With ``cut.tokens``, the pieces are :func:`token_pieces`' (of at most ``cap`` rows)
     instead of ``bounds``'."""
     starts, ends, first, last = bounds
     end = tf.minimum(tf.constant(last, tf.int64), n)
     longest = tf.maximum(longest, 1)  # a length whose every part is zeros: one column
     order = first + tf.cast(tf.argsort(row_costs(lengths[first:end]), stable=True), tf.int64)
     groups = int(lengths.shape[1])
+    padded_rows = cut.buckets and cut.tokens is not None
 
     def length_of(most):
-        return tf.minimum(round_up(tf.maximum(most, 1), cut.multiple), longest)
+        most = tf.maximum(most, 1)
+        if not cut.buckets:
+            return tf.minimum(most, longest)
+        rounded = bucket_up(most, cut.tokens is not None)
+        return tf.minimum(rounded, longest) if static_longest else rounded
 
     def piece(a, b):
         index = order[a - first:tf.minimum(b, n) - first]
         length = length_of(tf.reduce_max(tf.gather(lengths, index), axis=0))
+        real = tf.size(index, out_type=tf.int64)
+        if padded_rows:
+            assert cut.tokens is not None
+            rows = padded_row_count(real, rows_within(cut.tokens, tf.reduce_sum(length), cap))
+            index = tf.gather(index, tf.minimum(tf.range(rows), real - 1))
+        valid = tf.cast(tf.range(tf.size(index, out_type=tf.int64)) < real, tf.float32)
         ratio = tf.cast(longest, tf.float32) / tf.cast(length, tf.float32)
         stretch = tf.stack([tf.constant(1.0) if g is None or g >= groups else ratio[g]
                             for g in cut.outputs]) if cut.outputs else tf.zeros([0])
-        return index, length, tf.tile(stretch[None, :], tf.stack([tf.size(index), 1]))
+        return index, length, tf.tile(stretch[None, :], tf.stack([tf.size(index), 1])), valid
 
     if cut.tokens is not None:
         sorted_lengths = length_of(tf.gather(lengths, order))
-        starts, ends = token_pieces(sorted_lengths, cut.tokens, cap, cut.packing)
+        starts, ends = token_pieces(sorted_lengths, cut.tokens, cap, cut.packing,
+                                    padded_rows=padded_rows)
         return tf.data.Dataset.from_tensor_slices((first + starts, first + ends)).map(piece)
     return tf.data.Dataset.from_tensor_slices((starts, ends)).filter(lambda a, b: a < n).map(piece)

@@ -20,6 +20,8 @@ of one shape that hold padded sequences, at the front or at the end, are
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -27,8 +29,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["Lengths", "Padded", "costliest_row", "group_lengths", "lengths_of", "padded_lengths",
-           "padded_sequences", "round_up", "row_costs", "tie"]
+__all__ = ["LENGTH_BUCKETS", "TOKEN_BUCKETS", "Lengths", "Padded", "bucket_up", "buckets_to",
+           "costliest_row", "group_lengths", "lengths_of", "padded_lengths", "padded_sequences",
+           "round_up", "row_costs", "tie"]
 
 _PARTS = ("x", "y", "sample_weight")
 
@@ -156,6 +159,47 @@ def round_up(n: Any, multiple: int) -> Any:
     return (n + multiple - 1) // multiple * multiple
 
 
+def _buckets(growth: float, limit: int = 2**24) -> tuple[int, ...]:
+    found = [8]
+    while found[-1] < limit:
+        found.append(round_up(math.ceil(found[-1] * growth), 8))
+    return tuple(found)
+
+
+# Under XLA, which compiles a program per shape, a micro-batch's every length is rounded
+# up to a bucket (tensor2tensor's geometric buckets, on multiples of 8): each the next
+# multiple of 8 at least ``growth`` times the last. Rows cut by length take
+# LENGTH_BUCKETS (8, 16, 24, 32, 40, 56, 72, 96, 120, ..., 1.25x: a length padded by at
+# most a quarter past the first few; 16 up to 512). Micro-batches in tokens also round
+# their rows, to two counts per length (``autosplit.data.cuts``), so they take coarser
+# ones, TOKEN_BUCKETS (8, 16, 32, 56, 96, 160, 256, 416, ..., 1.6x; 9 up to 512): as
+# few programs as the rows cut for less padding than one row count per length would
+# leave (measured in ``benchmarks/README.md``).
+LENGTH_BUCKETS = _buckets(1.25)
+TOKEN_BUCKETS = _buckets(1.6)
+
+
+def bucket_up(n: Any, tokens: bool = False) -> Any:
+    """The least of :data:`LENGTH_BUCKETS` (``tokens``: :data:`TOKEN_BUCKETS`) at least
+    ``n`` (an int, or an int64 tensor of any shape); past the last, ``n`` itself."""
+    buckets = TOKEN_BUCKETS if tokens else LENGTH_BUCKETS
+    if isinstance(n, (int, np.integer)):
+        at = bisect.bisect_left(buckets, int(n))
+        return buckets[at] if at < len(buckets) else int(n)
+    n = tf.convert_to_tensor(n, tf.int64)
+    table = tf.constant(buckets, tf.int64)
+    flat = tf.reshape(n, [-1])
+    at = tf.searchsorted(table, flat, side="left", out_type=tf.int64)
+    found = tf.where(at < len(buckets), tf.gather(table, tf.minimum(at, len(buckets) - 1)), flat)
+    return tf.reshape(found, tf.shape(n))
+
+
+def buckets_to(longest: int, tokens: bool = False) -> int:
+    """How many buckets (:func:`bucket_up`'s) a length of up to ``longest`` may take."""
+    return bisect.bisect_left(TOKEN_BUCKETS if tokens else LENGTH_BUCKETS,
+                              max(int(longest), 1)) + 1
+
+
 def row_costs(lengths: tf.Tensor) -> tf.Tensor:
     """What each row of ``lengths`` (rows, groups) costs a micro-batch: the sum of its
     lengths, the cells of its every part (a pair's source and target)."""
@@ -163,15 +207,19 @@ def row_costs(lengths: tf.Tensor) -> tf.Tensor:
 
 
 def costliest_row(sample: tuple, lengths: Lengths | None, padded: Padded | None,
-                  multiple: int = 1) -> int:
+                  buckets: bool = False, tokens: bool = False) -> int:
     """What the costliest row of ``sample`` (``(x, y, sample_weight)`` padded to its
     longest, as ``InputAdapter.sample`` gives it) costs (:func:`row_costs`), each length
-    rounded up to ``multiple``; for arrays that hold ``padded`` sequences, their longest."""
+    rounded up to its bucket where ``buckets`` (XLA; ``tokens``: a cut in tokens'); for
+    arrays that hold ``padded`` sequences, their longest."""
+    def rounded(n):
+        return bucket_up(n, tokens) if buckets else n
+
     if padded is not None:
-        return int(round_up(max(int(padded.lengths.max()), 1), multiple))
+        return int(min(rounded(max(int(padded.lengths.max()), 1)), padded.length))
     assert lengths is not None, "sequences that are not arrays have their lengths"
     leaves = tf.nest.flatten(tuple(() if part is None else part for part in sample))
-    found = round_up(tf.maximum(group_lengths(leaves, lengths), 1), multiple)
+    found = rounded(tf.maximum(group_lengths(leaves, lengths), 1))
     return max(int(tf.reduce_max(row_costs(found))), 1)
 
 

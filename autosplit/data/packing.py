@@ -13,7 +13,7 @@ from typing import Literal
 
 import tensorflow as tf
 
-__all__ = ["STEP_COST", "Packing", "token_pieces"]
+__all__ = ["STEP_COST", "Packing", "padded_row_count", "rows_within", "token_pieces"]
 
 Packing = Literal["least_work", "fullest"]
 # A micro-step's own cost (the loop's turn, the pull, adding its gradients), in the
@@ -25,7 +25,8 @@ _BLOCKS = 1024
 
 
 def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
-                 packing: Packing = "least_work") -> tuple[tf.Tensor, tf.Tensor]:
+                 packing: Packing = "least_work", *, padded_rows: bool = False
+                 ) -> tuple[tf.Tensor, tf.Tensor]:
     """The (starts, ends) of pieces of rows sorted by what they cost, whose padded
     ``lengths`` are (rows, lengths per example), each of at most ``cap`` rows and of up
     to ``tokens`` tokens (or one row): :func:`_least_work` or :func:`_fullest`.
@@ -34,11 +35,16 @@ def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
     the first two a trial step pulls (``autosplit.search.trials``) are the two ends,
     where the memory per token is highest (under attention, and with costs per row).
     Last comes an empty piece, ``(n, n)``: the large batch's end, whose element has no
-    row (``autosplit.data.pipeline.is_end_marker``). Lengths of rank 1 are one length."""
+    row (``autosplit.data.pipeline.is_end_marker``). Lengths of rank 1 are one length.
+
+    ``padded_rows``: each piece is padded to the rows the budget holds at its lengths,
+    or half that (:func:`padded_row_count`: XLA's shapes, ``autosplit.data.cuts``), so it
+    costs those rows, not its own, for the least work."""
     if lengths.shape.rank == 1:
         lengths = lengths[:, None]
     n = tf.shape(lengths, out_type=tf.int64)[0]
-    pieces = (_fullest if packing == "fullest" else _least_work)(lengths, n, tokens, cap)
+    pieces = (_fullest(lengths, n, tokens, cap) if packing == "fullest"
+              else _least_work(lengths, n, tokens, cap, padded_rows))
     count = tf.shape(pieces)[0]
     order = tf.concat([tf.range(tf.minimum(count, 1)),
                        tf.range(tf.maximum(count - 1, 0), 0, -1)], 0)
@@ -46,10 +52,24 @@ def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
     return pieces[:, 0], pieces[:, 1]
 
 
-def _rows_within(tokens: int, cost: tf.Tensor, cap: int | None) -> tf.Tensor:
+def rows_within(tokens: int, cost: tf.Tensor, cap: int | None) -> tf.Tensor:
     """The most rows of ``cost`` each a piece holds: ``tokens // cost``, in [1, cap]."""
     rows = tf.maximum(tokens // cost, 1)
     return rows if cap is None else tf.minimum(rows, cap)
+
+
+def padded_row_count(real: tf.Tensor, most: tf.Tensor) -> tf.Tensor:
+    """Under XLA, the rows a piece of ``real`` rows is padded to, where the budget holds
+    ``most`` at its lengths: ``most``, or half of it (rounded up) for a piece that fits
+    there; 0 for none. Two shapes per length: a bounded set of programs, and a short
+    piece pads at most as many rows as it holds.
+
+    >>> [int(padded_row_count(tf.constant(n, tf.int64), tf.constant(9, tf.int64)))
+    ...  for n in (0, 1, 5, 6, 9)]
+    [0, 5, 5, 9, 9]
+    """
+    half = (most + 1) // 2
+    return tf.where(real > half, most, tf.where(real > 0, half, tf.zeros_like(real)))
 
 
 def _table(lengths: tf.Tensor) -> tf.Tensor | None:
@@ -72,18 +92,24 @@ def _table(lengths: tf.Tensor) -> tf.Tensor | None:
     return table.stack()
 
 
-def _costs(lengths: tf.Tensor, table: tf.Tensor | None, end: tf.Tensor, at: tf.Tensor
-           ) -> tf.Tensor:
+def _costs(lengths: tf.Tensor, table: tf.Tensor | None, end: tf.Tensor, at: tf.Tensor,
+           padded: tuple[int, int | None] | None = None) -> tf.Tensor:
     """What each piece ``[at[i], end)`` costs: its rows times the sum of its longest
-    lengths (:func:`_table`'s two lookups per piece)."""
+    lengths (:func:`_table`'s two lookups per piece); with ``padded`` = (tokens, cap),
+    the rows the budget holds at those lengths instead of its own."""
+    def cells(width):
+        if padded is None:
+            return (end - at) * width
+        return padded_row_count(end - at, rows_within(padded[0], width, padded[1])) * width
+
     if table is None:  # one length: a piece's longest row is its last
-        return (end - at) * lengths[end - 1, 0]
+        return cells(tf.broadcast_to(lengths[end - 1, 0], tf.shape(at)))
     level = tf.cast(tf.math.floor(tf.math.log(tf.cast(end - at, tf.float64) + 0.5)
                                   / tf.math.log(tf.constant(2.0, tf.float64))), tf.int64)
     width = tf.bitwise.left_shift(tf.ones_like(level), level)
     longest = tf.maximum(tf.gather_nd(table, tf.stack([level, at], 1)),
                          tf.gather_nd(table, tf.stack([level, end - width], 1)))
-    return (end - at) * tf.reduce_sum(longest, axis=1)
+    return cells(tf.reduce_sum(longest, axis=1))
 
 
 def _fullest(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None) -> tf.Tensor:
@@ -92,7 +118,7 @@ def _fullest(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None) -> 
     table = _table(lengths)
 
     def body(end, found):
-        most = tf.minimum(_rows_within(tokens, tf.reduce_sum(lengths[end - 1]), cap), end)
+        most = tf.minimum(rows_within(tokens, tf.reduce_sum(lengths[end - 1]), cap), end)
         at = tf.range(end - most, end)
         fits = _costs(lengths, table, end, at) <= tokens  # every start after one fits
         rows = tf.maximum(tf.reduce_sum(tf.cast(fits, tf.int64)), 1)
@@ -104,8 +130,8 @@ def _fullest(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None) -> 
     return tf.reshape(found.stack(), [-1, 2])
 
 
-def _least_work(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None
-                ) -> tf.Tensor:
+def _least_work(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None,
+                padded_rows: bool = False) -> tf.Tensor:
     """Pieces (start, end), longest first, that feed the fewest cells plus ``STEP_COST``
     budgets per piece, each within the budget (a shortest path over the boundaries).
 
@@ -117,7 +143,7 @@ def _least_work(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None
     longest = tf.reduce_sum(tf.reduce_max(tf.concat(
         [lengths, tf.ones([1, tf.shape(lengths)[1]], lengths.dtype)], 0), axis=0))
     block = tf.clip_by_value((n + _BLOCKS - 1) // _BLOCKS, 1,
-                             _rows_within(tokens, longest, cap))
+                             rows_within(tokens, longest, cap))
     blocks = (n + block - 1) // block
     at = tf.maximum(n - (blocks - tf.range(blocks + 1, dtype=tf.int64)) * block, 0)
     step = tf.constant(int(tokens * STEP_COST), tf.int64)
@@ -126,13 +152,16 @@ def _least_work(lengths: tf.Tensor, n: tf.Tensor, tokens: int, cap: int | None
 
     def body(t, cost, back):
         end = at[t]
-        first = end - _rows_within(tokens, tf.reduce_sum(lengths[end - 1]), cap)
+        first = end - rows_within(tokens, tf.reduce_sum(lengths[end - 1]), cap)
         start = tf.minimum(tf.searchsorted(at, tf.reshape(first, [1]), side="left",
                                            out_type=tf.int64)[0], t - 1)
         starts = tf.range(start, t)
         cells = _costs(lengths, longest_of, end, tf.gather(at, starts))
         # One block always fits; more must fit the budget (with one length they do).
-        cells = tf.where((cells <= tokens) | (starts == t - 1), cells, never)
+        fits = (cells <= tokens) | (starts == t - 1)
+        if padded_rows:
+            cells = _costs(lengths, longest_of, end, tf.gather(at, starts), (tokens, cap))
+        cells = tf.where(fits, cells, never)
         options = cost.gather(tf.cast(starts, tf.int32)) + cells + step
         best = tf.argmin(options, output_type=tf.int64)
         return t + 1, cost.write(tf.cast(t, tf.int32), options[best]), back.write(

@@ -40,6 +40,7 @@ from autosplit.data.layout import ALONE, Layout
 from autosplit.data.sharded import SHARE_ELEMENTS, cut_shares
 from autosplit.data.split import Piece, piece_pattern
 from autosplit.data.structure import none_to_empty
+from autosplit.data.xla_shapes import Shapes
 
 __all__ = ["MicroBatches", "elements_per_batch", "end_marker", "host_autotune",
            "is_end_marker", "release", "skip_to_end_marker"]
@@ -112,21 +113,24 @@ def _element(*piece: Any, materialize, rows: int, row_numbers: bool, all_real: b
 
 
 @tf.autograph.experimental.do_not_convert
-def _trimmed_element(piece: Any, stretch: tf.Tensor, *, materialize, rows: int | None
-                     ) -> tuple:
+def _trimmed_element(piece: Any, stretch: tf.Tensor, valid: tf.Tensor, *, materialize,
+                     rows: int | None) -> tuple:
     """:func:`_element` of a piece cut by length (``cuts.cut_by_length``): its inputs
-    as a :class:`Trimmed` with their stretch."""
-    (padded, stretch), valid = _pad_rows((piece, stretch), rows)
+    as a :class:`Trimmed` with their stretch (rows None: as the piece comes, its own
+    ``valid``, which marks the rows XLA's shapes padded it with)."""
+    (padded, stretch), padded_valid = _pad_rows((piece, stretch), rows)
+    valid = valid if rows is None else padded_valid
     x, y, w = materialize(padded)
     return Trimmed(x, stretch), none_to_empty(y), none_to_empty(w), valid
 
 
 @tf.autograph.experimental.do_not_convert
-def _trimmed_rows(numbers: tf.Tensor, length: tf.Tensor, stretch: tf.Tensor, *, materialize,
-                  rows: int | None, padded: Padded) -> tuple:
+def _trimmed_rows(numbers: tf.Tensor, length: tf.Tensor, stretch: tf.Tensor, valid: tf.Tensor,
+                  *, materialize, rows: int | None, padded: Padded) -> tuple:
     """:func:`_trimmed_element` of a piece of row numbers (``cuts.cut_rows_by_length``):
     the rows gathered, then cut to the piece's length."""
-    (numbers, stretch), valid = _pad_rows((numbers, stretch), rows, row_numbers=True)
+    (numbers, stretch), padded_valid = _pad_rows((numbers, stretch), rows, row_numbers=True)
+    valid = valid if rows is None else padded_valid
     x, y, w = trim(materialize(numbers), padded, length)
     return Trimmed(x, stretch), none_to_empty(y), none_to_empty(w), valid
 
@@ -217,18 +221,24 @@ class MicroBatches:
             ``"rows"``/``"longest"``: as its rows come, each micro-batch padded to its
             large batch's longest row where rows vary in shape. ``"length"``: its rows
             sorted by length and each micro-batch padded to its own longest row in
-            each of an example's lengths, rounded up to a multiple of ``cut.multiple``,
-            for a model that ignores padding; its inputs then come as
+            each of an example's lengths (under XLA, ``cut.buckets``, rounded up to its
+            bucket), for a model that ignores padding; its inputs then come as
             ``cuts.Trimmed``. ``"tokens"``: the same in micro-batches of up to
             ``cut.tokens`` tokens and ``rows`` rows, as many as a large batch needs,
             then an element with no row that ends it (``is_end_marker``): elements have
-            no static row count, and none is padding.
+            no static row count, and none is padding but for XLA's, which pads each
+            micro-batch's rows to what the budget holds at its lengths.
+        shapes: where the shapes given are counted, under ``cut.buckets`` (None: a
+            :class:`Shapes` of its own).
     """
 
     def __init__(self, adapter: InputAdapter, batch_size: int, rows: int,
-                 where: Layout = ALONE, *, cut: Cut | None = None) -> None:
+                 where: Layout = ALONE, *, cut: Cut | None = None,
+                 shapes: Shapes | None = None) -> None:
         self.adapter = adapter
         self.cut = Cut() if cut is None else cut
+        # Under XLA's buckets, the shapes training gives its step (FitReport.programs)
+        self.shapes = shapes if shapes is not None or not self.cut.buckets else Shapes()
         self.where = where
         self.batch_size = batch_size
         self.rows = rows
@@ -244,7 +254,7 @@ class MicroBatches:
         # (None or (shuffle seed, repeat), autotune) -> the elements of an epoch
         self._cuts: dict = {}
         self._epochs: dict = {}  # (shuffle seed, repeat) -> the epoch the next iteration cuts
-        self._datasets: dict = {}  # (repeat, seed, marked, autotune) -> ready to iterate
+        self._datasets: dict = {}  # (repeat, seed, marked, autotune, counted) -> ready to iterate
 
     def all_real(self) -> bool:
         """Whether every element holds ``rows`` real rows, none of padding: the input
@@ -252,7 +262,7 @@ class MicroBatches:
         ``rows`` rows, on one local replica. The train step then drops no padding
         before the metrics (``TrainStep.rebind``): no ``tf.cond`` per micro-batch."""
         if self.tokens:
-            return self.local_replicas == 1
+            return self.local_replicas == 1 and not self.cut.buckets
         rows = None if self.adapter.shares else self.adapter.rows
         return (rows is not None and rows % self.batch_size == 0 and self.local_replicas == 1
                 and all(p.rows == self.rows for p in self.pattern if p.keep))
@@ -283,8 +293,8 @@ class MicroBatches:
                                   self.local_replicas)
 
     def dataset(self, *, repeat: bool = False, shuffle_seed: int | None = None,
-                epoch: int = 0, marked: bool = False, autotune: bool | None = None
-                ) -> tf.data.Dataset:
+                epoch: int = 0, marked: bool = False, autotune: bool | None = None,
+                counted: bool = True) -> tf.data.Dataset:
         """The micro-batch elements of one epoch (or, with ``repeat``, of endless epochs).
 
         Repeating after the cut restarts the pattern with every epoch, so a short last
@@ -305,12 +315,14 @@ class MicroBatches:
         length only its end tells: the step stops a large batch at the marker.
 
         ``autotune`` turns ``tf.data``'s autotuning on or off for the whole pipeline,
-        the input's own stages included; None: :func:`host_autotune`.
+        the input's own stages included; None: :func:`host_autotune`. ``counted``: the
+        shapes pulled count in :attr:`shapes` (a read on the host, ``cut_stats``, does not).
         """
         autotune = host_autotune() if autotune is None else autotune
         if not self.adapter.shuffles:
             shuffle_seed = None
-        key = (repeat, shuffle_seed, marked, autotune)
+        counted = counted and self.shapes is not None
+        key = (repeat, shuffle_seed, marked, autotune, counted)
         # The cut: one per seed and repeat (a repeated iterator's epochs must not move
         # with another's), its epoch a variable, so that rereading the data (each epoch
         # a new iterator, with steps_per_epoch) builds nothing new: a cut per epoch,
@@ -340,7 +352,11 @@ class MicroBatches:
                 options.autotune.enabled = autotune
                 if not self.adapter.graph_rewrites:
                     options.experimental_optimization.apply_default_optimizations = False
-                self._datasets[key] = ds.with_options(options).prefetch(_PREFETCH)
+                ds = ds.with_options(options).prefetch(_PREFETCH)
+                if counted:
+                    assert self.shapes is not None
+                    ds = ds.map(self.shapes.record)
+                self._datasets[key] = ds
         return self._datasets[key]
 
     def _build(self, *, shuffle_seed: int | None, epoch: int | tf.Variable,

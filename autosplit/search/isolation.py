@@ -76,10 +76,11 @@ class IsolatedTrials:
         jit_compile: the step's compilation, as resolved in this process.
         step_held: ``held_bytes`` includes a compiled step of this model (its sums and
             stash), which the child makes too (:func:`autosplit.search.trials.child_trials`).
-        tokens: ``(multiple, length, outputs)``: trials in tokens, the sample's padded
-            sequences cut by length with lengths rounded up to ``multiple`` and a stretch
-            per output as ``outputs`` says (``Cut.outputs``), a trial at m of
-            ``m * length`` tokens (``autosplit.search.trials.TrialRunner``).
+        tokens: ``(buckets, length, outputs)``: trials in tokens, the sample's padded
+            sequences cut by length with lengths rounded up to XLA's buckets where
+            ``buckets`` (``Cut.buckets``), a stretch per output as ``outputs`` says
+            (``Cut.outputs``), a trial at m of ``m * length`` tokens
+            (``autosplit.search.trials.TrialRunner``).
 
     Raises:
         IsolationError: the model cannot be saved, or the child cannot load it.
@@ -87,7 +88,7 @@ class IsolatedTrials:
 
     def __init__(self, model: Any, sample: tuple, batch_size: int, budget: int,
                  held_bytes: int, jit_compile: bool, step_held: bool = False,
-                 tokens: tuple[int, int, tuple[int | None, ...]] | None = None) -> None:
+                 tokens: tuple[bool, int, tuple[int | None, ...]] | None = None) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="autosplit-trials-"))
         try:
             model.save(self.folder / "model.keras")

@@ -178,9 +178,9 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
         return cached
     say = _reporter(verbose, on_trial, budget)
     length = 1 if by_length is None else costliest_row(
-        sample(), by_length.lengths, by_length.padded, by_length.multiple)
+        sample(), by_length.lengths, by_length.padded, by_length.buckets, tokens=True)
     isolated = _isolated(model, sample, local_batch, budget, meter, jit, where, isolate,
-                         None if by_length is None else (by_length.multiple, length,
+                         None if by_length is None else (by_length.buckets, length,
                                                          by_length.outputs),
                          several=by_length is not None and by_length.padded is None and
                          by_length.lengths is not None and by_length.lengths.number > 1)
@@ -321,7 +321,7 @@ def _reporting(trial: Callable[[int], Trial], say: Callable[[Trial], None]
 
 def _isolated(model: keras.Model, sample: Callable[[], tuple[Any, ...]], local_batch: int,
               budget: int, meter: PeakMeter, jit: bool, where: Layout, isolate: bool | None,
-              tokens: tuple[int, int, tuple[int | None, ...]] | None = None,
+              tokens: tuple[bool, int, tuple[int | None, ...]] | None = None,
               several: bool = False) -> IsolatedTrials | None:
     """The child process the trials run in (``autosplit.search.isolation``) on ``sample()``
     (the input's first rows), or None: in this process. ``isolate=None`` isolates where

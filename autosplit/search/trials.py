@@ -217,7 +217,7 @@ class TrialRunner:
 
 def child_trials(model: keras.Model, sample: tuple[Any, Any, Any], batch_size: int,
                  budget: int, jit_compile: bool, *, held_bytes: int, step_held: bool,
-                 tokens: tuple[int, int, tuple[int | None, ...]] | None = None) -> TrialRunner:
+                 tokens: tuple[bool, int, tuple[int | None, ...]] | None = None) -> TrialRunner:
     """The trials of ``search_micro_batch``, in the child process of
     ``autosplit.search.isolation``: on ``sample``, holding what the parent holds.
 
@@ -226,7 +226,7 @@ def child_trials(model: keras.Model, sample: tuple[Any, Any, Any], batch_size: i
     call), which this process makes too. The difference is allocated and kept (a ballast
     tensor), so that a trial meets the cap where the parent's training would.
 
-    ``tokens``: ``(multiple, length, outputs)``, trials in tokens (``IsolatedTrials``) on
+    ``tokens``: ``(buckets, length, outputs)``, trials in tokens (``IsolatedTrials``) on
     the sample's padded sequences, which the parent found there (``padded_sequences``).
     """
     where = layout(model.distribute_strategy)
@@ -247,7 +247,7 @@ def child_trials(model: keras.Model, sample: tuple[Any, Any, Any], batch_size: i
         padded = padded_sequences(arrays, takes_any_length=True)
         assert padded is not None
         by_length = Cut("tokens", lengths=padded_lengths(pipeline.element_spec()[:3], padded),
-                        multiple=tokens[0], padded=padded, outputs=tuple(tokens[2]))
+                        buckets=bool(tokens[0]), padded=padded, outputs=tuple(tokens[2]))
         length = tokens[1]
     runner = TrialRunner(step, Snapshot(model), meter, budget, data, batch_size, where,
                          lambda trial: None, by_length=by_length, length=length)

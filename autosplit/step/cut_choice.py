@@ -16,11 +16,21 @@ import keras
 import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter
-from autosplit.data.cuts import LENGTH_MULTIPLE, Cut
-from autosplit.data.example_lengths import Lengths, Padded, padded_lengths
+from autosplit.data.cuts import Cut
+from autosplit.data.example_lengths import (
+    LENGTH_BUCKETS,
+    TOKEN_BUCKETS,
+    Lengths,
+    Padded,
+    padded_lengths,
+)
 from autosplit.data.layout import Layout
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.structure import empty_to_none
 from autosplit.errors import DatasetError, UnsupportedModelError
+from autosplit.keras_hooks.batchnorm import pooled_layers
+from autosplit.keras_hooks.custom_step import has_custom_step
+from autosplit.step.loss_plan import step_plan
 from autosplit.step.padding import PaddingCheck, check_padding
 from autosplit.step.train_step import build_for
 
@@ -29,14 +39,28 @@ __all__ = ["choose_cut", "tokens_refused"]
 _SAMPLE = 64  # rows read for the check, of which it runs on the shortest
 
 
-def tokens_refused(where: Layout, jit: bool) -> str | None:
+def tokens_refused(where: Layout, jit: bool, averages: bool) -> str | None:
     """Why micro-batches cannot be sized in tokens here, or None: their row counts vary,
-    so they need one replica and no XLA."""
+    so they need one replica; under XLA each is padded to the rows the budget holds at
+    its lengths, which a model that ``averages`` on its own over its rows would see
+    (``autosplit.step.contribution.without_padding`` gives it its real rows, a shape and
+    a program per row count)."""
     if where.replicas > 1:
         return f"{where.replicas} replicas"
-    if jit:
-        return "jit_compile: under XLA each row count compiles a program of its own"
+    if jit and averages:
+        return ("jit_compile with a model that averages over a micro-batch's rows on its "
+                "own (its own train_step, a loss added in call(), BatchNormalization): "
+                "under XLA each count of real rows would compile a program of its own")
     return None
+
+
+def _averages_on_its_own(model: keras.Model, element: tuple) -> bool:
+    """Whether the step gives ``model`` its micro-batches' real rows alone
+    (``LossPlan.real_rows_only``, or BatchNormalization's pooled statistics)."""
+    if has_custom_step(model) or pooled_layers(model):
+        return True
+    x, y, w = (empty_to_none(part) for part in element[:3])
+    return step_plan(model, (x, y, w)).real_rows_only
 
 
 def choose_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where: Layout, *,
@@ -47,8 +71,9 @@ def choose_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where
     Args:
         by_length: True asks for the cut by length (raising where it cannot be), False
             refuses it, None (``"auto"``) lets the check of padding decide.
-        jit: the step runs under XLA: lengths are rounded up to a multiple of 8, and
-            micro-batches are not sized in tokens.
+        jit: the step runs under XLA: lengths are rounded up to XLA's buckets
+            (``example_lengths.LENGTH_BUCKETS``), and in tokens rows to what the budget
+            holds at those lengths.
         tokens: ``micro_batch_tokens``: an int budget, ``"auto"`` (the probe's budget,
             or rows where ``rows_given``) or None (rows).
         rows_given: a ``micro_batch_size`` was given.
@@ -90,16 +115,20 @@ def choose_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where
                    padded=padded)
     if tokens is None or (tokens == "auto" and rows_given):
         return cut
-    refused = tokens_refused(where, jit)
+    refused = tokens_refused(where, jit, jit and _averages_on_its_own(model, element))
     if refused is not None:
         if isinstance(tokens, int):
+            fix = ("jit_compile=False to fit_large_batch, or " if where.replicas == 1 else "")
             raise UnsupportedModelError(
-                f"Expected one replica and jit_compile=False with micro_batch_tokens={tokens}. "
-                f"Received: {refused}. Pass jit_compile=False to fit_large_batch, or "
-                "micro_batch_tokens=None to cut micro-batches by rows.")
+                f"Expected one replica, and under XLA a model whose micro-batches may hold "
+                f"padding rows, with micro_batch_tokens={tokens}. Received: {refused}. "
+                f"Pass {fix}micro_batch_tokens=None to cut micro-batches by rows.")
         if verbose:
             print(f"autosplit: micro-batches sized in rows, not tokens: {refused}.", flush=True)
         return cut
+    if jit:
+        why = (cut.why or "").replace(_xla_note(tokens=False), _xla_note(tokens=True))
+        cut = cut._replace(why=why)
     return cut._replace(by="tokens", tokens=tokens if isinstance(tokens, int) else None)
 
 
@@ -136,11 +165,19 @@ def _by_length(model: keras.Model, adapter: InputAdapter, batch_size: int, eleme
     found = check_padding(model, sample, spec, lengths, pre=pre)
     if not found.ignores_padding:
         return _not_ignored(found), None
-    rounded = f" (lengths rounded up to a multiple of {LENGTH_MULTIPLE} for XLA)"
+    rounded = f" ({_xla_note(tokens=False)})"
     several = f"{lengths.number} lengths per example, " if lengths.number > 1 else ""
     return "", Cut("length", f"by length{rounded if jit else ''}: {several}the model ignores "
-                   f"padding ({found.reason})", lengths, LENGTH_MULTIPLE if jit else 1, padded,
-                   outputs=found.outputs)
+                   f"padding ({found.reason})", lengths, jit, padded, outputs=found.outputs)
+
+
+def _xla_note(tokens: bool) -> str:
+    """How XLA's shapes round a micro-batch cut by length (``example_lengths``)."""
+    buckets = TOKEN_BUCKETS if tokens else LENGTH_BUCKETS
+    shown = ", ".join(str(b) for b in buckets[:6])
+    rows = "; rows to what the budget holds there, or half" if tokens else ""
+    return (f"under XLA each length rounded up to a bucket: {shown}, ... each "
+            f"{1.6 if tokens else 1.25}x{rows}")
 
 
 def _not_ignored(found: PaddingCheck) -> str:

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from autosplit.data.cuts import LENGTH_MULTIPLE, Trimmed
+from autosplit.data.cuts import Trimmed
 from autosplit.data.example_lengths import Lengths, group_lengths, row_costs
 from autosplit.data.structure import empty_to_none
 from autosplit.keras_hooks import internals as _keras
@@ -37,6 +37,7 @@ __all__ = ["PaddingCheck", "check_padding"]
 _GRADIENT_TOLERANCE = 1e-4  # of a tensor's largest entry: summation order moves ~1e-7
 _VALUE_TOLERANCE = 1e-5
 _ROWS = 16  # the shortest of the sample's rows the check runs on
+_MORE = 8  # the check compares each length with itself padded by this many columns
 
 
 class PaddingCheck(NamedTuple):
@@ -130,16 +131,16 @@ def check_padding(model: keras.Model, sample: tuple, spec: tuple, lengths: Lengt
     try:
         with _still(model):
             outputs = () if plan.custom is not None else _outputs(
-                model, padded(), [padded(LENGTH_MULTIPLE, g) for g in range(lengths.number)])
+                model, padded(), [padded(_MORE, g) for g in range(lengths.number)])
             if isinstance(outputs, str):
                 return PaddingCheck(False, outputs)
             step = _step(model, plan, spec, len(outputs), int(leaves[0].shape[0]))
             found = []
             for group in range(lengths.number):
-                longer = shortest[group] + LENGTH_MULTIPLE
+                longer = shortest[group] + _MORE
                 stretch = [longer / shortest[group] if g == group else 1.0 for g in outputs]
                 found.append((_run(model, snapshot, step, padded(), stretch),
-                              _run(model, snapshot, step, padded(LENGTH_MULTIPLE, group),
+                              _run(model, snapshot, step, padded(_MORE, group),
                                    [1.0] * len(outputs))))
     except Exception as error:  # any failure: not shown to ignore padding, so exact path
         snapshot.restore()
@@ -151,9 +152,9 @@ def check_padding(model: keras.Model, sample: tuple, spec: tuple, lengths: Lengt
             return PaddingCheck(False, f"{differs} when its rows are padded further{what}",
                                 outputs)
     checked = "with " + ", and ".join(
-        f"{lengths.described(g)} padded to {n} and {n + LENGTH_MULTIPLE}"
+        f"{lengths.described(g)} padded to {n} and {n + _MORE}"
         for g, n in enumerate(shortest)) if lengths.number > 1 else (
-        f"at lengths {shortest[0]} and {shortest[0] + LENGTH_MULTIPLE}")
+        f"at lengths {shortest[0]} and {shortest[0] + _MORE}")
     if plan.custom is not None:
         return PaddingCheck(True, f"its own train_step gives the same gradients, logs and "
                             f"metrics {checked}", outputs)

@@ -181,7 +181,8 @@ def rebuild(plan: Plan, recovery: Recovery) -> MicroBatches:
         rows = plan.pipeline.rows
     split = split_batch(plan.split.batch_size, rows)
     pipeline = MicroBatches(plan.pipeline.adapter, plan.pipeline.batch_size,
-                            split.micro_batch_size, plan.layout, cut=cut)
+                            split.micro_batch_size, plan.layout, cut=cut,
+                            shapes=plan.pipeline.shapes)
     recovery.rebind(pipeline.element_spec(), all_real=pipeline.all_real(), rows=pipeline.rows)
     plan.pipeline, plan.split = pipeline, split
     return pipeline

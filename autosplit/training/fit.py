@@ -133,8 +133,9 @@ def fit_large_batch(
             variable-length examples, a pair's source and target each of its own
             length): ``"auto"`` (default) sorts each large batch's rows by length and
             pads each part of a micro-batch only to its own longest row (rounded up to
-            a multiple of 8 under XLA) where a check on a few rows, through the step
-            the model trains with, finds that the model ignores padding, and pads
+            a bucket under XLA: 8, 16, 24, 32, 40, 56, ..., each 1.25x) where a check
+            on a few rows, through the step the model trains with, finds that the
+            model ignores padding, and pads
             every micro-batch to its large batch's longest row, as ``model.fit`` sees
             it, where not; ``True`` asks for the first and raises if it cannot be
             made; ``False`` asks for the second. ``history.autosplit.padding`` says
@@ -145,9 +146,13 @@ def fit_large_batch(
             ``micro_batch_size="auto"``, the probe finds the budget by real trial
             steps of that cut; with a given ``micro_batch_size``, micro-batches of that
             many rows. An int: that budget (a given ``micro_batch_size`` caps the rows).
-            None: micro-batches of ``micro_batch_size`` rows. Tokens need one replica
-            and ``jit_compile`` off (under XLA each row count would compile a program of
-            its own): ``"auto"`` cuts by rows there, an int raises.
+            None: micro-batches of ``micro_batch_size`` rows. Tokens need one replica.
+            Under XLA lengths round up to coarser buckets (8, 16, 32, 56, ..., 1.6x) and
+            rows to what the budget holds there or half, padded with weightless copies
+            of a row (at most 18 programs up to length 512, ``history.autosplit.programs``
+            counts them); a model that weighs rows on its own there (a custom
+            ``train_step``, a loss from ``add_loss``, BatchNormalization) is refused
+            tokens: ``"auto"`` cuts by rows, an int raises.
             ``history.autosplit.tokens`` is the budget in use.
 
     Returns:
@@ -326,6 +331,7 @@ def _report(plan: Plan, adapter: InputAdapter, args: Args, recovery: Recovery,
         traces=traces,
         padding=plan.pipeline.cut.why,
         tokens=plan.pipeline.tokens,
+        programs=None if plan.pipeline.shapes is None else plan.pipeline.shapes.count(),
         cut=cut_stats(plan.pipeline) if plan.pipeline.cut.by != "rows" else None,
     )
 

@@ -96,7 +96,8 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
         assert cut.lengths is not None
         micro = min(args.micro_batch_size or local, local)
         length = (probe_result.reference_length if probe_result is not None else
-                  costliest_row(adapter.sample(local), cut.lengths, cut.padded, cut.multiple))
+                  costliest_row(adapter.sample(local), cut.lengths, cut.padded, cut.buckets,
+                                 tokens=True))
         cut = cut._replace(why=f"{cut.why}; micro-batches of up to {cut.tokens} tokens")
     split = split_batch(local, micro)
     pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where, cut=cut)

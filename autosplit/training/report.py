@@ -73,6 +73,10 @@ class FitReport:
     at the end, where micro-batches are sized in tokens (``micro_batch_tokens``);
     ``micro_batch_size`` then caps their rows. None: micro-batches of
     ``micro_batch_size`` rows."""
+    programs: int | None = None
+    """Under XLA, for rows cut by length: the distinct shapes of micro-batch training gave
+    its step, each a program XLA compiled (lengths rounded up to buckets, so at most
+    ``Cut.programs``: 16 per length up to 512 in rows, 18 in tokens). None otherwise."""
     cut: CutStats | None = None
     """For rows that vary in length, cut by length or padded to the large batch's
     longest row: micro-batches per large batch, the share of padding fed and the real

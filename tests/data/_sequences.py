@@ -16,11 +16,12 @@ from autosplit.data.cuts import Cut
 B, M, VOCAB = 64, 16, 50
 
 
-def cut_by_length(adapter, multiple=1, tokens=None, outputs=(0,)):
-    """The pipeline's Cut by length (in tokens with ``tokens``) of ``adapter``'s rows,
-    with one output that follows the first length (its stretch, ``Trimmed.stretch``)."""
+def cut_by_length(adapter, buckets=False, tokens=None, outputs=(0,)):
+    """The pipeline's Cut by length (in tokens with ``tokens``; under XLA's length
+    buckets with ``buckets``) of ``adapter``'s rows, with one output that follows the
+    first length (its stretch, ``Trimmed.stretch``)."""
     return Cut("tokens" if tokens else "length", lengths=adapter.lengths(),
-               multiple=multiple, tokens=tokens, outputs=outputs)
+               buckets=buckets, tokens=tokens, outputs=outputs)
 
 
 def sequences(n=192, seed=0, median=10, longest=60):
@@ -30,8 +31,9 @@ def sequences(n=192, seed=0, median=10, longest=60):
     return [r.integers(1, VOCAB, n_).astype("int32") for n_ in lengths]
 
 
-def in_each_large_batch_reversed(rows):
-    return [row for start in range(0, len(rows), B) for row in reversed(rows[start:start + B])]
+def in_each_large_batch_reversed(rows, batch_size=B):
+    return [row for start in range(0, len(rows), batch_size)
+            for row in reversed(rows[start:start + batch_size])]
 
 
 def examples(seqs, kind):
@@ -143,25 +145,28 @@ def hungry_gru():
     return model
 
 
-def trains_as_model_fit(kind, given, *, seqs=None, rtol=1e-5, epochs=2, **options):
+def trains_as_model_fit(kind, given, *, seqs=None, rtol=1e-5, epochs=2, batch_size=B,
+                        **options):
     """fit_large_batch on ``given`` (in micro-batches of M rows unless ``options`` size
-    them) equals model.fit on padded_batch(B) of the same rows: weights
+    them) equals model.fit on padded_batch(batch_size) of the same rows: weights
     (``common.assert_within_reorder_noise``), iterations and logs. Returns the history."""
     seqs = sequences() if seqs is None else seqs
     reference, reordered, model = (model_of(kind, options.get("jit_compile", False))
                                    for _ in range(3))
-    expected = reference.fit(dataset(seqs, kind).padded_batch(B), epochs=epochs, verbose=0)
-    reordered.fit(dataset(in_each_large_batch_reversed(seqs), kind).padded_batch(B),
-                  epochs=epochs, verbose=0)
+    expected = reference.fit(dataset(seqs, kind).padded_batch(batch_size), epochs=epochs,
+                             verbose=0)
+    reordered.fit(dataset(in_each_large_batch_reversed(seqs, batch_size), kind)
+                  .padded_batch(batch_size), epochs=epochs, verbose=0)
     options.pop("jit_compile", None)
     options.setdefault("verbose", 0)
     if "micro_batch_tokens" not in options:
         options.setdefault("micro_batch_size", M)
-    got = autosplit.fit_large_batch(model, given, batch_size=B, epochs=epochs, **options)
+    got = autosplit.fit_large_batch(model, given, batch_size=batch_size, epochs=epochs,
+                                    **options)
     assert_within_reorder_noise(reference, reordered, model.get_weights(), rtol)
     # model.fit on a dataset of unknown length counts one more iteration per epoch than
     # it trains (at the end of the data); the steps are those of the large batches.
-    assert int(model.optimizer.iterations) == epochs * math.ceil(len(seqs) / B)
+    assert int(model.optimizer.iterations) == epochs * math.ceil(len(seqs) / batch_size)
     for name, values in expected.history.items():
         np.testing.assert_allclose(got.history[name], values, rtol=rtol, err_msg=name)
     return got

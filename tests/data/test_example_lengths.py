@@ -81,7 +81,7 @@ def test_a_row_is_as_long_in_each_length_as_its_last_nonzero_entry_says():
                                   [[2, 3], [1, 1]])
     # a row costs its lengths summed, each rounded up to the multiple
     assert costliest_row(((source, signal), None, None), lengths, None) == 4
-    assert costliest_row(((source, signal), None, None), lengths, None, multiple=8) == 16
+    assert costliest_row(((source, signal), None, None), lengths, None, buckets=True) == 16
 
 
 def test_arrays_padded_to_one_length_have_one_length_in_every_part_that_long():

@@ -98,10 +98,11 @@ def test_a_ragged_pair_of_numpy_examples_is_cut_as_its_dataset():
     assert got.autosplit.padding.startswith("by length: 2 lengths per example")
 
 
-def test_under_xla_each_length_is_rounded_up_to_a_multiple_of_8_and_trains_as_model_fit():
-    # XLA compiles a program per shape: each of a pair's lengths is rounded up on its own
-    # (at most the large batch's), a bounded set of programs. The loss is divided by every
-    # target cell, which each micro-batch stretches to the large batch's target length.
+def test_under_xla_each_length_is_rounded_up_to_its_bucket_and_trains_as_model_fit():
+    # XLA compiles a program per shape: each of a pair's lengths is rounded up to its
+    # bucket on its own (even past the large batch's), a bounded set of programs. The
+    # loss is divided by every target cell, which each micro-batch stretches to the
+    # large batch's target length.
     r = np.random.default_rng(3)
     data = [(r.integers(1, VOCAB, int(n)).astype("int32"),
              r.integers(1, VOCAB, int(n) + 1 + int(r.integers(0, 4))).astype("int32"))
@@ -125,8 +126,11 @@ def test_under_xla_each_length_is_rounded_up_to_a_multiple_of_8_and_trains_as_mo
     expected = reference.fit(examples(data, "transformer").padded_batch(B), epochs=2, verbose=0)
     got = autosplit.fit_large_batch(model, examples(data, "transformer").padded_batch(32),
                                     batch_size=B, micro_batch_size=16, epochs=2, verbose=0)
-    assert got.autosplit.padding.startswith("by length (lengths rounded up to a multiple of 8 "
-                                            "for XLA): 2 lengths per example"), got.autosplit
+    assert got.autosplit.padding.startswith("by length (under XLA each length rounded up to a "
+                                            "bucket: 8, 16, 24,"), got.autosplit
+    assert "2 lengths per example" in got.autosplit.padding
+    # sources up to 20 and targets up to 24 take buckets 8, 16, 24 each: at most 9 shapes
+    assert 1 <= got.autosplit.programs <= 9
     assert int(model.optimizer.iterations) == 4
     for e, a in zip(reference.get_weights(), model.get_weights(), strict=True):
         assert tensor_relative_error(e, a) <= 1e-5

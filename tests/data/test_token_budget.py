@@ -195,14 +195,23 @@ def test_a_budget_that_is_not_a_positive_integer_is_refused_before_anything_chan
 
 @pytest.mark.slow
 def test_a_budget_is_refused_where_tokens_cannot_apply():
-    # Under XLA each row count would compile a program of its own; rows of one shape
+    # Under XLA a model that averages over its micro-batch's rows on its own (its own
+    # train_step) would be given its real rows, a program per count; rows of one shape
     # hold no sequences to cut by length; a model that reads its padding cannot be cut
-    # by length. Each refusal says why.
+    # by length. Each refusal says why, before anything changes.
+    from test_sequence_steps import guide_gru
+
     seqs = sequences(64)
-    with pytest.raises(UnsupportedModelError, match="jit_compile"):
-        autosplit.fit_large_batch(model_of("gru", jit_compile=True),
-                                  dataset(seqs, "gru").padded_batch(16), batch_size=B,
+    model = guide_gru()
+    model.compile(keras.optimizers.SGD(0.5), keras.losses.BinaryCrossentropy(from_logits=True),
+                  jit_compile=True)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(UnsupportedModelError, match=r"jit_compile with a model that averages "
+                       r".*its own train_step.*Pass jit_compile=False"):
+        autosplit.fit_large_batch(model, dataset(seqs, "gru").padded_batch(16), batch_size=B,
                                   micro_batch_tokens=TOKENS, verbose=0)
+    assert all((a == b).all() for a, b in zip(before, model.get_weights(), strict=True))
+    assert int(model.optimizer.iterations) == 0
     x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
@@ -226,19 +235,28 @@ def test_auto_sizes_rows_where_a_micro_batch_size_is_given():
 
 
 @pytest.mark.slow
-def test_under_a_real_cap_the_probe_finds_a_token_budget_that_trains_as_model_fit(tmp_path):
+@pytest.mark.parametrize("scenario", ["tokens", "tokens_xla"])
+def test_under_a_real_cap_the_probe_finds_a_token_budget_that_trains_as_model_fit(
+        scenario, tmp_path):
     # A causal attention LM whose large batch at its longest rows (255 inputs) needs far
     # more than the cap: the probe's trials (in a child process, as under any CPU cap)
     # find a token budget, and training at it peaks within the budget, with no
-    # out-of-memory error. The reference: model.fit, uncapped, on padded_batch(256).
+    # out-of-memory error. Under XLA (jit_compile=True, as compile() resolves "auto" on
+    # a GPU) the trials run XLA's shapes: lengths in buckets, rows padded to the budget's.
+    # The reference: model.fit, uncapped, on padded_batch(256), compiled alike.
     from tests.search.test_probe import run_child
 
-    report, folder = run_child("tokens", tmp_path, 150)
+    report, folder = run_child(scenario, tmp_path, 150)
     fit = report["autosplit"]
+    if scenario == "tokens_xla":
+        assert "under XLA each length rounded up to a bucket" in fit["padding"]
+        assert 1 <= fit["programs"] <= 18  # 9 buckets up to 256, two row counts each
     probe = fit["probe"]
     assert fit["tokens"] == probe["tokens"] == probe["micro_batch_size"] * probe[
         "reference_length"]
-    assert probe["reference_length"] == 255 and probe["micro_batch_size"] < 256
+    # the longest input, 255 tokens (its bucket under XLA, 256)
+    assert probe["reference_length"] == (256 if scenario == "tokens_xla" else 255)
+    assert probe["micro_batch_size"] < 256
     assert any(not t["fits"] for t in probe["trials"])  # the cap was met
     assert fit["oom_recoveries"] == [] and max(report["peaks"]) <= probe["budget_bytes"]
     assert fit["cut"]["micro_batches"] > 1 and fit["cut"]["padding_share"] < 0.5
@@ -252,6 +270,7 @@ def test_under_a_real_cap_the_probe_finds_a_token_budget_that_trains_as_model_fi
                               tf.TensorSpec([None], tf.float32))).padded_batch(256)
 
     reference, reordered = (keras.saving.load_model(folder / "initial.keras") for _ in "ab")
+    assert reference.jit_compile is (scenario == "tokens_xla")
     expected = reference.fit(rows(seqs), epochs=2, verbose=0)
     reordered.fit(rows([s for start in (0, 256) for s in reversed(seqs[start:start + 256])]),
                   epochs=2, verbose=0)

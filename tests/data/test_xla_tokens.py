@@ -1,0 +1,96 @@
+"""Sequences under XLA (``jit_compile=True``, what ``compile()`` resolves ``"auto"`` to on
+a GPU): micro-batches in tokens, each length rounded up to a bucket and each micro-batch's
+rows to what the budget holds there or half that, every step exactly model.fit's under
+XLA on the large batch, with a bounded set of programs.
+
+The reference is model.fit, compiled alike, on ``padded_batch(B)`` of the same rows
+(``_sequences.trains_as_model_fit``). The token budget found by the probe's trials under
+a real cap is tested with the other budgets (``test_token_budget.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _pairs import large_batch_padding
+from _sequences import B, cut_by_length, dataset, sequences, trains_as_model_fit
+from common import child_env
+
+from autosplit.data.cuts import Cut
+from autosplit.data.example_lengths import TOKEN_BUCKETS
+from autosplit.data.inputs import get_input
+from autosplit.data.packing import rows_within
+from autosplit.data.pipeline import MicroBatches, is_end_marker
+
+TOKENS = 240  # 4 rows of the longest (60), 30 of the shortest (3, in the bucket of 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gru", "lm_sample_weight"])
+def test_micro_batches_in_tokens_under_xla_train_as_model_fit(kind):
+    # The lengths of a text corpus (lognormal, median 10, 3 to 60) in large batches of
+    # 128: less than half the padding of the large batch padded to its longest row
+    # (0.75), every row of a micro-batch's shape counted, its copies included; no more
+    # programs than the bound (lengths up to 60: 5 buckets, two row counts each).
+    seqs = sequences(256)
+    got = trains_as_model_fit(kind, dataset(seqs, kind).padded_batch(32), seqs=seqs,
+                              batch_size=128, micro_batch_tokens=TOKENS, jit_compile=True)
+    report = got.autosplit
+    assert report.tokens == TOKENS
+    assert "under XLA each length rounded up to a bucket: 8, 16, 32" in report.padding
+    assert report.cut.padding_share <= large_batch_padding(
+        dataset(seqs, kind).padded_batch(128)) / 2, report.cut
+    bound = Cut("tokens", buckets=True, tokens=TOKENS).programs(60)
+    assert bound == 10 and 1 <= report.programs <= bound
+
+
+def test_each_micro_batch_takes_a_bucket_and_one_of_two_row_counts_and_every_row_once():
+    seqs = sequences(150)
+    adapter = get_input(dataset(seqs, "gru").padded_batch(16))
+    pipeline = MicroBatches(adapter, B, B,
+                            cut=cut_by_length(adapter, buckets=True, tokens=TOKENS))
+    assert not pipeline.all_real()  # copies of a row pad a micro-batch to its shape
+    seen, shapes = [], set()
+    for x, _, _, valid in pipeline.dataset():
+        if bool(is_end_marker((valid,))):
+            continue
+        tokens, valid = x.inputs.numpy(), valid.numpy()
+        length = tokens.shape[1]
+        most = int(rows_within(TOKENS, length, B))
+        assert length in TOKEN_BUCKETS and len(tokens) in (most, (most + 1) // 2)
+        real = tokens[valid > 0]
+        assert valid[:len(real)].all() and (tokens[len(real):] == real[-1]).all()
+        assert max(len(np.trim_zeros(t, "b")) for t in real) <= length
+        seen += [tuple(np.trim_zeros(t, "b")) for t in real]
+        shapes.add(tokens.shape)
+    assert sorted(seen) == sorted(tuple(s) for s in seqs)
+    assert len(shapes) <= Cut("tokens", buckets=True, tokens=TOKENS).programs(60)
+
+
+@pytest.mark.slow
+def test_the_programs_xla_compiles_on_lengths_up_to_512_stay_within_the_bound(tmp_path):
+    # XLA's own dumps count the modules it compiled for the step's per-micro-batch
+    # function (in a child process: XLA_FLAGS is read when TensorFlow starts), and
+    # FitReport.programs counts the same. The bound: 9 token buckets up to 512, two row
+    # counts each, 18; in rows cut by length, 16 buckets.
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("xla_programs_child.py")), str(tmp_path)],
+        env=child_env(XLA_FLAGS=f"--xla_dump_to={tmp_path} "
+                                "--xla_dump_hlo_module_re=.*contribute.*",
+                      PYTHONPATH=os.pathsep.join([child_env()["PYTHONPATH"],
+                                                  str(Path(__file__).parent)])),
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["longest"] > 256  # lengths reach the last buckets below 512
+    for name, bound in (("tokens", 18), ("rows", 16)):
+        found = report[name]
+        assert 1 <= found["compiled"] == found["programs"] <= bound, (name, found)
+    assert Cut("tokens", buckets=True, tokens=4096).programs(512) == 18
+    assert Cut("length", buckets=True).programs(512) == 16
