@@ -149,8 +149,8 @@ def mirrored(out):
 
 
 def pairs_on_replicas(strategy):
-    """Pairs of two lengths on two replicas: padded to each large batch's longest row
-    (each part to its own), and the report of the padding fed comes back."""
+    """Pairs of two lengths on two replicas, cut by length in each, and the report of
+    the padding fed comes back."""
     r = np.random.default_rng(0)
     rows = [(r.integers(1, 20, int(n)).astype("int32"),
              r.integers(1, 20, int(n) + int(r.integers(1, 4))).astype("int32"))

@@ -63,6 +63,7 @@ class Cut(NamedTuple):
     padded: Padded | None = None  # arrays of one shape that hold padded sequences
     tokens: int | None = None  # with by="tokens": the budget (None: the probe finds it)
     packing: Packing = "least_work"
+    replicas: int = 1  # local replicas: each takes row r of every run of R sorted rows
     # Per model output (keras.tree.flatten's order): the length group its second axis
     # follows, whose stretch its loss and metrics take; None: no length.
     outputs: tuple[int | None, ...] = ()
@@ -253,7 +254,7 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
     lengths = cut.lengths
     assert lengths is not None
     period = sum(p.rows for p in pattern)
-    bounds = _kept_bounds(pattern)
+    bounds = _kept_bounds(pattern, cut.replicas)
 
     def row(*element):
         leaves = tf.nest.flatten(element[0] if len(element) == 1 else element)
@@ -323,7 +324,7 @@ def cut_rows_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
     padded = cut.padded
     assert padded is not None
     period = sum(p.rows for p in pattern)
-    bounds = _kept_bounds(pattern)
+    bounds = _kept_bounds(pattern, cut.replicas)
     table = tf.constant(padded.lengths)
     full = tf.constant([padded.length], tf.int64)
 
@@ -336,15 +337,24 @@ def cut_rows_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
     return ds.unbatch().batch(period).flat_map(pieces)
 
 
-def _kept_bounds(pattern: list[Piece]) -> tuple[tf.Tensor, tf.Tensor, int, int]:
-    """The kept pieces' (starts, ends) in a large batch, and the first and last row kept."""
+def _kept_bounds(pattern: list[Piece], replicas: int = 1
+                 ) -> tuple[tf.Tensor, tf.Tensor, int, int]:
+    """The kept pieces' (starts, ends) in ranks of ``replicas`` rows counted from the
+    first row kept (each run of ``replicas`` kept pieces one piece of ranks: the
+    pattern's pieces of a run are equal, so it divides), and the first and last row kept."""
     bounds, start = [], 0
     for p in pattern:
         if p.keep:
             bounds.append((start, start + p.rows))
         start += p.rows
-    return (tf.constant([b[0] for b in bounds], tf.int64),
-            tf.constant([b[1] for b in bounds], tf.int64), bounds[0][0], bounds[-1][1])
+    first = bounds[0][0]
+    runs = [(bounds[i][0], bounds[min(i + replicas, len(bounds)) - 1][1])
+            for i in range(0, len(bounds), replicas)]
+    assert all((a - first) % replicas == 0 and (b - first) % replicas == 0
+               for a, b in runs[:-1]), runs
+    return (tf.constant([(a - first) // replicas for a, _ in runs], tf.int64),
+            tf.constant([-(-(b - first) // replicas) for _, b in runs], tf.int64),
+            first, bounds[-1][1])
 
 
 def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
@@ -357,6 +367,12 @@ def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
     longest in each group, at most ``longest`` (the large batch's), ``stretch`` per
     model output ``longest`` over it in the output's group, ``valid`` 1.0 per real row.
 
+    With ``cut.replicas`` = R local replicas, the sorted rows are taken in ranks of R
+    and a piece is a run of ranks: replica r's micro-batch holds row r of each (a copy
+    of the rank's first, ``valid`` 0.0, where the last rank is short), all R padded to
+    the run's longest lengths, so they stack into one element and every replica gets
+    rows of about the same lengths. In tokens a rank costs what its longest row does.
+
     With ``cut.buckets`` (XLA) each length is rounded up to its bucket, capped only at a
     ``static_longest`` (the arrays'): the large batch's own longest would be a shape,
     and a program, per large batch. In tokens each piece's positions are then padded to
@@ -364,11 +380,20 @@ def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
     With ``cut.tokens``, the pieces are :func:`token_pieces`' (of at most ``cap`` rows)
     instead of ``bounds``'."""
     starts, ends, first, last = bounds
-    end = tf.minimum(tf.constant(last, tf.int64), n)
+    count = tf.maximum(tf.minimum(tf.constant(last, tf.int64), n) - first, 0)
     longest = tf.maximum(longest, 1)  # a length whose every part is zeros: one column
-    order = first + tf.cast(tf.argsort(row_costs(lengths[first:end]), stable=True), tf.int64)
+    order = first + tf.cast(tf.argsort(row_costs(lengths[first:first + count]), stable=True),
+                            tf.int64)
     groups = int(lengths.shape[1])
     padded_rows = cut.buckets and cut.tokens is not None
+    replicas = cut.replicas
+    ranks = (count + replicas - 1) // replicas
+    if replicas == 1:
+        rank_lengths = tf.gather(lengths, order)
+    else:
+        at = tf.reshape(tf.range(ranks * replicas), [-1, replicas])
+        rank_lengths = tf.reduce_max(tf.gather(lengths, tf.gather(
+            order, tf.minimum(at, count - 1))), axis=1)
 
     def length_of(most):
         most = tf.maximum(most, 1)
@@ -377,23 +402,35 @@ def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
         rounded = bucket_up(most, cut.tokens is not None)
         return tf.minimum(rounded, longest) if static_longest else rounded
 
-    def piece(a, b):
-        index = order[a - first:tf.minimum(b, n) - first]
-        length = length_of(tf.reduce_max(tf.gather(lengths, index), axis=0))
-        real = tf.size(index, out_type=tf.int64)
+    def piece(a, b, replica):
+        b = tf.minimum(b, ranks)
+        at = tf.range(a, b) * replicas + replica
+        real_row = at < count
+        index = tf.gather(order, tf.where(real_row, at, at - replica))
+        valid = tf.cast(real_row, tf.float32)
+        length = length_of(tf.reduce_max(rank_lengths[a:b], axis=0))
+        real = b - a
         if padded_rows:
             assert cut.tokens is not None
             rows = padded_row_count(real, rows_within(cut.tokens, tf.reduce_sum(length), cap))
-            index = tf.gather(index, tf.minimum(tf.range(rows), real - 1))
-        valid = tf.cast(tf.range(tf.size(index, out_type=tf.int64)) < real, tf.float32)
+            copies = tf.minimum(tf.range(rows), real - 1)
+            index, valid = tf.gather(index, copies), tf.gather(valid, copies) * tf.cast(
+                tf.range(rows) < real, tf.float32)
         ratio = tf.cast(longest, tf.float32) / tf.cast(length, tf.float32)
         stretch = tf.stack([tf.constant(1.0) if g is None or g >= groups else ratio[g]
                             for g in cut.outputs]) if cut.outputs else tf.zeros([0])
         return index, length, tf.tile(stretch[None, :], tf.stack([tf.size(index), 1])), valid
 
     if cut.tokens is not None:
-        sorted_lengths = length_of(tf.gather(lengths, order))
-        starts, ends = token_pieces(sorted_lengths, cut.tokens, cap, cut.packing,
+        starts, ends = token_pieces(length_of(rank_lengths), cut.tokens, cap, cut.packing,
                                     padded_rows=padded_rows)
-        return tf.data.Dataset.from_tensor_slices((first + starts, first + ends)).map(piece)
-    return tf.data.Dataset.from_tensor_slices((starts, ends)).filter(lambda a, b: a < n).map(piece)
+    else:
+        reached = starts < ranks
+        starts, ends = tf.boolean_mask(starts, reached), tf.boolean_mask(ends, reached)
+    if replicas == 1:
+        return tf.data.Dataset.from_tensor_slices((starts, ends)).map(
+            lambda a, b: piece(a, b, tf.constant(0, tf.int64)))
+    # Each piece of ranks once per replica, in turn: the pipeline stacks each R.
+    return tf.data.Dataset.from_tensor_slices((
+        tf.repeat(starts, replicas), tf.repeat(ends, replicas),
+        tf.tile(tf.range(replicas, dtype=tf.int64), tf.shape(starts)))).map(piece)

@@ -118,8 +118,8 @@ def _trimmed_element(piece: Any, stretch: tf.Tensor, valid: tf.Tensor, *, materi
     """:func:`_element` of a piece cut by length (``cuts.cut_by_length``): its inputs
     as a :class:`Trimmed` with their stretch (rows None: as the piece comes, its own
     ``valid``, which marks the rows XLA's shapes padded it with)."""
-    (padded, stretch), padded_valid = _pad_rows((piece, stretch), rows)
-    valid = valid if rows is None else padded_valid
+    (padded, stretch, valid), padded_valid = _pad_rows((piece, stretch, valid), rows)
+    valid = valid if rows is None else valid * padded_valid
     x, y, w = materialize(padded)
     return Trimmed(x, stretch), none_to_empty(y), none_to_empty(w), valid
 
@@ -129,8 +129,9 @@ def _trimmed_rows(numbers: tf.Tensor, length: tf.Tensor, stretch: tf.Tensor, val
                   *, materialize, rows: int | None, padded: Padded) -> tuple:
     """:func:`_trimmed_element` of a piece of row numbers (``cuts.cut_rows_by_length``):
     the rows gathered, then cut to the piece's length."""
-    (numbers, stretch), padded_valid = _pad_rows((numbers, stretch), rows, row_numbers=True)
-    valid = valid if rows is None else padded_valid
+    (numbers, stretch, valid), padded_valid = _pad_rows((numbers, stretch, valid), rows,
+                                                        row_numbers=True)
+    valid = valid if rows is None else valid * padded_valid
     x, y, w = trim(materialize(numbers), padded, length)
     return Trimmed(x, stretch), none_to_empty(y), none_to_empty(w), valid
 

@@ -32,6 +32,7 @@ from autosplit.keras_hooks.batchnorm import pooled_layers
 from autosplit.keras_hooks.custom_step import has_custom_step
 from autosplit.step.loss_plan import step_plan
 from autosplit.step.padding import PaddingCheck, check_padding
+from autosplit.step.replicas import without_replica_axis
 from autosplit.step.train_step import build_for
 
 __all__ = ["choose_cut", "tokens_refused"]
@@ -41,12 +42,13 @@ _SAMPLE = 64  # rows read for the check, of which it runs on the shortest
 
 def tokens_refused(where: Layout, jit: bool, averages: bool) -> str | None:
     """Why micro-batches cannot be sized in tokens here, or None: their row counts vary,
-    so they need one replica; under XLA each is padded to the rows the budget holds at
+    so they need one worker (the local replicas' micro-batches of a piece have one row
+    count); under XLA each is padded to the rows the budget holds at
     its lengths, which a model that ``averages`` on its own over its rows would see
     (``autosplit.step.contribution.without_padding`` gives it its real rows, a shape and
     a program per row count)."""
-    if where.replicas > 1:
-        return f"{where.replicas} replicas"
+    if where.workers > 1:
+        return f"{where.workers} workers"
     if jit and averages:
         return ("jit_compile with a model that averages over a micro-batch's rows on its "
                 "own (its own train_step, a loss added in call(), BatchNormalization): "
@@ -92,6 +94,8 @@ def choose_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where
         return Cut()
     element = MicroBatches(adapter, batch_size, min(batch_size // where.replicas, 8),
                            where).element_spec()
+    if where.local_replicas > 1:
+        element = without_replica_axis(element)  # a replica's micro-batch
     if padded is not None:
         lengths = padded_lengths(element[:3], padded)
     assert lengths is not None
@@ -118,9 +122,9 @@ def choose_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where
     refused = tokens_refused(where, jit, jit and _averages_on_its_own(model, element))
     if refused is not None:
         if isinstance(tokens, int):
-            fix = ("jit_compile=False to fit_large_batch, or " if where.replicas == 1 else "")
+            fix = ("jit_compile=False to fit_large_batch, or " if where.workers == 1 else "")
             raise UnsupportedModelError(
-                f"Expected one replica, and under XLA a model whose micro-batches may hold "
+                f"Expected one worker, and under XLA a model whose micro-batches may hold "
                 f"padding rows, with micro_batch_tokens={tokens}. Received: {refused}. "
                 f"Pass {fix}micro_batch_tokens=None to cut micro-batches by rows.")
         if verbose:
@@ -154,8 +158,6 @@ def _by_length(model: keras.Model, adapter: InputAdapter, batch_size: int, eleme
     """The cut by length, or None with why not (``element``: the pipeline's spec)."""
     if by_length is False:
         return "by_length=False", None
-    if where.local_replicas > 1:
-        return f"{where.local_replicas} replicas on this worker", None
     if lengths.uncut:
         return f"its inputs cannot be cut by length ({'; '.join(lengths.uncut)})", None
     build_for(model, element)  # the compiled loss and metrics, as the step builds them
@@ -167,8 +169,11 @@ def _by_length(model: keras.Model, adapter: InputAdapter, batch_size: int, eleme
         return _not_ignored(found), None
     rounded = f" ({_xla_note(tokens=False)})"
     several = f"{lengths.number} lengths per example, " if lengths.number > 1 else ""
-    return "", Cut("length", f"by length{rounded if jit else ''}: {several}the model ignores "
-                   f"padding ({found.reason})", lengths, jit, padded, outputs=found.outputs)
+    on = (f" on {where.local_replicas} replicas, each a row of every {where.local_replicas}"
+          if where.local_replicas > 1 else "")
+    return "", Cut("length", f"by length{rounded if jit else ''}{on}: {several}the model "
+                   f"ignores padding ({found.reason})", lengths, jit, padded,
+                   replicas=where.local_replicas, outputs=found.outputs)
 
 
 def _xla_note(tokens: bool) -> str:

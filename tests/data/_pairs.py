@@ -3,6 +3,7 @@ and the comparison with model.fit on padded_batch(B) of the same pairs."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import keras
@@ -125,15 +126,18 @@ def large_batch_padding(ds, large_batches=4):
 
 
 def pairs_train_as_model_fit(kind, given=None, *, data=None, optimizer="sgd", epochs=2,
-                             **options):
+                             strategy=None, **options):
     """fit_large_batch on ``given`` (default: padded batches of 32 of ``data``), in
-    micro-batches of M rows, equals model.fit on padded_batch(B) of the same pairs: the
+    micro-batches of M rows (its model built in ``strategy``'s scope), equals model.fit
+    on padded_batch(B) of the same pairs on one device: the
     weights within 1e-5 (SGD) or 1e-4 (Adam), or 3x the reference's own movement when
     each large batch's rows come reversed; iterations; logs. Returns the history."""
     data = pairs() if data is None else data
     rtol = 1e-5 if optimizer == "sgd" else 1e-4
     make = MODELS[kind]
-    reference, reordered, model = (make(optimizer) for _ in range(3))
+    reference, reordered = (make(optimizer) for _ in range(2))
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = make(optimizer)
     expected = reference.fit(examples(data, kind).padded_batch(B), epochs=epochs, verbose=0)
     reordered.fit(examples(in_each_large_batch_reversed(data), kind).padded_batch(B),
                   epochs=epochs, verbose=0)
@@ -143,7 +147,7 @@ def pairs_train_as_model_fit(kind, given=None, *, data=None, optimizer="sgd", ep
         options.setdefault("micro_batch_size", M)
     got = autosplit.fit_large_batch(model, given, batch_size=B, epochs=epochs, **options)
     assert_within_reorder_noise(reference, reordered, model.get_weights(), rtol)
-    assert int(model.optimizer.iterations) == epochs * math.ceil(len(data) / B)
+    assert int(model.optimizer.iterations.numpy()) == epochs * math.ceil(len(data) / B)
     for name, values in expected.history.items():
         np.testing.assert_allclose(got.history[name], values, rtol=rtol, err_msg=name)
     return got

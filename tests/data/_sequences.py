@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import keras
@@ -146,13 +147,16 @@ def hungry_gru():
 
 
 def trains_as_model_fit(kind, given, *, seqs=None, rtol=1e-5, epochs=2, batch_size=B,
-                        **options):
+                        strategy=None, **options):
     """fit_large_batch on ``given`` (in micro-batches of M rows unless ``options`` size
-    them) equals model.fit on padded_batch(batch_size) of the same rows: weights
+    them; its model built in ``strategy``'s scope) equals model.fit on
+    padded_batch(batch_size) of the same rows on one device: weights
     (``common.assert_within_reorder_noise``), iterations and logs. Returns the history."""
     seqs = sequences() if seqs is None else seqs
-    reference, reordered, model = (model_of(kind, options.get("jit_compile", False))
-                                   for _ in range(3))
+    reference, reordered = (model_of(kind, options.get("jit_compile", False))
+                            for _ in range(2))
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = model_of(kind, options.get("jit_compile", False))
     expected = reference.fit(dataset(seqs, kind).padded_batch(batch_size), epochs=epochs,
                              verbose=0)
     reordered.fit(dataset(in_each_large_batch_reversed(seqs, batch_size), kind)
@@ -166,7 +170,7 @@ def trains_as_model_fit(kind, given, *, seqs=None, rtol=1e-5, epochs=2, batch_si
     assert_within_reorder_noise(reference, reordered, model.get_weights(), rtol)
     # model.fit on a dataset of unknown length counts one more iteration per epoch than
     # it trains (at the end of the data); the steps are those of the large batches.
-    assert int(model.optimizer.iterations) == epochs * math.ceil(len(seqs) / batch_size)
+    assert int(model.optimizer.iterations.numpy()) == epochs * math.ceil(len(seqs) / batch_size)
     for name, values in expected.history.items():
         np.testing.assert_allclose(got.history[name], values, rtol=rtol, err_msg=name)
     return got
