@@ -89,7 +89,7 @@ def _block(query, value, mask=None, causal=False):
     return keras.layers.Dense(WIDTH)(hidden)
 
 
-def build(kind: str, accumulation: int | None = None):
+def build(kind: str, accumulation: int | None = None, jit_compile: bool | str = "auto"):
     import keras
 
     keras.utils.set_random_seed(0)
@@ -116,5 +116,6 @@ def build(kind: str, accumulation: int | None = None):
     loss = (keras.losses.SparseCategoricalCrossentropy(from_logits=True)
             if kind in ("causal_lm", *PAIRS) else keras.losses.BinaryCrossentropy(
                 from_logits=True))
-    model.compile(keras.optimizers.Adam(1e-3, gradient_accumulation_steps=accumulation), loss)
+    model.compile(keras.optimizers.Adam(1e-3, gradient_accumulation_steps=accumulation), loss,
+                  jit_compile=jit_compile)
     return model

@@ -18,6 +18,7 @@ from benchmarks import (
     probe_choices,
     probe_search,
     sequences,
+    sequences_xla,
     step_costs,
     workloads,
 )
@@ -259,6 +260,7 @@ def test_gpu_check_checks_growth_per_input_kind_and_speed():
     (step_costs, ["--quick", "--repeats", "0"]),
     (probe_choices, ["--quick", "--repeats", "0"]),
     (sequences, ["--quick", "--models", "bert"]),
+    (sequences_xla, ["--quick", "--models", "transformer"]),
     (overflow_check, ["--quick", "--repeats", "0"]),
 ])
 def test_bad_flags_exit_before_anything_runs(module, argv):

@@ -149,6 +149,36 @@ def test_sequences_checks_follow_the_figures():
 
 
 @pytest.mark.slow
+def test_sequences_xla_quick_run(tmp_path):
+    from benchmarks import sequences_xla
+
+    assert sequences_xla.main(["--quick", "--models", "gru", "--out", str(tmp_path)]) == 0
+    result = read(tmp_path, "sequences_xla")["results"]["gru"]
+    assert set(result) == set(sequences_xla.METHODS)
+    # Counted, not timed: XLA's buckets feed more padding than the cut without them,
+    # less than Keras's micro-batches in the input's order, in a bounded set of programs.
+    xla = result["tokens_xla"]
+    assert result["tokens"]["padding_share"] < xla["padding_share"]
+    assert xla["padding_share"] < result["keras_accumulation_xla"]["padding_share"]
+    assert result["tokens"]["programs"] is None and 1 <= xla["programs"] <= 20
+    assert all(r["tokens_per_s"] > 0 and r["first_seconds"] > 0 for r in result.values())
+
+
+def test_sequences_xla_checks_follow_the_figures():
+    from benchmarks import sequences_xla
+
+    def run(vs_tokens, first_vs_keras, programs):
+        return {"vs_tokens": vs_tokens, "first_vs_keras": first_vs_keras,
+                "first_seconds": 10.0, "programs": programs}
+
+    results = {"gru": {"tokens_xla": run(1.1, 0.4, 12),
+                       "keras_accumulation_xla": run(0.9, 1.0, 40)}}
+    assert [c["status"] for c in sequences_xla.checks(results)] == ["PASS"] * 3
+    results["gru"]["tokens_xla"] = run(0.9, 0.6, 21)
+    assert [c["status"] for c in sequences_xla.checks(results)] == ["MISS"] * 3
+
+
+@pytest.mark.slow
 def test_batchnorm_stats_quick_run(tmp_path):
     from benchmarks import batchnorm_runs, batchnorm_stats
 
