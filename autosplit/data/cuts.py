@@ -77,10 +77,15 @@ class Cut(NamedTuple):
         """With ``buckets``, the most shapes of micro-batch, so programs XLA compiles,
         on lengths up to ``longest`` (one per length group): every combination of a
         bucket per length (and the arrays' own length, below its bucket); in tokens,
-        times the two row counts each takes. In rows, each micro-batch has ``rows``
-        rows, padding included; a model that averages on its own (a custom step, a
-        loss added in call()) is given its real rows only, so a short micro-batch
-        compiles once more per bucket. None without buckets.
+        times the two row counts each takes. A bucket reaches no further than the
+        longest row met so far, so the top one is that row's length: one more shape each
+        time a large batch's longest row passes every earlier one's inside the top
+        bucket (none once a row of the longest length has come). In rows, each
+        micro-batch has ``rows`` rows, padding included; a model that averages on its
+        own (a custom step, a loss added in call()) is given its real rows only, so a
+        short micro-batch compiles once more per bucket, which this count (and
+        ``FitReport.programs``, which counts the micro-batches' shapes) leaves out.
+        None without buckets.
 
         >>> Cut("tokens", buckets=True, tokens=4096).programs(512)
         18
@@ -264,7 +269,7 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
             moved.append(t if found is None else _front(t, found[0]))
         return tuple(moved)
 
-    def pieces(*leaves):
+    def measured(*leaves):
         n = tf.shape(leaves[0], out_type=tf.int64)[0] if not isinstance(
             leaves[0], tf.RaggedTensor) else leaves[0].nrows()
         given, real = [], []
@@ -275,7 +280,9 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
         real_lengths = tf.stack(real, axis=1)
         longest = tf.reduce_max(tf.stack(given, axis=1) if own_lengths else real_lengths,
                                 axis=0)
+        return leaves, n, real_lengths, longest
 
+    def pieces(leaves, n, real_lengths, longest, ceiling):
         def piece(index, length, stretch, valid):
             def take(i, t):
                 found = lengths.of(i)
@@ -291,16 +298,26 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
             return tf.nest.pack_sequence_as(structure, [take(i, t) for i, t in enumerate(
                 leaves)]), stretch, valid
 
-        return _sorted_pieces(real_lengths, n, longest, bounds, cut, cap).map(piece)
+        return _sorted_pieces(real_lengths, n, longest, bounds, cut, cap,
+                              ceiling=ceiling).map(piece)
 
     structure = ds.element_spec  # of a row, once unbatched
 
     @tf.autograph.experimental.do_not_convert
     def large_batch(_, window):
-        return window.map(_strip).ragged_batch(period).flat_map(pieces)
+        return window.map(_strip).ragged_batch(period)
 
-    return ds.unbatch().map(row).enumerate().group_by_window(
-        lambda index, *_: index // period, large_batch, window_size=period)
+    def running(most, batch):
+        most = tf.maximum(most, batch[3])
+        return most, (*batch, most)
+
+    batches = ds.unbatch().map(row).enumerate().group_by_window(
+        lambda index, *_: index // period, large_batch, window_size=period).map(measured)
+    if cut.buckets:  # XLA's buckets reach no further than the longest row met so far
+        batches = batches.scan(tf.zeros([lengths.number], tf.int64), running)
+    else:
+        batches = batches.map(lambda *batch: (*batch, batch[3]))
+    return batches.flat_map(pieces)
 
 
 def trim(rows: Any, padded: Padded, length: tf.Tensor) -> Any:
@@ -359,8 +376,8 @@ def _kept_bounds(pattern: list[Piece], replicas: int = 1
 
 def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
                    bounds: tuple[tf.Tensor, tf.Tensor, int, int], cut: Cut,
-                   cap: int | None = None, *, static_longest: bool = False
-                   ) -> tf.data.Dataset:
+                   cap: int | None = None, *, static_longest: bool = False,
+                   ceiling: tf.Tensor | None = None) -> tf.data.Dataset:
     """The kept pieces of a large batch of ``n`` rows whose lengths are ``lengths``
     (rows, groups): its kept rows sorted by cost, each piece ``(positions, lengths,
     stretch, valid)`` for those that start before row ``n``; its lengths its rows'
@@ -371,12 +388,16 @@ def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
     and a piece is a run of ranks: replica r's micro-batch holds row r of each (a copy
     of the rank's first, ``valid`` 0.0, where the last rank is short), all R padded to
     the run's longest lengths, so they stack into one element and every replica gets
-    rows of about the same lengths. In tokens a rank costs what its longest row does.
+    rows of about the same lengths. In tokens a rank costs, per length, what its
+    longest row there does.
 
-    With ``cut.buckets`` (XLA) each length is rounded up to its bucket, capped only at a
-    ``static_longest`` (the arrays'): the large batch's own longest would be a shape,
-    and a program, per large batch. In tokens each piece's positions are then padded to
-    the rows the budget holds at its lengths with copies of its last (``valid`` 0.0).
+    With ``cut.buckets`` (XLA) each length is rounded up to its bucket, capped at the
+    ``longest`` where it is ``static_longest`` (the arrays'), else at a ``ceiling``: the
+    longest row met so far in the run, per length (the large batch's own longest would
+    be a shape, and a program, per large batch; a bucket past every row met could be
+    longer than the model takes, a table of 512 positions). In tokens each piece's
+    positions are then padded to the rows the budget holds at its lengths with copies
+    of its last (``valid`` 0.0).
     With ``cut.tokens``, the pieces are :func:`token_pieces`' (of at most ``cap`` rows)
     instead of ``bounds``'."""
     starts, ends, first, last = bounds
@@ -400,7 +421,9 @@ def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
         if not cut.buckets:
             return tf.minimum(most, longest)
         rounded = bucket_up(most, cut.tokens is not None)
-        return tf.minimum(rounded, longest) if static_longest else rounded
+        if static_longest:
+            return tf.minimum(rounded, longest)
+        return rounded if ceiling is None else tf.minimum(rounded, ceiling)
 
     def piece(a, b, replica):
         b = tf.minimum(b, ranks)

@@ -61,8 +61,8 @@ def rows_within(tokens: int, cost: tf.Tensor, cap: int | None) -> tf.Tensor:
 def padded_row_count(real: tf.Tensor, most: tf.Tensor) -> tf.Tensor:
     """Under XLA, the rows a piece of ``real`` rows is padded to, where the budget holds
     ``most`` at its lengths: ``most``, or half of it (rounded up) for a piece that fits
-    there; 0 for none. Two shapes per length: a bounded set of programs, and a short
-    piece pads at most as many rows as it holds.
+    there; 0 for none. Two shapes per length: a bounded set of programs, and no piece
+    pads more than half the rows the budget holds there.
 
     >>> [int(padded_row_count(tf.constant(n, tf.int64), tf.constant(9, tf.int64)))
     ...  for n in (0, 1, 5, 6, 9)]

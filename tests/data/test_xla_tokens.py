@@ -16,12 +16,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from _pairs import large_batch_padding
 from _sequences import B, cut_by_length, dataset, sequences, trains_as_model_fit
 from common import child_env
 
+import autosplit
 from autosplit.data.cuts import Cut
 from autosplit.data.example_lengths import TOKEN_BUCKETS
 from autosplit.data.inputs import get_input
@@ -56,21 +59,76 @@ def test_each_micro_batch_takes_a_bucket_and_one_of_two_row_counts_and_every_row
     pipeline = MicroBatches(adapter, B, B,
                             cut=cut_by_length(adapter, buckets=True, tokens=TOKENS))
     assert not pipeline.all_real()  # copies of a row pad a micro-batch to its shape
-    seen, shapes = [], set()
+    seen, shapes, met = [], set(), 0
     for x, _, _, valid in pipeline.dataset():
         if bool(is_end_marker((valid,))):
             continue
         tokens, valid = x.inputs.numpy(), valid.numpy()
         length = tokens.shape[1]
         most = int(rows_within(TOKENS, length, B))
-        assert length in TOKEN_BUCKETS and len(tokens) in (most, (most + 1) // 2)
         real = tokens[valid > 0]
+        # A large batch's longest piece comes first: its bucket, or the longest row met
+        # so far where the bucket would pass it.
+        met = max(met, *(len(np.trim_zeros(t, "b")) for t in real))
+        assert length in TOKEN_BUCKETS or length == met, (length, met)
+        assert len(tokens) in (most, (most + 1) // 2)
         assert valid[:len(real)].all() and (tokens[len(real):] == real[-1]).all()
         assert max(len(np.trim_zeros(t, "b")) for t in real) <= length
         seen += [tuple(np.trim_zeros(t, "b")) for t in real]
         shapes.add(tokens.shape)
     assert sorted(seen) == sorted(tuple(s) for s in seqs)
     assert len(shapes) <= Cut("tokens", buckets=True, tokens=TOKENS).programs(60)
+
+
+@pytest.mark.parametrize("tokens", [None, 4096])
+def test_a_bucket_never_reaches_past_the_longest_row_met_so_far(tokens):
+    # Two large batches: the first's longest row 300 (its bucket 384, in tokens 416),
+    # the second's 500 (600, 672). A model with a table of 512 positions takes 500.
+    r = np.random.default_rng(0)
+    seqs = [r.integers(1, 50, n).astype("int32") for n in
+            [300, 30, 40, 290, 20, 10, 60, 70, 500, 35, 45, 480, 25, 15, 65, 75]]
+    adapter = get_input(dataset(seqs, "gru").padded_batch(8))
+    pipeline = MicroBatches(adapter, 8, 4, cut=cut_by_length(adapter, buckets=True,
+                                                             tokens=tokens))
+    longest = [int(x.inputs.shape[1]) for x, *_ in pipeline.dataset() if x.inputs.shape[0]]
+    assert max(longest[:len(longest) // 2]) == 300 and max(longest) == 500, longest
+
+
+@pytest.mark.slow
+def test_a_table_of_512_positions_trains_under_xla_on_rows_up_to_500_as_model_fit():
+    keras_hub = pytest.importorskip("keras_hub")
+    r = np.random.default_rng(0)
+    seqs = [r.integers(1, 50, n).astype("int32") for n in r.integers(3, 80, 62)] + [
+        r.integers(1, 50, 500).astype("int32"), r.integers(1, 50, 490).astype("int32")]
+
+    def make():
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((None,), dtype="int32")
+        hidden = keras.layers.Embedding(50, 8)(ids)
+        hidden = keras.layers.Add()([hidden, keras_hub.layers.PositionEmbedding(512)(hidden)])
+        model = keras.Model(ids, keras.layers.Dense(50)(hidden))
+        model.compile(keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True), weighted_metrics=["accuracy"], jit_compile=True)
+        return model
+
+    def examples():
+        return tf.data.Dataset.from_generator(
+            lambda: ((s[:-1], s[1:], np.ones(len(s) - 1, "float32")) for s in seqs),
+            output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32),
+                              tf.TensorSpec([None], tf.float32))).apply(
+            tf.data.experimental.assert_cardinality(len(seqs)))
+
+    reference, model = make(), make()
+    reference.fit(examples().padded_batch(32), epochs=1, verbose=0)
+    for tokens in (None, 4096):
+        model = make()
+        got = autosplit.fit_large_batch(model, examples().padded_batch(16), batch_size=32,
+                                        micro_batch_size=8, micro_batch_tokens=tokens,
+                                        epochs=1, verbose=0)
+        assert got.autosplit.padding.startswith("by length (under XLA"), got.autosplit.padding
+        np.testing.assert_allclose(np.concatenate([w.ravel() for w in model.get_weights()]),
+                                   np.concatenate([w.ravel() for w in reference.get_weights()]),
+                                   rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
