@@ -35,7 +35,7 @@ figures under XLA are the BFC's share only).
 
 Reproduce::
 
-    python -m benchmarks.sequences_xla            # ~10 min on 2 cores
+    python -m benchmarks.sequences_xla            # ~19 min on 2 cores
     python -m benchmarks.sequences_xla --quick    # a smoke run
 """
 
