@@ -7,13 +7,10 @@ large batch cut as it comes pads every micro-batch to the large batch's longest 
 corpus. Sorted by length first (:func:`cut_by_length`), the short rows share
 micro-batches and the long ones theirs, and every part of a micro-batch is padded only to
 its own longest row in its own length (``autosplit.data.example_lengths``): a source to
-the micro-batch's longest source, its target to its longest target. Under XLA, which
-compiles a program per shape, each length is rounded up to its bucket
-(``example_lengths.LENGTH_BUCKETS``: 16 up to 512), and in tokens (coarser buckets,
-``TOKEN_BUCKETS``: 9 up to 512) each micro-batch's rows to what the budget holds at those
-lengths or half that, with copies of its last row that weigh nothing: a bounded set of
-programs whatever the data (:meth:`Cut.programs`). A step that
-is not XLA's takes any length without tracing again, and pads no further.
+the micro-batch's longest source, its target to its longest target. Under XLA each
+length is rounded up to a bucket (``example_lengths``), and in tokens each micro-batch's
+rows to what the budget holds there or half, with copies of a row that weigh nothing:
+a bounded set of programs (:meth:`Cut.programs`). Without XLA any length runs as is.
 
 That is exact only for a model whose losses and gradients ignore padding
 (``autosplit.step.padding`` checks it), and only if every denominator that counts padded
@@ -74,18 +71,13 @@ class Cut(NamedTuple):
         return self.by in ("length", "tokens")
 
     def programs(self, longest: int | tuple[int, ...]) -> int | None:
-        """With ``buckets``, the most shapes of micro-batch, so programs XLA compiles,
-        on lengths up to ``longest`` (one per length group): every combination of a
-        bucket per length (and the arrays' own length, below its bucket); in tokens,
-        times the two row counts each takes. A bucket reaches no further than the
-        longest row met so far, so the top one is that row's length: one more shape each
-        time a large batch's longest row passes every earlier one's inside the top
-        bucket (none once a row of the longest length has come). In rows, each
-        micro-batch has ``rows`` rows, padding included; a model that averages on its
-        own (a custom step, a loss added in call()) is given its real rows only, so a
-        short micro-batch compiles once more per bucket, which this count (and
-        ``FitReport.programs``, which counts the micro-batches' shapes) leaves out.
-        None without buckets.
+        """With ``buckets``, the most shapes of micro-batch (programs XLA compiles) on
+        lengths up to ``longest`` per length group: a bucket per length (or the arrays'
+        own length) combined; in tokens, times two row counts. Not counted: one more
+        each time a large batch's longest row passes every earlier one's inside the top
+        bucket (a bucket reaches no further than the longest row met), and in rows one
+        more per bucket for a model that averages on its own (given its real rows only;
+        ``FitReport.programs`` leaves that out too). None without buckets.
 
         >>> Cut("tokens", buckets=True, tokens=4096).programs(512)
         18
@@ -391,13 +383,11 @@ def _sorted_pieces(lengths: tf.Tensor, n: tf.Tensor, longest: tf.Tensor,
     rows of about the same lengths. In tokens a rank costs, per length, what its
     longest row there does.
 
-    With ``cut.buckets`` (XLA) each length is rounded up to its bucket, capped at the
-    ``longest`` where it is ``static_longest`` (the arrays'), else at a ``ceiling``: the
-    longest row met so far in the run, per length (the large batch's own longest would
-    be a shape, and a program, per large batch; a bucket past every row met could be
-    longer than the model takes, a table of 512 positions). In tokens each piece's
-    positions are then padded to the rows the budget holds at its lengths with copies
-    of its last (``valid`` 0.0).
+    With ``cut.buckets`` (XLA) each length is rounded up to its bucket, capped at a
+    ``static_longest`` ``longest`` (the arrays'), else at the ``ceiling``, the longest
+    row met so far per length (not a program per large batch's longest, nor past what
+    the model may take: a table of 512 positions). In tokens each piece is then padded
+    to the rows the budget holds at its lengths with copies of its last (``valid`` 0).
     With ``cut.tokens``, the pieces are :func:`token_pieces`' (of at most ``cap`` rows)
     instead of ``bounds``'."""
     starts, ends, first, last = bounds
