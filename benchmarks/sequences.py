@@ -91,11 +91,13 @@ def cut_of(adapter, settings: Settings, kind: str, method: str):
         return Cut("longest", lengths=adapter.lengths())
     tokens = "tokens" in method
     return Cut("tokens" if tokens else "length", lengths=adapter.lengths(),
-               tokens=budget(settings, kind) if tokens else None)
+               buckets=method.endswith("_xla"), tokens=budget(settings, kind) if tokens else None)
 
 
 def padding_share(kind: str, settings: Settings, method: str) -> tuple[float, int]:
-    """(the share of padding among the token cells a method feeds, real tokens) per epoch."""
+    """(the share of padding among the token cells a method feeds, real tokens) per epoch;
+    a method ending in ``_xla`` under XLA's buckets (``cut_stats`` then counts every row
+    of a micro-batch's shape)."""
     import tensorflow as tf
 
     from autosplit.data.cut_stats import cut_stats
@@ -103,7 +105,7 @@ def padding_share(kind: str, settings: Settings, method: str) -> tuple[float, in
     from autosplit.data.pipeline import MicroBatches
 
     ds = examples(kind, settings)
-    if method == "keras_accumulation":  # each input of a padded batch: a length of its own
+    if method.startswith("keras_accumulation"):  # each input of a padded batch: a length of its own
         batches = [[t.numpy() for t in tf.nest.flatten(x)]
                    for x, *_ in ds.padded_batch(settings.micro_batch_size)]
         real = sum(int((t != 0).sum()) for b in batches for t in b)
@@ -232,16 +234,23 @@ def run(kind: str, method: str, settings: Settings) -> dict[str, Any]:
     return {"seconds": timed["seconds"], "peak_mib": timed["peak"] / 2**20}
 
 
+def shares_and_runs(kind: str, settings: Settings, methods: Sequence[str],
+                    run_one: Any) -> tuple[dict[str, tuple[float, int]], dict[str, list]]:
+    """Each method's padding share (logged), then its ``run_one(kind, method, settings)``
+    runs side by side, each counted in the epoch's real tokens."""
+    shares = {method: padding_share(kind, settings, method) for method in methods}
+    tokens = shares[methods[0]][1]
+    harness.log(f"{kind}: {tokens:,} real tokens per epoch; padding share " + ", ".join(
+        f"{method} {share:.2f}" for method, (share, _) in shares.items()))
+    return shares, harness.round_robin({method: (lambda method=method: {
+        **run_one(kind, method, settings), "samples": tokens}) for method in methods},
+        settings.repeats)
+
+
 def measure(settings: Settings) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for kind in settings.models:
-        shares = {method: padding_share(kind, settings, method) for method in METHODS}
-        tokens = shares["rows"][1]
-        harness.log(f"{kind}: {tokens:,} real tokens per epoch; padding share " + ", ".join(
-            f"{method} {share:.2f}" for method, (share, _) in shares.items()))
-        runs = harness.round_robin({method: (lambda kind=kind, method=method, tokens=tokens: {
-            **run(kind, method, settings), "samples": tokens}) for method in METHODS},
-            settings.repeats)
+        shares, runs = shares_and_runs(kind, settings, METHODS, run)
         speed = harness.speed_summary(runs, "rows")
         results[kind] = {method: {
             "tokens_per_s": speed[method]["samples_per_s_median"],

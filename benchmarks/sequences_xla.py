@@ -51,7 +51,7 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks import sequence_data as data
-from benchmarks.sequences import Settings, budget, examples, padding_share
+from benchmarks.sequences import Settings, budget, examples, shares_and_runs
 
 QUESTION = ("Cut in tokens under XLA, how many real tokens per second does training "
             "reach against the same cut without XLA, with how much padding, how many "
@@ -125,15 +125,7 @@ def _child(task: dict[str, Any]) -> dict[str, Any]:
 def measure(settings: Settings) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for kind in settings.models:
-        shares = {"tokens": padding_share(kind, settings, "tokens"),
-                  "tokens_xla": _xla_padding(kind, settings),
-                  "keras_accumulation_xla": padding_share(kind, settings, "keras_accumulation")}
-        tokens = shares["tokens"][1]
-        harness.log(f"{kind}: {tokens:,} real tokens per epoch; padding share " + ", ".join(
-            f"{method} {share:.2f}" for method, (share, _) in shares.items()))
-        runs = harness.round_robin({method: (lambda kind=kind, method=method, tokens=tokens: {
-            **_in_child(kind, method, settings), "samples": tokens}) for method in METHODS},
-            settings.repeats)
+        shares, runs = shares_and_runs(kind, settings, METHODS, _in_child)
         speed = harness.speed_summary(runs, "tokens")
         results[kind] = {method: {
             "tokens_per_s": speed[method]["samples_per_s_median"],
@@ -149,22 +141,6 @@ def measure(settings: Settings) -> dict[str, Any]:
             "peak_mib": statistics.median(r["peak_mib"] for r in runs[method])}
             for method in METHODS}
     return results
-
-
-def _xla_padding(kind: str, settings: Settings) -> tuple[float, int]:
-    """The padding share the cut in tokens feeds under XLA's buckets (copies of rows
-    that pad a micro-batch to its row count counted as padding: XLA computes them)."""
-    from autosplit.data.cut_stats import cut_stats
-    from autosplit.data.inputs import get_input
-    from autosplit.data.pipeline import MicroBatches
-    from benchmarks.sequences import cut_of
-
-    adapter = get_input(examples(kind, settings))
-    cut = cut_of(adapter, settings, kind, "tokens")._replace(buckets=True)
-    stats = cut_stats(MicroBatches(adapter, settings.batch_size, settings.batch_size, cut=cut),
-                      large_batches=-(-settings.rows // settings.batch_size))
-    assert stats is not None
-    return stats.padding_share, stats.tokens
 
 
 def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
