@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _pairs import large_batch_padding
-from _sequences import B, cut_by_length, dataset, sequences, trains_as_model_fit
-from common import child_env
+from _sequences import B, cut_by_length, dataset, model_of, sequences, trains_as_model_fit
+from common import child_env, relative_error
 
 import autosplit
 from autosplit.data.cuts import Cut
@@ -78,6 +78,30 @@ def test_each_micro_batch_takes_a_bucket_and_one_of_two_row_counts_and_every_row
         shapes.add(tokens.shape)
     assert sorted(seen) == sorted(tuple(s) for s in seqs)
     assert len(shapes) <= Cut("tokens", buckets=True, tokens=TOKENS).programs(60)
+
+
+@pytest.mark.slow
+def test_mixed_float16_in_tokens_under_xla_steps_and_scales_as_model_fit():
+    # Copies of a row weigh nothing in the float16 sums the overflow check reads too:
+    # the same iterations and loss scale, weights within the mixed tolerance.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        seqs = sequences()
+        reference = model_of("lm_sample_weight", jit_compile=True)
+        expected = reference.fit(dataset(seqs, "lm_sample_weight").padded_batch(B), epochs=2,
+                                 verbose=0)
+        model = model_of("lm_sample_weight", jit_compile=True)
+        got = autosplit.fit_large_batch(model, dataset(seqs, "lm_sample_weight").padded_batch(32),
+                                        batch_size=B, micro_batch_tokens=TOKENS, epochs=2,
+                                        verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert got.autosplit.programs is not None
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+    assert float(model.optimizer.dynamic_scale.numpy()) == float(
+        reference.optimizer.dynamic_scale.numpy())
+    assert relative_error(reference.get_weights(), model.get_weights()) <= 3e-2
+    np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=3e-2)
 
 
 @pytest.mark.parametrize("tokens", [None, 4096])
