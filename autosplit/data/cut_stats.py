@@ -9,7 +9,8 @@ import tensorflow as tf
 
 from autosplit.data.cuts import inputs_of
 from autosplit.data.example_lengths import group_lengths
-from autosplit.data.pipeline import MicroBatches, is_end_marker
+from autosplit.data.markers import is_end_marker, is_header
+from autosplit.data.pipeline import MicroBatches
 
 __all__ = ["CutStats", "cut_stats"]
 
@@ -37,8 +38,11 @@ def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None
         return None
     pre = cut.padded is not None and cut.padded.pre
     read = pieces = real = cells = 0
-    left = None if pipeline.tokens else pipeline.elements(0)  # of this large batch
+    # of this large batch; None where markers end each (tokens, shares)
+    left = None if pipeline.batches_marked else pipeline.elements(0)
     for x, y, w, valid in pipeline.dataset(autotune=False, counted=False):
+        if is_header((valid,)):  # a share's, which the workers agree on
+            continue
         if is_end_marker((valid,)):  # with tokens, a large batch's end
             read += 1
         else:

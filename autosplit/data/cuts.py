@@ -3,7 +3,7 @@
 
 Rows of varying length come padded (``padded_batch``, a ragged input autosplit pads). A
 large batch cut as it comes pads every micro-batch to the large batch's longest row
-(:func:`pad_to_longest`): exact for every model, and mostly padding on a heavy-tailed
+(``autosplit.data.longest``): exact for every model, and mostly padding on a heavy-tailed
 corpus. Sorted by length first (:func:`cut_by_length`), the short rows share
 micro-batches and the long ones theirs, and every part of a micro-batch is padded only to
 its own longest row in its own length (``autosplit.data.example_lengths``): a source to
@@ -33,9 +33,10 @@ import tensorflow as tf
 from autosplit.data.example_lengths import Lengths, Padded, bucket_up, buckets_to, row_costs
 from autosplit.data.packing import Packing, padded_row_count, rows_within, token_pieces
 from autosplit.data.split import Piece
+from autosplit.data.structure import unnumbered
 
 __all__ = ["Cut", "CutBy", "Trimmed", "cut_by_length", "cut_rows_by_length",
-           "inputs_of", "pad_to_longest", "trim"]
+           "inputs_of", "trim"]
 
 CutBy = Literal["rows", "longest", "length", "tokens"]
 
@@ -108,100 +109,6 @@ def inputs_of(x: Any) -> Any:
     return x.inputs if isinstance(x, Trimmed) else x
 
 
-def _strip(_: Any, *row: Any) -> Any:
-    return row[0] if len(row) == 1 else row
-
-
-def pad_to_longest(ds: tf.data.Dataset, sizes: list[int], *, own_lengths: bool,
-                   lengths: Lengths | None = None) -> tf.data.Dataset:
-    """``ds.rebatch(sizes)`` for batches whose shapes differ beyond the row count: every
-    piece of a large batch is padded to the longest row of that large batch, with zeros
-    (``""`` for strings), as ``padded_batch(B)`` pads the large batch by default: each
-    part to its own longest.
-
-    Each micro-batch then holds its rows exactly as ``model.fit`` on the large batch
-    sees them, so every denominator that counts padded cells (Keras's
-    ``sum_over_batch_size`` over a per-token loss masked by ``sample_weight``, a custom
-    step's ``tf.size``) and every model that reads its padding (a pooling without a
-    mask) is the large batch's.
-
-    ``rebatch`` copies slices of its input batches into each piece and stops with
-    "source and dst shapes are not compatible" when a piece spans two ``padded_batch``
-    batches padded to different lengths. Here the batches are unbatched, each row is
-    numbered, and ``group_by_window`` gathers the rows of each large batch (the rows
-    come in order); a first pass over them finds the longest row, a second pads each
-    row to it and cuts the pieces. The host holds the large batch's rows, one by one
-    (its longest row is known only after the last), and stacks no more than a piece.
-
-    Without ``own_lengths`` (rows padded by the user's ``padded_batch``, whose batches
-    may hold rows of the next large batch), the parts with a length in ``lengths`` count
-    as long as their group is without trailing zeros
-    (``example_lengths.group_lengths``), so a large batch is as long, in each of its
-    lengths, as ``padded_batch(B)`` of the same rows makes it.
-    """
-    period = sum(sizes)
-    trim = not own_lengths and lengths is not None and lengths.number > 0
-
-    plain = tf.data.Options()  # a window has no graph to optimise (TensorFlow warns)
-    plain.experimental_optimization.apply_default_optimizations = False
-
-    def shape_of(row):
-        leaves = tf.nest.flatten(row)
-        shapes = [tf.shape(t, out_type=tf.int64) for t in leaves]
-        if trim:  # each length as long as the row is without its trailing zeros
-            assert lengths is not None
-            real = _row_lengths(leaves, lengths)
-            for index in range(len(leaves)):
-                found = lengths.of(index)
-                if found is not None:
-                    shapes[index] = tf.tensor_scatter_nd_update(
-                        shapes[index], [[found[0] - 1]], [real[found[1]]])
-        return tf.nest.pack_sequence_as(row, shapes)
-
-    def longest(rows: tf.data.Dataset) -> Any:
-        start = tf.nest.map_structure(lambda spec: tf.zeros([spec.shape.rank], tf.int64),
-                                      rows.element_spec)
-        return rows.with_options(plain).reduce(start, lambda most, row: tf.nest.map_structure(
-            tf.maximum, most, shape_of(row)))
-
-    def pad(row, shape):
-        known = row.shape  # the sizes the rows share (a feature axis) stay static
-        if trim and row.shape.rank:
-            row = tf.slice(row, tf.zeros_like(shape), tf.minimum(
-                shape, tf.shape(row, out_type=tf.int64)))
-        gap = shape - tf.shape(row, out_type=tf.int64)
-        return tf.ensure_shape(tf.pad(row, tf.stack([tf.zeros_like(gap), gap], axis=1),
-                                      constant_values=tf.zeros([], row.dtype)), known)
-
-    def large_batch(_, window):
-        rows = window.map(_strip)
-        shapes = longest(rows)
-        padded = rows.map(lambda *row: tf.nest.map_structure(
-            pad, row[0] if len(row) == 1 else row, shapes))
-        return padded.batch(1).rebatch(sizes if len(sizes) > 1 else sizes[0])
-
-    return ds.unbatch().enumerate().group_by_window(lambda index, *_: index // period,
-                                                    large_batch, window_size=period)
-
-
-def _row_lengths(leaves: list[tf.Tensor], lengths: Lengths) -> list[tf.Tensor]:
-    """Per group, one row's length (its leaves without the row axis): one past its last
-    non-zero entry in any leaf of the group."""
-    found: list[list[tf.Tensor]] = [[] for _ in range(lengths.number)]
-    for index, t in enumerate(leaves):
-        found_in = lengths.of(index)
-        if found_in is None:
-            continue
-        axis, group = found_in
-        nonzero = tf.not_equal(t, tf.zeros([], t.dtype))
-        others = [a for a in range(t.shape.rank) if a != axis - 1]
-        if others:
-            nonzero = tf.reduce_any(nonzero, axis=others)
-        columns = tf.range(1, tf.size(nonzero, out_type=tf.int64) + 1)
-        found[group].append(tf.reduce_max(tf.where(nonzero, columns, 0)))
-    return [tf.reduce_max(tf.stack(group)) for group in found]
-
-
 def _front(t: tf.Tensor, axis: int) -> tf.Tensor:
     """One row's ``t`` with its ``axis`` (counted with the rows) first."""
     order = [axis - 1] + [a for a in range(t.shape.rank) if a != axis - 1]
@@ -227,7 +134,8 @@ def _ragged_lengths(rt: tf.RaggedTensor) -> tf.Tensor:
 
 
 def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
-                  own_lengths: bool, cap: int | None = None) -> tf.data.Dataset:
+                  own_lengths: bool, cap: int | None = None, shares: bool = False
+                  ) -> tf.data.Dataset:
     """The kept pieces of ``pattern`` from every large batch of ``ds`` (batches of rows,
     of any size), each large batch's kept rows sorted by what they cost
     (``example_lengths.row_costs``) first; each piece ``(rows, stretch, valid)``, each of
@@ -247,6 +155,12 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
     moved there, and back in the piece), and stacks no more than a piece. With
     ``cut.tokens``, the pieces are :func:`token_pieces` of at most ``cap`` rows, each
     large batch's last an empty one.
+
+    ``shares``: each element of ``ds`` is a large batch of its own (a worker's share of
+    a step, ``autosplit.data.sharded``), padded: its pieces come after a header, a row
+    of zeros whose ``valid`` is -1 and whose ``stretch`` holds, per model output, the
+    share's length (0 for a share of no row), for the workers to agree on the large
+    batch's; in rows, they end with a row of zeros whose ``valid`` is 0 (a marker).
     """
     lengths = cut.lengths
     assert lengths is not None
@@ -290,26 +204,73 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
             return tf.nest.pack_sequence_as(structure, [take(i, t) for i, t in enumerate(
                 leaves)]), stretch, valid
 
-        return _sorted_pieces(real_lengths, n, longest, bounds, cut, cap,
-                              ceiling=ceiling).map(piece)
+        cut_up = _sorted_pieces(real_lengths, n, longest, bounds, cut, cap,
+                                ceiling=ceiling).map(piece)
+        return _with_header(cut_up, leaves, n, longest, structure, cut) if shares else cut_up
 
     structure = ds.element_spec  # of a row, once unbatched
 
     @tf.autograph.experimental.do_not_convert
     def large_batch(_, window):
-        return window.map(_strip).ragged_batch(period)
+        return window.map(unnumbered).ragged_batch(period)
 
     def running(most, batch):
         most = tf.maximum(most, batch[3])
         return most, (*batch, most)
 
-    batches = ds.unbatch().map(row).enumerate().group_by_window(
-        lambda index, *_: index // period, large_batch, window_size=period).map(measured)
+    if shares:
+        batches = ds.map(lambda *parts: _ragged_share(parts, lengths)).map(measured)
+    else:
+        batches = ds.unbatch().map(row).enumerate().group_by_window(
+            lambda index, *_: index // period, large_batch, window_size=period).map(measured)
     if cut.buckets:  # XLA's buckets reach no further than the longest row met so far
         batches = batches.scan(tf.zeros([lengths.number], tf.int64), running)
     else:
         batches = batches.map(lambda *batch: (*batch, batch[3]))
     return batches.flat_map(pieces)
+
+
+def _ragged_share(parts: tuple, lengths: Lengths) -> tuple:
+    """A padded batch (a share) as :func:`cut_by_length`'s ragged batch of its rows: its
+    leaves, each with a length moved to the first axis after the rows."""
+    leaves = tf.nest.flatten(parts[0] if len(parts) == 1 else parts)
+    moved = []
+    for i, t in enumerate(leaves):
+        found = lengths.of(i)
+        if found is not None:
+            axis = found[0]
+            t = tf.RaggedTensor.from_tensor(tf.transpose(t, [0, axis, *(
+                a for a in range(1, t.shape.rank) if a != axis)]) if axis > 1 else t)
+        moved.append(t)
+    return tuple(moved)
+
+
+def _with_header(pieces: tf.data.Dataset, leaves: tuple, n: tf.Tensor, longest: tf.Tensor,
+                 structure: Any, cut: Cut) -> tf.data.Dataset:
+    """A share's ``pieces`` after its header and, in rows, before its end
+    (:func:`cut_by_length` with ``shares``)."""
+    lengths = cut.lengths
+    assert lengths is not None
+    longest = tf.where(n > 0, tf.maximum(longest, 1), 0)
+
+    def zeros(i, t):  # a row of zeros at the share's lengths
+        found = lengths.of(i)
+        if found is None:
+            return tf.zeros(tf.concat([[1], tf.shape(t, out_type=tf.int64)[1:]], 0), t.dtype)
+        shape = tf.concat([[1, longest[found[1]]], tf.constant(t.shape[2:].as_list(),
+                                                               tf.int64)], 0)
+        return _back(tf.zeros(shape, t.dtype), found[0])
+
+    row = tf.nest.pack_sequence_as(structure, [zeros(i, t) for i, t in enumerate(leaves)])
+    ratio = tf.cast(longest, tf.float32)
+    header = tf.stack([tf.constant(1.0) if g is None or g >= lengths.number else ratio[g]
+                       for g in cut.outputs]) if cut.outputs else tf.zeros([0])
+    share = tf.data.Dataset.from_tensors((row, header[None, :], -tf.ones([1]))).concatenate(
+        pieces)
+    if cut.tokens is not None:  # token_pieces end each share with an empty piece
+        return share
+    end = (row, tf.ones_like(header)[None, :], tf.zeros([1]))
+    return share.concatenate(tf.data.Dataset.from_tensors(end))
 
 
 def trim(rows: Any, padded: Padded, length: tf.Tensor) -> Any:

@@ -35,7 +35,7 @@ def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
     the first two a trial step pulls (``autosplit.search.trials``) are the two ends,
     where the memory per token is highest (under attention, and with costs per row).
     Last comes an empty piece, ``(n, n)``: the large batch's end, whose element has no
-    row (``autosplit.data.pipeline.is_end_marker``). Lengths of rank 1 are one length.
+    row (``autosplit.data.markers.is_end_marker``). Lengths of rank 1 are one length.
 
     ``padded_rows``: each piece is padded to the rows the budget holds at its lengths,
     or half that (:func:`padded_row_count`: XLA's shapes, ``autosplit.data.cuts``), so it

@@ -32,18 +32,18 @@ from autosplit.data.cuts import (
     Trimmed,
     cut_by_length,
     cut_rows_by_length,
-    pad_to_longest,
     trim,
 )
 from autosplit.data.example_lengths import Padded
 from autosplit.data.layout import ALONE, Layout
+from autosplit.data.longest import pad_to_longest
+from autosplit.data.markers import end_marker, markable
 from autosplit.data.sharded import SHARE_ELEMENTS, cut_shares
 from autosplit.data.split import Piece, piece_pattern
 from autosplit.data.structure import none_to_empty
 from autosplit.data.xla_shapes import Shapes
 
-__all__ = ["MicroBatches", "elements_per_batch", "end_marker", "host_autotune",
-           "is_end_marker", "release", "skip_to_end_marker"]
+__all__ = ["MicroBatches", "elements_per_batch", "host_autotune", "release"]
 
 _IN_PARALLEL = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}
 _PREFETCH = 2  # micro-batches the host keeps ready: enough to hide the cut, constant in B
@@ -152,49 +152,6 @@ def release(held: list[Any]) -> None:
         threading.Thread(target=held.clear, name="autosplit-release-iterator").start()
 
 
-def end_marker(element_spec: Any) -> tf.data.Dataset | None:
-    """One element of ``element_spec`` with no real row (``valid`` all 0, the rest
-    zeros; a dimension of unknown size is 0), or None when a part is not a plain
-    tensor (ragged, sparse): then an epoch's end is the end of its iterator."""
-    if not _markable(element_spec):
-        return None
-    with tf.device(HOST):
-        zeros = tf.nest.map_structure(
-            lambda s: tf.zeros([0 if d is None else d for d in s.shape], s.dtype), element_spec)
-        return tf.data.Dataset.from_tensors(zeros)
-
-
-def is_end_marker(element: Any) -> tf.Tensor:
-    """Whether ``element`` is :func:`end_marker`'s: no real row (in a graph or eagerly)."""
-    return tf.logical_not(tf.reduce_any(element[-1] > 0))
-
-
-def skip_to_end_marker(iterator: Any, *, batches_marked: bool = False) -> int:
-    """Read ``iterator`` (of ``MicroBatches.dataset(marked=True)``) up to and including
-    its next end marker, or to its end; returns the real elements dropped on the way.
-    An epoch that ran the large batches its first epoch counted ends there:
-    ``model.fit`` trains on no more of a longer epoch. Eager, on the host: mostly one
-    element.
-
-    ``batches_marked``: every large batch ends with a marker too (``Cut.tokens``),
-    read already for the last one run; the epoch's is the marker that follows a marker.
-    """
-    dropped, after_marker = 0, batches_marked
-    for element in iterator:
-        if bool(is_end_marker(element)):
-            if after_marker or not batches_marked:
-                break
-            after_marker = True
-        else:
-            dropped += 1
-            after_marker = False
-    return dropped
-
-
-def _markable(element_spec: Any) -> bool:
-    return all(type(leaf) is tf.TensorSpec for leaf in tf.nest.flatten(element_spec))
-
-
 def elements_per_batch(pattern: list[Piece], batch_rows: int, local_replicas: int) -> int:
     """Elements this worker's pipeline yields for a large batch of ``batch_rows`` rows.
 
@@ -226,7 +183,7 @@ class MicroBatches:
             bucket), for a model that ignores padding; its inputs then come as
             ``cuts.Trimmed``. ``"tokens"``: the same in micro-batches of up to
             ``cut.tokens`` tokens and ``rows`` rows, as many as a large batch needs,
-            then an element with no row that ends it (``is_end_marker``): elements have
+            then an element with no row that ends it (``markers.is_end_marker``): elements have
             no static row count, and none is padding but for XLA's, which pads each
             micro-batch's rows to what the budget holds at its lengths.
         shapes: where the shapes given are counted, under ``cut.buckets`` (None: a
@@ -273,6 +230,12 @@ class MicroBatches:
         """Whether each large batch ends with an element of no row (:func:`end_marker`'s):
         in tokens, and the shares of a sharded input (``autosplit.data.sharded``)."""
         return bool(self.tokens) or self.adapter.shares
+
+    @property
+    def headers(self) -> bool:
+        """Whether each large batch begins with a header (a share cut by length, whose
+        length the workers agree on first: ``markers.is_header``)."""
+        return self.adapter.shares and self.cut.sorted
 
     @property
     def element_rows(self) -> int | None:
@@ -372,6 +335,12 @@ class MicroBatches:
             # self._cuts must not point back at self (a cycle would keep the input's
             # arrays alive until the next garbage collection).
             materialize, cut = self.adapter.materialize, self.cut
+            if self.adapter.shares and cut.sorted:  # a header, its pieces, an end
+                share = piece_pattern(self.batch_size // self.where.workers, self.rows)
+                ds = cut_by_length(ds, share, cut, own_lengths=False, cap=self.rows,
+                                   shares=True)
+                return ds.map(functools.partial(_trimmed_element, materialize=materialize,
+                                                rows=self.element_rows))
             if self.adapter.shares:
                 return cut_shares(
                     ds, rows=self.rows, local_replicas=self.local_replicas, marker=end_marker,
@@ -432,7 +401,7 @@ class MicroBatches:
     def can_mark(self) -> bool:
         """Whether :meth:`dataset` can mark the end of each epoch (every part of an
         element a plain tensor)."""
-        return _markable(self.element_spec())
+        return markable(self.element_spec())
 
     def element_spec(self) -> Any:
         """The elements' spec: the same for every variant, so one already built gives it

@@ -10,8 +10,16 @@ per-replica batches. :func:`sharded_input` does the same with the dataset batche
 TensorFlow built (``autosplit.keras_hooks.distribute``): with FILE, worker w reads files
 w, w+W, ... alone; with DATA it reads every row and keeps every W-th piece of each
 batch, as TensorFlow's DATA does. With the policy OFF the dataset stays as it is:
-every worker reads it whole and keeps its share (``autosplit.data.split``); so do
-sequences of varying length, whose large batch is padded or cut by length as a whole.
+every worker reads it whole and keeps its share (``autosplit.data.split``).
+
+Sequences of varying length cut by length (``Cut.sorted``) on one replica per worker
+are sharded alike, ``padded_batch(B)`` first (:func:`shards_by_length`): each worker
+sorts and cuts its own share, and since a per-token denominator and a metric count the
+large batch's padded length, each share's pieces come after a header that holds the
+share's length per model output (``cuts.cut_by_length``); the workers agree on the
+longest before the share's first micro-step (``TrainStep.agree_lengths``). Sequences
+padded to the large batch's longest row (a model that reads its padding), or on
+several local replicas, are read whole by every worker, each keeping its share.
 
 A large batch is then the union of every worker's share of one step: R per-replica
 batches in turn on a worker of R local replicas (:class:`ShardedInput`). The shares
@@ -37,7 +45,9 @@ from autosplit.data.adapter import (
     class_weight_fn,
     varying_shapes,
 )
+from autosplit.data.cuts import Cut
 from autosplit.data.datasets import DatasetInput, batch_rows
+from autosplit.data.example_lengths import Lengths
 from autosplit.data.layout import Layout
 from autosplit.errors import DatasetError
 from autosplit.keras_hooks.distribute import worker_pipeline
@@ -48,7 +58,14 @@ from autosplit.keras_hooks.distribute import worker_pipeline
 # sizes the split (B / R rows per replica), and a larger share takes more micro-batches.
 SHARE_ELEMENTS = 2**31 - 1
 
-__all__ = ["SHARE_ELEMENTS", "ShardedInput", "cut_shares", "reads_whole", "sharded_input"]
+__all__ = [
+    "SHARE_ELEMENTS",
+    "ShardedInput",
+    "cut_shares",
+    "reads_whole",
+    "sharded_input",
+    "shards_by_length",
+]
 
 
 class ShardedInput(InputAdapter):
@@ -61,6 +78,8 @@ class ShardedInput(InputAdapter):
         kind: what the user passed, for messages.
         class_weight: as in ``model.fit``; or ``weighting``, one made already
             (``InputAdapter.weighting``).
+        lengths: the lengths of an example (``InputAdapter.lengths``), read from the
+            whole input, where its batches are padded sequences; None: one shape.
     """
 
     rows = None  # each worker's own count; the epoch ends where every worker's does
@@ -68,7 +87,8 @@ class ShardedInput(InputAdapter):
     shares = True
 
     def __init__(self, distributed: tf.distribute.DistributedDataset, kind: str, *,
-                 class_weight: dict | None = None, weighting: Any = None) -> None:
+                 class_weight: dict | None = None, weighting: Any = None,
+                 lengths: Lengths | None = None) -> None:
         dataset = worker_pipeline(distributed)
         if dataset is None:
             raise DatasetError(
@@ -81,7 +101,10 @@ class ShardedInput(InputAdapter):
             raise DatasetError(
                 f"Expected the {kind}'s elements to be (x, y), (x, y, sample_weight) or x "
                 f"alone. Received: element_spec={dataset.element_spec}.")
-        if varying_shapes(dataset.element_spec):
+        self.rows_vary = lengths is not None
+        self.own_lengths = not self.rows_vary  # padded by padded_batch(B)
+        vars(self)["_lengths"] = lengths
+        if varying_shapes(dataset.element_spec) and not self.rows_vary:
             raise DatasetError(
                 f"Expected the {kind}'s batches to have one shape beyond their rows. "
                 f"Received: element_spec={dataset.element_spec}. Pad to a fixed length, or "
@@ -105,26 +128,39 @@ def reads_whole(dataset: tf.data.Dataset) -> bool:
     return policy == tf.data.experimental.AutoShardPolicy.OFF
 
 
+def shards_by_length(adapter: InputAdapter, where: Layout) -> bool:
+    """Whether ``adapter``'s sequences of varying length, cut by length, are sharded
+    across workers (:func:`sharded_input` with a sorted cut)."""
+    return (isinstance(adapter, DatasetInput) and where.multi_worker and adapter.rows_vary
+            and where.local_replicas == 1 and not reads_whole(adapter.dataset))
+
+
 def sharded_input(adapter: InputAdapter, strategy: tf.distribute.Strategy, where: Layout,
-                  batch_size: int) -> InputAdapter:
+                  batch_size: int, cut: Cut | None = None) -> InputAdapter:
     """``adapter`` as this worker reads it: a ``tf.data`` input of several workers
-    sharded as ``model.fit`` shards it (batched by ``batch_size`` first); any other input,
-    or one whose policy is OFF, or sequences of varying length (padded or cut by length
-    as a whole large batch), as it is."""
+    sharded as ``model.fit`` shards it (batched by ``batch_size`` first); sequences of
+    varying length only where ``cut`` sorts them (:func:`shards_by_length`), padded by
+    ``padded_batch(batch_size)``; any other input, or one whose policy is OFF, as it is."""
     if (not isinstance(adapter, DatasetInput) or not where.multi_worker
-            or reads_whole(adapter.dataset) or adapter.rows_vary):
+            or reads_whole(adapter.dataset)):
+        return adapter
+    if adapter.rows_vary and not (cut is not None and cut.sorted
+                                  and shards_by_length(adapter, where)):
         return adapter
     dataset = adapter.dataset
+    batch = dataset.padded_batch if adapter.rows_vary else dataset.batch
     if not adapter.batched:
-        dataset = dataset.batch(batch_size)
+        dataset = batch(batch_size)
     elif batch_rows(dataset) != batch_size:
         # Not Dataset.rebatch: TensorFlow reads a batch() for the size it splits into
         # per-replica batches, and splits a rebatch() otherwise (its legacy rebatch).
-        dataset = dataset.unbatch().batch(batch_size)
+        dataset = dataset.unbatch()
+        dataset = (dataset.padded_batch if adapter.rows_vary else dataset.batch)(batch_size)
     with tf.device(HOST):
         distributed = strategy.experimental_distribute_dataset(dataset)
     return ShardedInput(distributed, f"{adapter.kind} sharded across workers",
-                        weighting=adapter.weighting)
+                        weighting=adapter.weighting,
+                        lengths=adapter.lengths() if adapter.rows_vary else None)
 
 
 def cut_shares(ds: tf.data.Dataset, *, rows: int, local_replicas: int,

@@ -9,7 +9,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["empty_to_none", "map_present", "none_to_empty"]
+__all__ = ["empty_to_none", "map_present", "none_to_empty", "unnumbered"]
 
 
 def map_present(fn: Callable[[Any], Any], structure: Any) -> Any:
@@ -23,3 +23,8 @@ def none_to_empty(w: Any) -> Any:
 
 def empty_to_none(w: Any) -> Any:
     return None if isinstance(w, tuple) and not w else w
+
+
+def unnumbered(_: Any, *row: Any) -> Any:
+    """An ``enumerate``d element without its number: the row (its parts as a tuple)."""
+    return row[0] if len(row) == 1 else row

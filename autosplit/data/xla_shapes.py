@@ -40,7 +40,7 @@ class Shapes:
             with tf.control_dependencies([self._seen.insert(key[None], tf.ones([1], tf.int64))]):
                 return tf.constant(True)
 
-        # An element with no real row is an end marker (``pipeline.end_marker``).
+        # An element with no real row is an end marker (``markers.end_marker``; a header, too).
         done = tf.cond(tf.reduce_any(element[-1] > 0), insert, lambda: tf.constant(False))
         with tf.control_dependencies([done]):
             return tf.nest.map_structure(tf.identity, element)

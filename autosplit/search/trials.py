@@ -25,7 +25,8 @@ from autosplit.data.arrays import ArrayInput
 from autosplit.data.cuts import Cut
 from autosplit.data.example_lengths import padded_lengths, padded_sequences
 from autosplit.data.layout import Layout, layout
-from autosplit.data.pipeline import MicroBatches, is_end_marker
+from autosplit.data.markers import is_end_marker
+from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import split_batch
 from autosplit.errors import NothingFitsError
 from autosplit.memory.peak_meter import PeakMeter

@@ -26,6 +26,7 @@ from autosplit.data.example_lengths import (
 )
 from autosplit.data.layout import Layout
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sharded import shards_by_length
 from autosplit.data.structure import empty_to_none
 from autosplit.errors import DatasetError, UnsupportedModelError
 from autosplit.keras_hooks.batchnorm import pooled_layers
@@ -40,15 +41,18 @@ __all__ = ["choose_cut", "tokens_refused"]
 _SAMPLE = 64  # rows read for the check, of which it runs on the shortest
 
 
-def tokens_refused(where: Layout, jit: bool, averages: bool) -> str | None:
+def tokens_refused(where: Layout, jit: bool, averages: bool, sharded: bool = False
+                   ) -> str | None:
     """Why micro-batches cannot be sized in tokens here, or None: their row counts vary,
-    so they need one worker (the local replicas' micro-batches of a piece have one row
-    count); under XLA each is padded to the rows the budget holds at
-    its lengths, which a model that ``averages`` on its own over its rows would see
-    (``autosplit.step.contribution.without_padding`` gives it its real rows, a shape and
-    a program per row count)."""
-    if where.workers > 1:
-        return f"{where.workers} workers"
+    so several workers need each their own share (``sharded``,
+    ``autosplit.data.sharded.shards_by_length``), not a slice of one pattern (the local
+    replicas' micro-batches of a piece have one row count); under XLA each is padded to
+    the rows the budget holds at its lengths, which a model that ``averages`` on its own
+    over its rows would see (``autosplit.step.contribution.without_padding`` gives it its
+    real rows, a shape and a program per row count)."""
+    if where.workers > 1 and not sharded:
+        return (f"{where.workers} workers that each read the whole input (its "
+                "auto_shard_policy OFF, or several replicas per worker)")
     if jit and averages:
         return ("jit_compile with a model that averages over a micro-batch's rows on its "
                 "own (its own train_step, a loss added in call(), BatchNormalization): "
@@ -119,7 +123,8 @@ def choose_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where
                    padded=padded)
     if tokens is None or (tokens == "auto" and rows_given):
         return cut
-    refused = tokens_refused(where, jit, jit and _averages_on_its_own(model, element))
+    refused = tokens_refused(where, jit, jit and _averages_on_its_own(model, element),
+                             shards_by_length(adapter, where))
     if refused is not None:
         if isinstance(tokens, int):
             fix = ("jit_compile=False to fit_large_batch, or " if where.workers == 1 else "")

@@ -20,7 +20,7 @@ from typing import Any, Literal, NamedTuple
 import tensorflow as tf
 
 from autosplit.data.adapter import HOST
-from autosplit.data.pipeline import is_end_marker
+from autosplit.data.markers import is_end_marker
 from autosplit.step.sums import after
 from autosplit.step.update import LargeBatchUpdate
 

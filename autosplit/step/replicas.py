@@ -32,6 +32,11 @@ def _summed(*values: tf.Tensor) -> tf.Tensor:
     return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack(values))
 
 
+def _most(values: tf.Tensor) -> tf.Tensor:
+    gathered = tf.distribute.get_replica_context().all_gather(values[None, :], axis=0)
+    return tf.reduce_max(gathered, axis=0)
+
+
 class Replicas:
     """The replicas of a model's strategy, as its graph code runs on them.
 
@@ -74,3 +79,8 @@ class Replicas:
         """Collective: ``[failed, rows]`` summed over every worker (one all-reduce of two
         floats); ``rows`` is this worker's, shared out between its local replicas."""
         return self.results(self.run(_summed, failed, rows / self.local))[0]
+
+    def most(self, values: tf.Tensor) -> tf.Tensor:
+        """Collective: ``values`` (a vector) at their most over every replica (one
+        all-gather: a collective all-reduce takes sums and means only)."""
+        return self.results(self.run(_most, values))[0]

@@ -27,6 +27,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from autosplit.data.markers import is_header
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.structure import empty_to_none
 from autosplit.errors import DatasetError, noted
@@ -76,7 +77,7 @@ class TrainStep:
     # Functions whose collectives must be traced once, in the same order, on every
     # worker: TensorFlow numbers collective instances as they are traced, so a worker
     # that traced one more (for its own micro-batch size) would talk past the others.
-    _SHARED = ("finish", "agree")
+    _SHARED = ("finish", "agree", "lengths")
 
     def __init__(self, model: keras.Model, batch_size: int, element_spec: Any, *,
                  compilation: Compilation | None = None, batch_norm: str = "pooled",
@@ -215,6 +216,23 @@ class TrainStep:
         failed, total = self._function("agree", self.update.replicas.vote)(
             tf.constant(0.0 if ok else 1.0), tf.constant(rows, tf.float32)).numpy()
         return failed == 0, row_count(total)
+
+    def agree_lengths(self, iterator) -> None:
+        """Pull this worker's next share's header (``markers.is_header``) and agree with
+        every worker on the large batch's length per model output (collective), which
+        the micro-steps then stretch to (``LargeBatchUpdate.agree_lengths``). A worker
+        whose input ended agrees with no length of its own."""
+        scale = self.update.stretch_scale
+        assert scale is not None
+        local = tf.zeros(scale.shape)
+        optional = iterator.get_next_as_optional()
+        if bool(optional.has_value()):
+            element = optional.get_value()
+            if not bool(is_header(element)):
+                raise DatasetError("Expected a share's header before its micro-batches. "
+                                   "Received: a micro-batch; the pipeline lost its order.")
+            local = element[0].stretch[0]
+        self._function("lengths", self.update.agree_lengths)(local)
 
     def local_rows(self) -> float:
         """Real rows committed on this worker since the last finish."""

@@ -28,7 +28,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from autosplit.data.cuts import inputs_of
+from autosplit.data.adapter import HOST
+from autosplit.data.cuts import Trimmed, inputs_of
 from autosplit.data.structure import empty_to_none
 from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
@@ -115,6 +116,9 @@ class LargeBatchUpdate:
         self.element_spec: Any = None
         self.micro_batch_spec: Any = None
         self.rows = 0
+        # Per model output, the large batch's length over this worker's share's, which
+        # each micro-batch cut by length stretches by (agree_lengths); ones but there.
+        self.stretch_scale: tf.Variable | None = None
 
     def bind(self, element_spec: Any) -> None:
         """Use elements of ``element_spec`` (another micro-batch size) from now on."""
@@ -125,6 +129,11 @@ class LargeBatchUpdate:
         self.element_spec = element_spec
         self.micro_batch_spec = (x, empty_to_none(y), empty_to_none(w), valid)
         self.rows = valid.shape[0]  # None: each element's own (Cut.tokens)
+        outputs = x.stretch.shape[-1:] if isinstance(x, Trimmed) else None
+        if outputs is not None and (self.stretch_scale is None
+                                    or self.stretch_scale.shape != outputs):
+            with tf.init_scope(), tf.device(HOST):
+                self.stretch_scale = tf.Variable(tf.ones(outputs), trainable=False)
         self.plan = step_plan(model, _static_rows((inputs_of(x), *self.micro_batch_spec[1:3])))
         self.pool = [layer for layer, calls in self.plan.batch_norm_calls
                      if calls] if self.pooled else []
@@ -301,6 +310,8 @@ class LargeBatchUpdate:
         padding is dropped before the metrics or a model that needs its real rows alone.
         """
         replicas = self.replicas
+        if isinstance(x, Trimmed) and self.stretch_scale is not None:
+            x = Trimmed(x.inputs, x.stretch * self.stretch_scale)
         if replicas.count == 1:
             values = self._compute(x, y, w, valid, all_real)
             with tf.control_dependencies([after(values)]):
@@ -321,6 +332,15 @@ class LargeBatchUpdate:
                 return self.keep_metrics()
         commit = functools.partial(self._commit_metrics, all_real=all_real)
         return replicas.done(replicas.run(commit, values, recorded))
+
+    def agree_lengths(self, local: tf.Tensor) -> tf.Tensor:
+        """Collective: per model output, the large batch's length, the most of every
+        worker's ``local`` (its share's, 0 for none: ``cuts.cut_by_length``'s header),
+        kept as this worker's stretch of its micro-batches (:attr:`stretch_scale`)."""
+        assert self.stretch_scale is not None
+        most = self.replicas.most(local)
+        return self.stretch_scale.assign(tf.where(local > 0, most / tf.maximum(local, 1.0),
+                                                  1.0))
 
     # ------------------------------------------------------------ the apply
 

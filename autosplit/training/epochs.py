@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 from autosplit.data.adapter import InputAdapter
-from autosplit.data.pipeline import MicroBatches, release, skip_to_end_marker
+from autosplit.data.markers import skip_to_end_marker
+from autosplit.data.pipeline import MicroBatches, release
 from autosplit.data.split import split_batch
 from autosplit.keras_hooks.custom_step import flat_logs
 from autosplit.training.recovery import Recovery

@@ -185,7 +185,8 @@ def fit_large_batch(
         validation = _Validation.make(validation_data, args, model)
         plan = plan_run(model, adapter, args, jit_compile=jit_compile, memory_limit=memory_limit,
                      headroom=headroom, cache=cache, objective=objective)
-        return _train(model, adapter, plan, validation, args, callbacks)
+        # Sequences cut by length are sharded once the cut is known (plan_run).
+        return _train(model, plan.pipeline.adapter, plan, validation, args, callbacks)
 
 
 class _Validation:
@@ -307,7 +308,8 @@ def _recovery(plan: Plan, adapter: InputAdapter, args: Args,
         plan.step, on_oom=args.on_oom, multi_worker=plan.layout.multi_worker,
         known_fits=plan.probe.fitting_sizes() if plan.probe is not None else (),
         fused=adapter.rows is not None and args.steps_per_epoch is None, marked=marked,
-        on_shrink=on_shrink, most_rows=args.batch_size if adapter.shares else None)
+        on_shrink=on_shrink, most_rows=args.batch_size if adapter.shares else None,
+        headers=plan.pipeline.headers)
     publish(callback_list, recovery, args, plan)
     return recovery
 

@@ -15,6 +15,7 @@ from autosplit.data.adapter import InputAdapter
 from autosplit.data.example_lengths import costliest_row
 from autosplit.data.layout import Layout, layout
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sharded import sharded_input
 from autosplit.data.split import Split, split_batch
 from autosplit.errors import BatchSizeError
 from autosplit.memory.host import bfc_enabled
@@ -100,6 +101,11 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
                                  tokens=True))
         cut = cut._replace(why=f"{cut.why}; micro-batches of up to {cut.tokens} tokens")
     split = split_batch(local, micro)
+    sharded = sharded_input(adapter, model.distribute_strategy, where, args.batch_size, cut=cut)
+    if sharded is not adapter:  # sequences cut by length: each worker its own share
+        adapter = sharded
+        cut = cut._replace(why=f"{cut.why}; each of {where.workers} workers reads and cuts "
+                               "its own share")
     pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where, cut=cut)
     step = step_for(model, pipeline, jit_compile=jit_compile, batch_norm=args.batch_norm)
     # In tokens, a large batch has as many micro-batches as it needs: it may be split.

@@ -86,6 +86,9 @@ class RecoverableStep(Protocol):
     def agree(self, ok: bool, rows: float) -> tuple[bool, float]:
         """Collective: whether every worker is ok, and the sum of their ``rows``."""
 
+    def agree_lengths(self, iterator: Any) -> None:
+        """Collective: pull a share's header, agree on the large batch's lengths."""
+
     def local_rows(self) -> float:
         """Real rows committed on this worker since the last ``finish``."""
 
@@ -153,8 +156,9 @@ class Recovery:
                  known_fits: Sequence[int] = (), multi_worker: bool = False,
                  fused: bool = True, marked: bool = False,
                  on_shrink: Callable[[int, int, int], None] | None = None,
-                 most_rows: int | None = None) -> None:
+                 most_rows: int | None = None, headers: bool = False) -> None:
         self.step = step
+        self.headers = headers
         self.on_oom = on_oom
         self.known_fits = list(known_fits)
         self.multi_worker = multi_worker
@@ -217,6 +221,8 @@ class Recovery:
 
     def _run_agreed(self, iterator: Any, count: int, step_number: int) -> dict[str, Any] | None:
         resume, remaining = False, count
+        if self.headers:  # the large batch's length, before its first micro-step
+            self.step.agree_lengths(iterator)
         while True:
             failure = None
             try:

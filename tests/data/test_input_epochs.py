@@ -14,7 +14,8 @@ from common import assert_weights_close
 
 import autosplit
 from autosplit.data.inputs import get_input
-from autosplit.data.pipeline import MicroBatches, skip_to_end_marker
+from autosplit.data.markers import skip_to_end_marker
+from autosplit.data.pipeline import MicroBatches
 
 
 def _fit_batched(dataset, *, marked, epochs=3):

@@ -20,7 +20,8 @@ from common import tensor_relative_error
 import autosplit
 from autosplit.data.inputs import get_input
 from autosplit.data.layout import ALONE
-from autosplit.data.pipeline import MicroBatches, is_end_marker
+from autosplit.data.markers import is_end_marker
+from autosplit.data.pipeline import MicroBatches
 from autosplit.step.cut_choice import choose_cut
 
 pytestmark = pytest.mark.slow  # every test trains encoder-decoders (3-20 s on 2 cores)

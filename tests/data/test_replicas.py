@@ -18,7 +18,8 @@ from common import child_env
 
 from autosplit.data.inputs import get_input
 from autosplit.data.layout import Layout
-from autosplit.data.pipeline import MicroBatches, is_end_marker
+from autosplit.data.markers import is_end_marker
+from autosplit.data.pipeline import MicroBatches
 
 TWO = Layout(workers=1, worker=0, local_replicas=2, replicas=2)
 

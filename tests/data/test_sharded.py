@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from autosplit.data.cuts import Cut
 from autosplit.data.inputs import get_input
 from autosplit.data.layout import ALONE, Layout
-from autosplit.data.pipeline import MicroBatches, is_end_marker
+from autosplit.data.markers import is_end_marker, is_header
+from autosplit.data.pipeline import MicroBatches
 from autosplit.data.sharded import SHARE_ELEMENTS, ShardedInput, sharded_input
 from autosplit.errors import DatasetError
 
@@ -87,7 +89,8 @@ def test_a_dataset_stays_as_it_is_for_one_worker_or_when_read_whole(strategy):
     assert sharded_input(whole, strategy, two, 4) is whole
     arrays = get_input(*rows(8), shuffle=False)
     assert sharded_input(arrays, strategy, two, 4) is arrays
-    # Sequences of varying length: the large batch is padded (or cut by length) whole.
+    # Sequences of varying length padded to the large batch's longest row (no cut, or
+    # "longest": a model that reads its padding) are read whole; cut by length, sharded.
     sequences = tf.data.Dataset.from_generator(
         lambda: ((np.ones(n, "float32"), n) for n in range(1, 9)),
         output_signature=(tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.int32)))
@@ -95,6 +98,56 @@ def test_a_dataset_stays_as_it_is_for_one_worker_or_when_read_whole(strategy):
     assert sharded_input(varying, strategy, two, 4) is varying
     padded = get_input(sequences.padded_batch(4))
     assert sharded_input(padded, strategy, two, 4) is padded
+    longest = Cut("longest", lengths=padded.lengths())
+    assert sharded_input(padded, strategy, two, 4, cut=longest) is padded
+    by_length = sharded_input(padded, strategy, two, 4, cut=longest._replace(by="length"))
+    assert isinstance(by_length, ShardedInput) and by_length.rows_vary
+    assert not by_length.own_lengths and by_length.lengths() == padded.lengths()
+    two_local = Layout(workers=2, worker=1, local_replicas=2, replicas=4)
+    assert sharded_input(padded, strategy, two_local, 4,
+                         cut=longest._replace(by="length")) is padded
+
+
+@pytest.mark.parametrize("tokens", [None, 40])
+def test_a_share_of_sequences_comes_as_its_header_then_pieces_cut_by_length(strategy, tokens):
+    """Each share (a per-replica batch, padded as TensorFlow hands it): a header that
+    holds its longest row, its rows sorted and cut, each piece padded to its own longest,
+    then an end. Every real row comes once; stretch is the share's length over the
+    piece's, which the workers' agreement then brings to the large batch's."""
+    lengths = [3, 17, 5, 9, 2, 11, 4, 8, 6, 1, 7, 12, 10, 2]
+    examples = tf.data.Dataset.from_generator(
+        lambda: ((np.arange(1, n + 1, dtype="int32"), np.float32(n)) for n in lengths),
+        output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.float32)))
+    whole = get_input(examples.padded_batch(8))
+    adapter = ShardedInput(strategy.experimental_distribute_dataset(examples.padded_batch(8)),
+                           "test", lengths=whole.lengths())
+    cut = Cut("tokens" if tokens else "length", lengths=whole.lengths(), tokens=tokens,
+              outputs=(0,))
+    pipeline = MicroBatches(adapter, 16, 3, Layout(workers=2, worker=0, local_replicas=1,
+                                                   replicas=2), cut=cut)
+    assert pipeline.headers
+    shares, current, longest = [], None, 0
+    for x, y, _, valid in pipeline.dataset(autotune=False):
+        if bool(is_header((valid,))):
+            assert current is None  # a header opens each share, after the last one's end
+            longest, current = int(x.stretch[0, 0]), []
+            continue
+        assert current is not None
+        if bool(is_end_marker((valid,))):
+            shares.append(current)
+            current = None
+            continue
+        real = [int(n) for n, ok in zip(y, valid, strict=True) if ok > 0]
+        assert x.inputs.shape[1] == max(real)  # padded to its own longest row
+        np.testing.assert_allclose(x.stretch[:, 0], longest / max(real))
+        if tokens:
+            assert x.inputs.shape[0] * x.inputs.shape[1] <= tokens
+        current.append(sorted(real))
+    assert current is None
+    # Each share's rows once, each piece a run of them sorted (in tokens, the longest
+    # piece may come first: token_pieces' order)
+    for share, rows in zip(shares, (lengths[:8], lengths[8:]), strict=True):
+        assert [n for piece in sorted(share) for n in piece] == sorted(rows), share
 
 
 @pytest.mark.parametrize("worker", [0, 1])

@@ -31,7 +31,8 @@ from common import assert_within_reorder_noise, tensor_relative_error
 
 import autosplit
 from autosplit.data.inputs import get_input
-from autosplit.data.pipeline import MicroBatches, is_end_marker
+from autosplit.data.markers import is_end_marker
+from autosplit.data.pipeline import MicroBatches
 from autosplit.errors import ArgumentError, UnsupportedModelError
 
 TOKENS = 240  # 4 rows of the longest (60), 80 of the shortest (3)

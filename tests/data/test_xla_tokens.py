@@ -28,8 +28,9 @@ import autosplit
 from autosplit.data.cuts import Cut
 from autosplit.data.example_lengths import TOKEN_BUCKETS
 from autosplit.data.inputs import get_input
+from autosplit.data.markers import is_end_marker
 from autosplit.data.packing import rows_within
-from autosplit.data.pipeline import MicroBatches, is_end_marker
+from autosplit.data.pipeline import MicroBatches
 
 TOKENS = 240  # 4 rows of the longest (60), 30 of the shortest (3, in the bucket of 8)
 

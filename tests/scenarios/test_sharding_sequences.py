@@ -1,0 +1,156 @@
+"""Two workers on localhost, each reading only its share of four record files of token
+ids of varying length (``auto_shard_policy`` AUTO, which finds the files): a per-token
+language model whose loss counts padded cells, cut by length in rows and in tokens, from
+examples and from the user's own ``padded_batch``. Rows read per worker counted; weights,
+iterations and logs compared with single-device ``model.fit`` on the union of what
+TensorFlow's own distributed iterator hands the two workers in each step, padded to
+that union's longest row."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from common import TESTS, child_env, free_ports, relative_error
+
+from autosplit.data.cuts import Cut
+
+pytestmark = pytest.mark.slow
+
+FILE_ROWS = (25, 25, 25, 23)  # worker 0 reads files 0 and 2 (50 rows), worker 1 files 1 and 3
+EPOCHS = 2
+
+
+def write_records(directory):
+    """Four record files of token ids (1..49), lengths lognormal as a corpus's (3 to 60)."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(10), 0.6, sum(FILE_ROWS)).astype(int), 3, 60)
+    rows = iter(lengths)
+    for index, count in enumerate(FILE_ROWS):
+        with tf.io.TFRecordWriter(str(directory / f"part-{index}.tfrecord")) as writer:
+            for _ in range(count):
+                ids = rng.integers(1, 50, next(rows)).tolist()
+                feature = {"ids": tf.train.Feature(int64_list=tf.train.Int64List(value=ids))}
+                writer.write(tf.train.Example(features=tf.train.Features(
+                    feature=feature)).SerializeToString())
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """Both workers' reports and the path prefixes of what they saved."""
+    tmp = tmp_path_factory.mktemp("sequences_sharding")
+    records = tmp / "records"
+    records.mkdir()
+    write_records(records)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
+    procs = []
+    for index in range(2):
+        config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        with open(tmp / f"worker{index}.stderr", "w") as stderr:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(TESTS / "sequences_sharding_child.py"), str(records),
+                 str(tmp / f"worker{index}")], env=child_env(TF_CONFIG=config),
+                stdout=subprocess.DEVNULL, stderr=stderr))
+    try:
+        codes = [proc.wait(timeout=400) for proc in procs]
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail("a worker hung past 400 s")
+    assert codes == [0, 0], [(tmp / f"worker{i}.stderr").read_text()[-3000:] for i in range(2)]
+    reports = [json.loads((tmp / f"worker{i}.json").read_text()) for i in range(2)]
+    return reports, [tmp / f"worker{i}" for i in range(2)]
+
+
+def shares(prefix):
+    """One worker's share of each step: per row, its (ids, next ids, weights) unpadded."""
+    saved = np.load(f"{prefix}.batches.npz")
+    steps = sorted({int(key.split("_")[0]) for key in saved.files})
+    found = []
+    for step in steps:
+        x, y, w = (saved[f"{step}_{part}"] for part in range(3))
+        real = w.sum(axis=1).astype(int)
+        found.append([(x[i, :n], y[i, :n], w[i, :n]) for i, n in enumerate(real)])
+    return found
+
+
+def padded(rows):
+    """Rows padded with zeros to their longest, as padded_batch pads a large batch."""
+    longest = max(len(row[0]) for row in rows)
+    return tuple(np.stack([np.pad(row[part], (0, longest - len(row[part]))) for row in rows])
+                 for part in range(3))
+
+
+def reference(batches, jit_compile=False):
+    """Single-device model.fit, one step per large batch: weights, iterations, logs."""
+    sys.path.insert(0, str(TESTS / "data"))
+    from _sequences import model_of
+
+    spec = (tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None], tf.int32),
+            tf.TensorSpec([None, None], tf.float32))
+    data = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=spec).apply(
+        tf.data.experimental.assert_cardinality(len(batches)))
+    model = model_of("lm_sample_weight", jit_compile)
+    history = model.fit(data, epochs=EPOCHS, shuffle=False, verbose=0)
+    return model.get_weights(), int(model.optimizer.iterations.numpy()), history.history
+
+
+@pytest.fixture(scope="module")
+def expected(workers):
+    _, prefixes = workers
+    per_worker = [shares(prefix) for prefix in prefixes]
+    assert len(per_worker[0]) == len(per_worker[1])
+    unions = [a + b for a, b in zip(*per_worker, strict=True)]
+    # Steps of 24 rows (12 from each worker's files), then worker 0's last 2 alone.
+    assert [len(rows) for rows in unions] == [24, 24, 24, 24, 2]
+    # The shares' longest rows differ: a worker's own would give other denominators.
+    longest = [[max((len(r[0]) for r in rows), default=0) for rows in share]
+               for share in per_worker]
+    assert longest[0][:4] != longest[1][:4], longest
+    batches = [padded(rows) for rows in unions]
+    # the share of padding in the first 4 large batches, padded as model.fit pads them
+    full = 1 - sum(w.sum() for _, _, w in batches[:4]) / sum(w.size for _, _, w in batches[:4])
+    return {jit: reference(batches, jit) for jit in (False, True)}, full
+
+
+def weights(prefix, run):
+    saved = np.load(f"{prefix}.{run}.npz")
+    return [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+
+@pytest.mark.parametrize("run", ["rows", "tokens", "batched", "auto", "xla"])
+def test_each_worker_reads_its_files_and_cuts_its_share_by_length_as_model_fit(
+        workers, expected, run):
+    """Under XLA (``jit_compile=True``), against model.fit under XLA; with ``"auto"``,
+    the budget the workers' lockstep probe found."""
+    reports, prefixes = workers
+    references, full = expected
+    weights_expected, iterations, logs = references[run == "xla"]
+    for report, prefix in zip(reports, prefixes, strict=True):
+        result = report[run]
+        # files 0, 2 and 1, 3: about half each, in every epoch
+        assert result["reads_per_epoch"] == [[50, 50], [48, 48]][prefixes.index(prefix)]
+        assert "sharded across workers" in result["input"], result["input"]
+        assert result["padding"].startswith("by length"), result["padding"]
+        assert "each of 2 workers reads and cuts its own share" in result["padding"]
+        if run in ("tokens", "xla"):
+            assert "micro-batches of up to 60 tokens" in result["padding"]
+        if run == "auto":
+            assert result["tokens"] > 0 and result["tokens"] == reports[0][run]["tokens"]
+        if run == "xla":  # within the stated bound on lengths up to 64 (Cut.programs)
+            bound = Cut("tokens", buckets=True, tokens=60).programs(64)
+            assert 1 <= result["programs"] <= bound, (result["programs"], bound)
+        assert result["iterations"] == iterations
+        # each worker's micro-batches feed at most half the padding of the large batch's
+        assert result["padding_share"] <= full / 2, (result["padding_share"], full)
+        error = relative_error(weights_expected, weights(prefix, run))
+        print(f"{run}: weights {error:.1e} from model.fit, padding fed "
+              f"{result['padding_share']:.2f} against {full:.2f}, tokens {result['tokens']}, "
+              f"programs {result['programs']}")
+        assert error <= 1e-5, (run, error)
+        for key, values in logs.items():
+            np.testing.assert_allclose(result["logs"][key], values, rtol=1e-5, err_msg=key)

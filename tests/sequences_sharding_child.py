@@ -1,0 +1,109 @@
+"""One worker of two on localhost (``TF_CONFIG``) training a per-token language model on
+record files of token ids of varying length, as a user would:
+``python tests/sequences_sharding_child.py RECORDS_DIR OUT``.
+
+Per run it saves the weights (``OUT.<run>.npz``) and, once, the padded batches
+TensorFlow's own distributed iterator hands this worker step by step from
+``padded_batch(B)`` (``OUT.batches.npz``: this worker's share of each large batch). In
+``OUT.json``: per run the rows its pipeline parsed per epoch, ``iterations``, the logs
+and how ``FitReport`` says the batch was cut.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+from _sequences import model_of
+
+import autosplit
+
+B, EPOCHS = 24, 2
+# run -> (the user's batches: None for examples, options)
+RUNS = {"rows": (None, {"micro_batch_size": 4}),
+        "tokens": (None, {"micro_batch_tokens": 60}),
+        "batched": (10, {"micro_batch_size": 4}),
+        "auto": (None, {"micro_batch_tokens": "auto"}),  # the probe's budget, in lockstep
+        "xla": (None, {"micro_batch_tokens": 60, "jit_compile": True})}
+
+
+class Reads(keras.callbacks.Callback):
+    """Rows this worker's pipeline parsed in each epoch: a map that counts each record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count, self.per_epoch, self._start = 0, [], 0
+
+    def parse(self, record):
+        def bump(n):
+            self.count += int(n)
+            return n
+
+        ids = tf.sparse.to_dense(tf.io.parse_single_example(
+            record, {"ids": tf.io.VarLenFeature(tf.int64)})["ids"])
+        ids = tf.cast(ids, tf.int32)
+        with tf.control_dependencies([tf.py_function(bump, [tf.constant(1)], tf.int32)]):
+            return tf.identity(ids[:-1]), ids[1:], tf.ones(tf.shape(ids[1:]), tf.float32)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = self.count
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.per_epoch.append(self.count - self._start)
+
+
+def examples(records, reads):
+    """What users write: the files read and parsed, one example of varying length each."""
+    names = sorted(os.path.join(records, name) for name in os.listdir(records))
+    return tf.data.TFRecordDataset(names).map(reads.parse)
+
+
+def tf_batches(strategy, records, out):
+    """This worker's share of every step, as TensorFlow's iterator hands it from
+    ``padded_batch(B)``: what each worker of model.fit would train on."""
+    x = strategy.experimental_distribute_dataset(examples(records, Reads()).padded_batch(B))
+    arrays = {}
+    for step, element in enumerate(x):
+        for part, value in enumerate(element):
+            arrays[f"{step}_{part}"] = strategy.experimental_local_results(value)[0].numpy()
+    np.savez(f"{out}.batches.npz", **arrays)
+
+
+def train(strategy, records, run, out):
+    batched, options = RUNS[run]
+    with strategy.scope():
+        model = model_of("lm_sample_weight", jit_compile=options.get("jit_compile", False))
+    reads = Reads()
+    x = examples(records, reads)
+    if batched:
+        x = x.padded_batch(batched)
+    history = autosplit.fit_large_batch(model, x, batch_size=B, epochs=EPOCHS, verbose=0,
+                                        cache=False, callbacks=[reads], **options)
+    np.savez(f"{out}.{run}.npz", *model.get_weights())
+    return {"reads_per_epoch": reads.per_epoch,
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "logs": history.history, "padding": history.autosplit.padding,
+            "input": history.autosplit.input, "tokens": history.autosplit.tokens,
+            "programs": history.autosplit.programs,
+            "padding_share": history.autosplit.cut.padding_share}
+
+
+def main(records, out):
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=60.0)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    tf_batches(strategy, records, out)
+    report = {run: train(strategy, records, run, out) for run in RUNS}
+    with open(f"{out}.json", "w") as handle:
+        handle.write(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
