@@ -6,7 +6,8 @@ Per run it saves the weights (``OUT.<run>.npz``) and, once, the padded batches
 TensorFlow's own distributed iterator hands this worker step by step from
 ``padded_batch(B)`` (``OUT.batches.npz``: this worker's share of each large batch). In
 ``OUT.json``: per run the rows its pipeline parsed per epoch, ``iterations``, the logs
-and how ``FitReport`` says the batch was cut.
+and how ``FitReport`` says the batch was cut; then translation pairs, which the helper
+of ``tests/data/test_pairs.py`` checks against model.fit in the worker itself.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+import _pairs
 from _sequences import model_of
 
 import autosplit
@@ -101,6 +103,17 @@ def main(records, out):
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     tf_batches(strategy, records, out)
     report = {run: train(strategy, records, run, out) for run in RUNS}
+    # Translation pairs of two lengths from a generator (no files: AUTO shards by DATA,
+    # each worker reading every row and keeping its half of each large batch); the
+    # helper asserts they train as single-device model.fit on padded_batch(B).
+    for kind, optimizer, given in (("gru", "adam", {"micro_batch_size": 8}),
+                                   ("transformer", "sgd", {"micro_batch_tokens": 360})):
+        got = _pairs.pairs_train_as_model_fit(kind, optimizer=optimizer, strategy=strategy, **given)
+        full = _pairs.large_batch_padding(_pairs.examples(_pairs.pairs(), kind)
+                                          .padded_batch(_pairs.B))
+        report[f"pairs_{kind}"] = {"padding": got.autosplit.padding,
+                                   "input": got.autosplit.input, "full": full,
+                                   "padding_share": got.autosplit.cut.padding_share}
     with open(f"{out}.json", "w") as handle:
         handle.write(json.dumps(report))
 

@@ -134,6 +134,8 @@ class LargeBatchUpdate:
                                     or self.stretch_scale.shape != outputs):
             with tf.init_scope(), tf.device(HOST):
                 self.stretch_scale = tf.Variable(tf.ones(outputs), trainable=False)
+        elif outputs is not None:  # a pipeline without headers keeps its own length
+            self.stretch_scale.assign(tf.ones(outputs))
         self.plan = step_plan(model, _static_rows((inputs_of(x), *self.micro_batch_spec[1:3])))
         self.pool = [layer for layer, calls in self.plan.batch_norm_calls
                      if calls] if self.pooled else []

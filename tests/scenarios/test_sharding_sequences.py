@@ -154,3 +154,18 @@ def test_each_worker_reads_its_files_and_cuts_its_share_by_length_as_model_fit(
         assert error <= 1e-5, (run, error)
         for key, values in logs.items():
             np.testing.assert_allclose(result["logs"][key], values, rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("kind", ["gru", "transformer"])
+def test_translation_pairs_are_sharded_and_cut_in_each_of_their_lengths(workers, kind):
+    """A source and a target of their own lengths (GRU in rows with Adam, Transformer in
+    tokens with SGD): each worker asserted model.fit's weights, iterations and logs."""
+    reports, _ = workers
+    for report in reports:
+        result = report[f"pairs_{kind}"]
+        assert "sharded across workers" in result["input"], result["input"]
+        assert "2 lengths per example" in result["padding"], result["padding"]
+        assert "each of 2 workers reads and cuts its own share" in result["padding"]
+        print(f"pairs {kind}: padding fed {result['padding_share']:.2f} against "
+              f"{result['full']:.2f}")
+        assert result["padding_share"] <= result["full"] / 2
