@@ -129,13 +129,7 @@ class LargeBatchUpdate:
         self.element_spec = element_spec
         self.micro_batch_spec = (x, empty_to_none(y), empty_to_none(w), valid)
         self.rows = valid.shape[0]  # None: each element's own (Cut.tokens)
-        outputs = x.stretch.shape[-1:] if isinstance(x, Trimmed) else None
-        if outputs is not None and (self.stretch_scale is None
-                                    or self.stretch_scale.shape != outputs):
-            with tf.init_scope(), tf.device(HOST):
-                self.stretch_scale = tf.Variable(tf.ones(outputs), trainable=False)
-        elif outputs is not None:  # a pipeline without headers keeps its own length
-            self.stretch_scale.assign(tf.ones(outputs))
+        self._bind_stretch(x)
         self.plan = step_plan(model, _static_rows((inputs_of(x), *self.micro_batch_spec[1:3])))
         self.pool = [layer for layer, calls in self.plan.batch_norm_calls
                      if calls] if self.pooled else []
@@ -188,6 +182,20 @@ class LargeBatchUpdate:
         if stash is None or not stash.fits(element_spec):
             self._functions.clear()
             self.stash = Stash(element_spec)
+
+    def _bind_stretch(self, x: Any) -> None:
+        """:attr:`stretch_scale` for micro-batches cut by length (``x`` a ``Trimmed``'s
+        spec): ones, until workers agree on a large batch's length (a step reused by a
+        later run forgets the last agreement)."""
+        if not isinstance(x, Trimmed):
+            return
+        outputs = x.stretch.shape[-1:]
+        scale = self.stretch_scale
+        if scale is None or scale.shape != outputs:
+            with tf.init_scope(), tf.device(HOST):
+                self.stretch_scale = tf.Variable(tf.ones(outputs), trainable=False)
+        else:
+            scale.assign(tf.ones(outputs))
 
     # ------------------------------------------------------------ one micro-batch
 
