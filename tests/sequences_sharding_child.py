@@ -34,7 +34,8 @@ RUNS = {"rows": (None, {"micro_batch_size": 4}),
         "tokens": (None, {"micro_batch_tokens": 60}),
         "batched": (10, {"micro_batch_size": 4}),
         "auto": (None, {"micro_batch_tokens": "auto"}),  # the probe's budget, in lockstep
-        "xla": (None, {"micro_batch_tokens": 60, "jit_compile": True})}
+        "xla": (None, {"micro_batch_tokens": 60, "jit_compile": True}),
+        "mixed": (None, {"micro_batch_tokens": 60})}  # under mixed_float16
 
 
 class Reads(keras.callbacks.Callback):
@@ -81,21 +82,27 @@ def tf_batches(strategy, records, out):
 
 def train(strategy, records, run, out):
     batched, options = RUNS[run]
-    with strategy.scope():
-        model = model_of("lm_sample_weight", jit_compile=options.get("jit_compile", False))
-    reads = Reads()
-    x = examples(records, reads)
-    if batched:
-        x = x.padded_batch(batched)
-    history = autosplit.fit_large_batch(model, x, batch_size=B, epochs=EPOCHS, verbose=0,
-                                        cache=False, callbacks=[reads], **options)
+    keras.mixed_precision.set_global_policy("mixed_float16" if run == "mixed" else "float32")
+    try:
+        with strategy.scope():
+            model = model_of("lm_sample_weight", jit_compile=options.get("jit_compile", False))
+        reads = Reads()
+        x = examples(records, reads)
+        if batched:
+            x = x.padded_batch(batched)
+        history = autosplit.fit_large_batch(model, x, batch_size=B, epochs=EPOCHS, verbose=0,
+                                            cache=False, callbacks=[reads], **options)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    scale = getattr(model.optimizer, "dynamic_scale", None)
     np.savez(f"{out}.{run}.npz", *model.get_weights())
     return {"reads_per_epoch": reads.per_epoch,
             "iterations": int(model.optimizer.iterations.numpy()),
             "logs": history.history, "padding": history.autosplit.padding,
             "input": history.autosplit.input, "tokens": history.autosplit.tokens,
             "programs": history.autosplit.programs,
-            "padding_share": history.autosplit.cut.padding_share}
+            "padding_share": history.autosplit.cut.padding_share,
+            "loss_scale": None if scale is None else float(scale.numpy())}
 
 
 def main(records, out):
