@@ -51,8 +51,9 @@ def tokens_refused(where: Layout, jit: bool, averages: bool, sharded: bool = Fal
     over its rows would see (``autosplit.step.contribution.without_padding`` gives it its
     real rows, a shape and a program per row count)."""
     if where.workers > 1 and not sharded:
-        return (f"{where.workers} workers that each read the whole input (its "
-                "auto_shard_policy OFF, or several replicas per worker)")
+        return (f"{where.workers} workers that each read the whole input and keep a slice "
+                "of every large batch (sharded and sized in tokens is a tf.data.Dataset "
+                "whose auto_shard_policy is not OFF, on one replica per worker)")
     if jit and averages:
         return ("jit_compile with a model that averages over a micro-batch's rows on its "
                 "own (its own train_step, a loss added in call(), BatchNormalization): "
@@ -129,8 +130,9 @@ def choose_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where
         if isinstance(tokens, int):
             fix = ("jit_compile=False to fit_large_batch, or " if where.workers == 1 else "")
             raise UnsupportedModelError(
-                f"Expected one worker, and under XLA a model whose micro-batches may hold "
-                f"padding rows, with micro_batch_tokens={tokens}. Received: {refused}. "
+                f"Expected one worker or each its own share of the input, and under XLA "
+                f"a model whose micro-batches may hold padding rows, with "
+                f"micro_batch_tokens={tokens}. Received: {refused}. "
                 f"Pass {fix}micro_batch_tokens=None to cut micro-batches by rows.")
         if verbose:
             print(f"autosplit: micro-batches sized in rows, not tokens: {refused}.", flush=True)

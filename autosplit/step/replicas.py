@@ -32,9 +32,9 @@ def _summed(*values: tf.Tensor) -> tf.Tensor:
     return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack(values))
 
 
-def _most(values: tf.Tensor) -> tf.Tensor:
+def _bounds(values: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     gathered = tf.distribute.get_replica_context().all_gather(values[None, :], axis=0)
-    return tf.reduce_max(gathered, axis=0)
+    return tf.reduce_max(gathered, axis=0), tf.reduce_min(gathered, axis=0)
 
 
 class Replicas:
@@ -80,7 +80,7 @@ class Replicas:
         floats); ``rows`` is this worker's, shared out between its local replicas."""
         return self.results(self.run(_summed, failed, rows / self.local))[0]
 
-    def most(self, values: tf.Tensor) -> tf.Tensor:
-        """Collective: ``values`` (a vector) at their most over every replica (one
-        all-gather: a collective all-reduce takes sums and means only)."""
-        return self.results(self.run(_most, values))[0]
+    def bounds(self, values: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """Collective: ``values`` (a vector) at their most and their least over every
+        replica (one all-gather: a collective all-reduce takes sums and means only)."""
+        return self.results(self.run(_bounds, values))[0]

@@ -217,22 +217,30 @@ class TrainStep:
             tf.constant(0.0 if ok else 1.0), tf.constant(rows, tf.float32)).numpy()
         return failed == 0, row_count(total)
 
-    def agree_lengths(self, iterator) -> None:
+    def agree_lengths(self, iterator) -> bool:
         """Pull this worker's next share's header (``markers.is_header``) and agree with
         every worker on the large batch's length per model output (collective), which
         the micro-steps then stretch to (``LargeBatchUpdate.agree_lengths``). A worker
-        whose input ended agrees with no length of its own."""
+        whose input ended agrees with no length of its own. Returns whether every
+        worker read its header; where this one's input failed (a bad record of its
+        share), it joins the agreement as one that gave up, then raises its error."""
         scale = self.update.stretch_scale
         assert scale is not None
-        local = tf.zeros(scale.shape)
-        optional = iterator.get_next_as_optional()
-        if bool(optional.has_value()):
-            element = optional.get_value()
-            if not bool(is_header(element)):
-                raise DatasetError("Expected a share's header before its micro-batches. "
-                                   "Received: a micro-batch; the pipeline lost its order.")
-            local = element[0].stretch[0]
-        self._function("lengths", self.update.agree_lengths)(local)
+        local, failure = tf.zeros(scale.shape), None
+        try:
+            optional = iterator.get_next_as_optional()
+            if bool(optional.has_value()):
+                element = optional.get_value()
+                if not bool(is_header(element)):
+                    raise DatasetError("Expected a share's header before its micro-batches. "
+                                       "Received: a micro-batch; the pipeline lost its order.")
+                local = element[0].stretch[0]
+        except (tf.errors.OpError, DatasetError) as error:
+            local, failure = -tf.ones(scale.shape), error
+        least = self._function("lengths", self.update.agree_lengths)(local)
+        if failure is not None:
+            raise failure
+        return float(least) >= 0
 
     def local_rows(self) -> float:
         """Real rows committed on this worker since the last finish."""

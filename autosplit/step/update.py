@@ -346,11 +346,14 @@ class LargeBatchUpdate:
     def agree_lengths(self, local: tf.Tensor) -> tf.Tensor:
         """Collective: per model output, the large batch's length, the most of every
         worker's ``local`` (its share's, 0 for none: ``cuts.cut_by_length``'s header),
-        kept as this worker's stretch of its micro-batches (:attr:`stretch_scale`)."""
+        kept as this worker's stretch of its micro-batches (:attr:`stretch_scale`).
+        Returns the least of every worker's: below 0 where one could not read its
+        header (it gave up)."""
         assert self.stretch_scale is not None
-        most = self.replicas.most(local)
-        return self.stretch_scale.assign(tf.where(local > 0, most / tf.maximum(local, 1.0),
-                                                  1.0))
+        most, least = self.replicas.bounds(local)
+        scale = tf.where(local > 0, most / tf.maximum(local, 1.0), 1.0)
+        with tf.control_dependencies([self.stretch_scale.assign(scale)]):
+            return tf.reduce_min(least)
 
     # ------------------------------------------------------------ the apply
 

@@ -86,8 +86,9 @@ class RecoverableStep(Protocol):
     def agree(self, ok: bool, rows: float) -> tuple[bool, float]:
         """Collective: whether every worker is ok, and the sum of their ``rows``."""
 
-    def agree_lengths(self, iterator: Any) -> None:
-        """Collective: pull a share's header, agree on the large batch's lengths."""
+    def agree_lengths(self, iterator: Any) -> bool:
+        """Collective: pull a share's header, agree on the large batch's lengths;
+        whether every worker read its own."""
 
     def local_rows(self) -> float:
         """Real rows committed on this worker since the last ``finish``."""
@@ -221,8 +222,11 @@ class Recovery:
 
     def _run_agreed(self, iterator: Any, count: int, step_number: int) -> dict[str, Any] | None:
         resume, remaining = False, count
-        if self.headers:  # the large batch's length, before its first micro-step
-            self.step.agree_lengths(iterator)
+        # The large batch's length, before its first micro-step: a collective every
+        # worker joins, one whose input failed too (then raising its own error).
+        if self.headers and not self.step.agree_lengths(iterator):
+            self.step.discard()
+            raise _another_gave_up(self.step.strategy, step_number)
         while True:
             failure = None
             try:
@@ -239,8 +243,9 @@ class Recovery:
                 self.step.discard()
                 raise
             gives_up = failure is not None and self._next_rows() < 1
-            # The only collectives of a step come after the local loop: first this
-            # agreement, then (only if every worker succeeded) the apply.
+            # After the local loop, the step's collectives (before it, only a sharded
+            # share's lengths): first this agreement, then (only if every worker
+            # succeeded) the apply.
             all_ok, rows = self.step.agree(
                 failure is None, _GAVE_UP if gives_up else self.step.local_rows())
             if rows < 0 and not gives_up:

@@ -14,7 +14,7 @@ from autosplit.data.inputs import get_input
 from autosplit.data.layout import ALONE, Layout
 from autosplit.data.markers import is_end_marker, is_header
 from autosplit.data.pipeline import MicroBatches
-from autosplit.data.sharded import SHARE_ELEMENTS, ShardedInput, sharded_input
+from autosplit.data.sharded import SHARE_ELEMENTS, ShardedInput, sharded_input, shards_by_length
 from autosplit.errors import DatasetError
 
 
@@ -197,3 +197,23 @@ def test_a_step_reused_without_headers_stretches_each_micro_batch_by_its_own_len
     scale.assign([2.5])  # as an agreement leaves it
     again = step_for(model, MicroBatches(adapter, B, M, cut=cut_by_length(adapter)))
     assert again is step and scale.numpy().tolist() == [1.0]
+
+
+def test_several_workers_take_tokens_where_each_reads_its_own_share(strategy):
+    from autosplit.step.cut_choice import tokens_refused
+
+    sequences = tf.data.Dataset.from_generator(
+        lambda: ((np.ones(n, "float32"), n) for n in range(1, 9)),
+        output_signature=(tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.int32)))
+    two = Layout(workers=2, worker=0, local_replicas=1, replicas=2)
+    two_local = Layout(workers=2, worker=0, local_replicas=2, replicas=4)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    for adapter, where, shared in [(get_input(sequences), two, True),
+                                   (get_input(sequences.padded_batch(4)), two, True),
+                                   (get_input(sequences.with_options(options)), two, False),
+                                   (get_input(sequences), two_local, False)]:
+        refused = tokens_refused(where, False, False, shards_by_length(adapter, where))
+        assert (refused is None) == shared, (adapter.kind, where, refused)
+        if refused:
+            assert refused.startswith("2 workers that each read the whole input"), refused

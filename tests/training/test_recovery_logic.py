@@ -392,3 +392,39 @@ def test_a_worker_whose_input_fails_stops_the_others_instead_of_leaving_them_wai
     assert isinstance(results[1], WorkerLostError) and "its input failed" in str(results[1])
     assert collective.rounds == [{0: (False, float("-inf")), 1: (True, 8.0)}]
     assert steps[1].applied == []
+
+
+class HeaderStep(FakeStep):
+    """:class:`FakeStep` over shares that begin with a header (sequences sharded and cut
+    by length): it pulls it and joins the lengths' agreement as
+    ``TrainStep.agree_lengths`` does, one whose input failed too, then raising."""
+
+    def agree_lengths(self, iterator):
+        failure = None
+        try:
+            assert next(iterator, "header") == "header"
+        except tf.errors.OpError as error:
+            failure = error
+        every, _ = self.collective.agree(self.worker, failure is None, 0.0)
+        if failure is not None:
+            raise failure
+        return every
+
+
+def test_a_worker_whose_share_fails_before_its_header_stops_the_others_there():
+    # The share is read whole before its header comes: a bad record fails the header's
+    # pull. That worker still joins the lengths' agreement, so the other stops there.
+    def bad_record():
+        raise tf.errors.InvalidArgumentError(None, None, "a bad record")
+        yield  # a generator
+
+    collective = Collective(2)
+    steps = [HeaderStep(4, collective=collective, worker=w) for w in range(2)]
+    recoveries = [Recovery(step, multi_worker=True, headers=True) for step in steps]
+    share = iter(["header", *elements(100, 2, 4)])
+    results = lockstep(steps, recoveries, [[(bad_record(), 2)], [(share, 2)]])
+    assert isinstance(results[0], tf.errors.InvalidArgumentError)
+    assert isinstance(results[1], WorkerLostError) and "its input failed" in str(results[1])
+    assert collective.rounds == [{0: (False, 0.0), 1: (True, 0.0)}]
+    assert steps[0].calls == steps[1].calls == []  # neither began its share
+    assert steps[1].applied == []
