@@ -3,12 +3,16 @@ full-batch reference step and the comparisons (no pytest)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from autosplit.capped import run_capped
@@ -200,3 +204,37 @@ def free_ports(n):
     for s in sockets:
         s.close()
     return ports
+
+
+def local_workers(argv_of, directory, *, env_of=None, timeout=400):
+    """Two workers of one MultiWorkerMirroredStrategy on localhost, each ``python
+    *argv_of(index)`` with its ``TF_CONFIG`` (``env_of(index, env)``: its environment,
+    changed), stderr to ``directory/worker{index}.stderr`` (an unread pipe blocks a
+    child once it fills, 64 KiB); their exit codes. A worker still running after
+    ``timeout`` s fails the test, every worker killed."""
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
+    procs = []
+    for index in range(2):
+        config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        env = child_env(TF_CONFIG=config)
+        if env_of is not None:
+            env = env_of(index, env)
+        with open(directory / f"worker{index}.stderr", "w") as stderr:
+            procs.append(subprocess.Popen([sys.executable, *argv_of(index)], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=stderr))
+    try:
+        return [proc.wait(timeout=timeout) for proc in procs]
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail(f"a worker hung past {timeout} s")
+
+
+def saved_steps(path):
+    """The batches a worker saved step by step (``np.savez`` keys ``{step}_{part}``, as
+    the sharding children write what TensorFlow's distributed iterator hands them): per
+    step, a tuple of its parts."""
+    saved = np.load(path)
+    steps = sorted({int(key.split("_")[0]) for key in saved.files})
+    parts = len({key.split("_")[1] for key in saved.files})
+    return [tuple(saved[f"{step}_{part}"] for part in range(parts)) for step in steps]

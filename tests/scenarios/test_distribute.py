@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from common import assert_weights_close, child_env, free_ports
+from common import assert_weights_close, child_env, local_workers
 
 from autosplit.capped import capped_cpu_env
 
@@ -88,30 +88,17 @@ def test_called_inside_the_strategy_scope_trains_as_outside(tmp_path):
 def run_workers(tmp_path, scenario="worker", caps=None, both=None, **extra):
     """Two workers on localhost; ``extra`` environment for worker 1 only, ``both`` for
     both; ``caps`` gives each its own real TensorFlow CPU cap."""
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
-    procs, outs = [], []
-    for index in range(2):
-        tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-        env = child_env(TF_CONFIG=tf_config, **(both or {}), **(extra if index == 1 else {}))
+    def env_of(index, env):
+        env.update(both or {}, **(extra if index == 1 else {}))
         if caps:
             env = capped_cpu_env(caps[index], env)
         env.setdefault("AUTOSPLIT_TEST_COLLECTIVE_TIMEOUT", "30")
-        out = tmp_path / f"worker{index}.json"
-        outs.append(out)
-        # stderr to a file: an unread pipe blocks a child once it fills (64 KiB).
-        with open(tmp_path / f"worker{index}.stderr", "w") as stderr:
-            procs.append(subprocess.Popen([sys.executable, str(HERE / "strategy_child.py"),
-                                           scenario, str(out)], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=stderr))
-    codes = []
-    for proc in procs:
-        try:
-            proc.wait(timeout=240)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("a worker hung past 240 s")
-        codes.append(proc.returncode)
+        return env
+
+    outs = [tmp_path / f"worker{index}.json" for index in range(2)]
+    codes = local_workers(lambda index: [str(HERE / "strategy_child.py"), scenario,
+                                         str(outs[index])], tmp_path, env_of=env_of,
+                          timeout=240)
     return codes, outs
 
 

@@ -7,13 +7,11 @@ TensorFlow's own distributed iterator hands the two workers in each step."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from common import TESTS, child_env, free_ports, relative_error
+from common import TESTS, local_workers, relative_error, saved_steps
 
 pytestmark = pytest.mark.slow
 
@@ -47,21 +45,8 @@ def workers(tmp_path_factory):
     records = tmp / "records"
     records.mkdir()
     rows = write_records(records)
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
-    procs = []
-    for index in range(2):
-        config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-        with open(tmp / f"worker{index}.stderr", "w") as stderr:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(TESTS / "sharding_child.py"), str(records),
-                 str(tmp / f"worker{index}")], env=child_env(TF_CONFIG=config),
-                stdout=subprocess.DEVNULL, stderr=stderr))
-    try:
-        codes = [proc.wait(timeout=400) for proc in procs]
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail("a worker hung past 400 s")
+    codes = local_workers(lambda index: [str(TESTS / "sharding_child.py"), str(records),
+                                         str(tmp / f"worker{index}")], tmp)
     assert codes == [0, 0], (tmp / "worker0.stderr").read_text()[-3000:]
     reports = [json.loads((tmp / f"worker{i}.json").read_text()) for i in range(2)]
     return reports, [tmp / f"worker{i}" for i in range(2)], rows
@@ -69,9 +54,7 @@ def workers(tmp_path_factory):
 
 def tf_steps(prefix, run):
     """The (x, y, w) batches TensorFlow's iterator gave one worker, step by step."""
-    saved = np.load(f"{prefix}.{run}.batches.npz")
-    steps = sorted({int(key.split("_")[0]) for key in saved.files})
-    return [tuple(saved[f"{s}_{p}"] for p in range(3)) for s in steps]
+    return saved_steps(f"{prefix}.{run}.batches.npz")
 
 
 def reference(optimizer, global_batches, epochs=2):

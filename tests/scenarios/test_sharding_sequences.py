@@ -9,14 +9,13 @@ that union's longest row."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from common import TESTS, child_env, free_ports, relative_error
+from common import TESTS, local_workers, relative_error, saved_steps
 
 from autosplit.data.cuts import Cut
 
@@ -47,21 +46,8 @@ def workers(tmp_path_factory):
     records = tmp / "records"
     records.mkdir()
     write_records(records)
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
-    procs = []
-    for index in range(2):
-        config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-        with open(tmp / f"worker{index}.stderr", "w") as stderr:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(TESTS / "sequences_sharding_child.py"), str(records),
-                 str(tmp / f"worker{index}")], env=child_env(TF_CONFIG=config),
-                stdout=subprocess.DEVNULL, stderr=stderr))
-    try:
-        codes = [proc.wait(timeout=400) for proc in procs]
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail("a worker hung past 400 s")
+    codes = local_workers(lambda index: [str(TESTS / "sequences_sharding_child.py"),
+                                         str(records), str(tmp / f"worker{index}")], tmp)
     assert codes == [0, 0], [(tmp / f"worker{i}.stderr").read_text()[-3000:] for i in range(2)]
     reports = [json.loads((tmp / f"worker{i}.json").read_text()) for i in range(2)]
     return reports, [tmp / f"worker{i}" for i in range(2)]
@@ -69,11 +55,8 @@ def workers(tmp_path_factory):
 
 def shares(prefix):
     """One worker's share of each step: per row, its (ids, next ids, weights) unpadded."""
-    saved = np.load(f"{prefix}.batches.npz")
-    steps = sorted({int(key.split("_")[0]) for key in saved.files})
     found = []
-    for step in steps:
-        x, y, w = (saved[f"{step}_{part}"] for part in range(3))
+    for x, y, w in saved_steps(f"{prefix}.batches.npz"):
         real = w.sum(axis=1).astype(int)
         found.append([(x[i, :n], y[i, :n], w[i, :n]) for i, n in enumerate(real)])
     return found

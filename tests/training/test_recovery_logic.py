@@ -166,6 +166,12 @@ def elements(first, count, rows, real=None):
     return iter([ids[e * rows:(e + 1) * rows] for e in range(count)])
 
 
+def bad_record():
+    """An input whose first record is bad (a worker's own shard)."""
+    raise tf.errors.InvalidArgumentError(None, None, "a bad record")
+    yield  # a generator
+
+
 def lockstep(steps, recoveries, batches):
     """Each worker's ``batches`` (iterator, count) in a thread of its own: its results,
     or the error it stopped with."""
@@ -380,10 +386,6 @@ def test_two_workers_failing_in_the_same_round_both_shrink():
 def test_a_worker_whose_input_fails_stops_the_others_instead_of_leaving_them_waiting():
     # Sharded, each worker reads its own records: a bad one fails one worker alone. It
     # gives up at the agreement, so the other stops there too, rather than wait in it.
-    def bad_record():
-        raise tf.errors.InvalidArgumentError(None, None, "a bad record")
-        yield  # a generator
-
     collective = Collective(2)
     steps = [FakeStep(4, collective=collective, worker=w) for w in range(2)]
     recoveries = [Recovery(step, multi_worker=True) for step in steps]
@@ -414,10 +416,6 @@ class HeaderStep(FakeStep):
 def test_a_worker_whose_share_fails_before_its_header_stops_the_others_there():
     # The share is read whole before its header comes: a bad record fails the header's
     # pull. That worker still joins the lengths' agreement, so the other stops there.
-    def bad_record():
-        raise tf.errors.InvalidArgumentError(None, None, "a bad record")
-        yield  # a generator
-
     collective = Collective(2)
     steps = [HeaderStep(4, collective=collective, worker=w) for w in range(2)]
     recoveries = [Recovery(step, multi_worker=True, headers=True) for step in steps]
