@@ -9,7 +9,6 @@ errors are raised before any model, optimizer or metric state changes.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,14 +82,24 @@ def describe(value: object) -> str:
     return f"{text} (type {type(value).__name__})"
 
 
+def said(error: BaseException) -> str:
+    """An error's type and its own line: a traced function's error ends with it, after
+    the trace."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and not (
+        line.lstrip().startswith(("File ", "Graph execution", "Detected at", "in user code"))
+        or line.startswith(("\t", "        ")))]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
+
+
 @contextlib.contextmanager
-def noted(note: str) -> Iterator[None]:
-    """A model's own error raised inside gets ``note``, unless an autosplit note is there.
+def refusing(expected: str, received: str, fix: str) -> Iterator[None]:
+    """A model's own error raised inside becomes an :class:`UnsupportedModelError` that
+    says what autosplit did to its inputs, with the model's error as its ``__cause__``.
 
     A model's error (a reshape that fixes the batch size, a step that reads positions
-    along the rows) gets one explanation of what autosplit did to its inputs, however
-    many of our frames it passes. Our own errors say why already, and an out-of-memory
-    error is the search's to catch: both pass as they are. Python 3.10 has no notes.
+    along the rows) is a refusal like any other: ``except UnsupportedModelError`` catches
+    it, however many of our frames it passes. Our own errors say why already, and an
+    out-of-memory error is the search's to catch: both pass as they are.
     """
     import tensorflow as tf  # the errors above stay importable without it
 
@@ -99,10 +108,9 @@ def noted(note: str) -> Iterator[None]:
     except (AutosplitError, tf.errors.ResourceExhaustedError):
         raise
     except (ValueError, TypeError, IndexError, tf.errors.OpError) as error:
-        if sys.version_info >= (3, 11) and not any(
-                n.startswith("autosplit ") for n in getattr(error, "__notes__", ())):
-            error.add_note(note)
-        raise
+        raise UnsupportedModelError(
+            f"Expected {expected}. Received: {received}, and it failed there with "
+            f"{said(error)} (this error's __cause__). {fix}") from error
 
 
 def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> Any:

@@ -116,9 +116,6 @@ class InputAdapter:
         reiterable: a second pass reads the data again (generators: no).
         row_numbers: the stream's rows are row numbers, which ``materialize`` turns
             into data (arrays): padding them copies no data.
-        own_lengths: each row of varying length comes as long as it is, not padded to
-            the others of a batch of the user's (a ``padded_batch``, a generator's
-            batches), whose padding the pipeline trims (``autosplit.data.cuts``).
         graph_rewrites: ``tf.data``'s default static rewrites run on the pipeline
             (map-and-batch fusion, map parallelization and others, on the input's
             own stages too); see ``ArrayInput.graph_rewrites`` for why arrays turn
@@ -128,7 +125,6 @@ class InputAdapter:
     kind = "input"
     rows: int | None = None
     reiterable = True
-    own_lengths = True
     row_numbers = False
     graph_rewrites = True
     shares = False  # elements are this worker's shares of each step (data.sharded)

@@ -134,8 +134,7 @@ def _ragged_lengths(rt: tf.RaggedTensor) -> tf.Tensor:
 
 
 def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
-                  own_lengths: bool, cap: int | None = None, shares: bool = False
-                  ) -> tf.data.Dataset:
+                  cap: int | None = None, shares: bool = False) -> tf.data.Dataset:
     """The kept pieces of ``pattern`` from every large batch of ``ds`` (batches of rows,
     of any size), each large batch's kept rows sorted by what they cost
     (``example_lengths.row_costs``) first; each piece ``(rows, stretch, valid)``, each of
@@ -144,10 +143,16 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
     ``stretch`` per model output the large batch's length over that (:class:`Trimmed`),
     ``valid`` 1.0 per real row.
 
-    The large batch's length, in each of an example's lengths, is its longest row's: as
-    the row comes with ``own_lengths`` (``InputAdapter.own_lengths``), else as long as
-    it is without the padding of the user's batch (which may hold rows of the next large
-    batch).
+    The large batch's length, in each of an example's lengths, is what its denominators
+    that count padded cells count (``stretch``): its longest row's as the input gives
+    it, an example as long as it is, a row of a user's ``padded_batch`` as long as its
+    batch, a row a map pads to a fixed length that long (as ``padded_batch(B)`` of the
+    same examples pads it where the input's batches tile the large batches). A batch
+    of the input that spans two large batches, and a share (padded by TensorFlow's
+    rebatch of each worker's batches), says nothing of which rows its length is
+    for: their rows count as long as they are without trailing zeros. The pieces are
+    cut short of it, to their rows' lengths without trailing zeros, which the check of
+    padding (``autosplit.step.padding``) has shown the model ignores.
 
     A short last large batch gives the pieces ``rebatch`` would: those that start
     before its last row. The host holds one large batch's rows, unpadded (a ragged
@@ -167,26 +172,27 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
     period = sum(p.rows for p in pattern)
     bounds = _kept_bounds(pattern, cut.replicas)
 
-    def row(*element):
+    def row(whole, *element):
         leaves = tf.nest.flatten(element[0] if len(element) == 1 else element)
         moved = []
         for i, t in enumerate(leaves):
             found = lengths.of(i)
             moved.append(t if found is None else _front(t, found[0]))
-        return tuple(moved)
+        return (whole, *moved)
 
-    def measured(*leaves):
-        n = tf.shape(leaves[0], out_type=tf.int64)[0] if not isinstance(
-            leaves[0], tf.RaggedTensor) else leaves[0].nrows()
+    def measured(whole, *leaves):
+        n = _rows_of(leaves[0])
         given, real = [], []
         for group in range(lengths.number):
             members = [leaves[i] for i in lengths.members(group)]
             given.append(tf.reduce_max(tf.stack([t.row_lengths() for t in members]), axis=0))
             real.append(tf.reduce_max(tf.stack([_ragged_lengths(t) for t in members]), axis=0))
         real_lengths = tf.stack(real, axis=1)
-        longest = tf.reduce_max(tf.stack(given, axis=1) if own_lengths else real_lengths,
-                                axis=0)
-        return leaves, n, real_lengths, longest
+        # A row as long as the input gives it where its batch lies in this large batch
+        # (its longest row is then here, as long as it is); a row of a batch that spans
+        # two large batches, or of a share, without its trailing zeros.
+        own = tf.where(whole[:, None], tf.stack(given, axis=1), real_lengths)
+        return leaves, n, real_lengths, tf.reduce_max(own, axis=0)
 
     def pieces(leaves, n, real_lengths, longest, ceiling):
         def piece(index, length, stretch, valid):
@@ -218,16 +224,28 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
         most = tf.maximum(most, batch[3])
         return most, (*batch, most)
 
+    def within(start, *batch):  # per row: its batch lies in one large batch
+        n = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
+        whole = start // period == (start + n - 1) // period
+        return start + n, (tf.fill([n], whole), *batch)
+
     if shares:
-        batches = ds.map(lambda *parts: _ragged_share(parts, lengths)).map(measured)
+        batches = ds.map(lambda *parts: _ragged_share(parts, lengths)).map(
+            lambda *leaves: measured(tf.zeros([_rows_of(leaves[0])], tf.bool), *leaves))
     else:
-        batches = ds.unbatch().map(row).enumerate().group_by_window(
-            lambda index, *_: index // period, large_batch, window_size=period).map(measured)
+        batches = ds.scan(tf.constant(0, tf.int64), within).unbatch().map(row).enumerate(
+        ).group_by_window(lambda index, *_: index // period, large_batch,
+                          window_size=period).map(measured)
     if cut.buckets:  # XLA's buckets reach no further than the longest row met so far
         batches = batches.scan(tf.zeros([lengths.number], tf.int64), running)
     else:
         batches = batches.map(lambda *batch: (*batch, batch[3]))
     return batches.flat_map(pieces)
+
+
+def _rows_of(t: Any) -> tf.Tensor:
+    """A dense or ragged batch's row count, int64."""
+    return t.nrows() if isinstance(t, tf.RaggedTensor) else tf.shape(t, out_type=tf.int64)[0]
 
 
 def _ragged_share(parts: tuple, lengths: Lengths) -> tuple:

@@ -98,7 +98,6 @@ class DatasetInput(InputAdapter):
                 # seed, nor after a batch(), whose parts share their rows.
                 for first in dataset.take(1):
                     check_shared_rows(first if self._arity else (first,), f"`{name}`")
-        self.own_lengths = not self.batched
         # Rows of varying shape (sequences of varying length): a padded_batch's, or
         # examples the pipeline (``autosplit.data.pipeline``) pads per large batch, as
         # padded_batch(B) pads.

@@ -24,7 +24,6 @@ class KerasInput(InputAdapter):
         self.generator = isinstance(data, types.GeneratorType)
         self.kind = "generator" if self.generator else "keras.utils.PyDataset"
         self.reiterable = not self.generator
-        self.own_lengths = False  # batches of the user's
         if self.generator:
             if class_weight is not None:
                 raise DatasetError("Expected no `class_weight` with a generator (model.fit "

@@ -337,8 +337,7 @@ class MicroBatches:
             materialize, cut = self.adapter.materialize, self.cut
             if self.adapter.shares and cut.sorted:  # a header, its pieces, an end
                 share = piece_pattern(self.batch_size // self.where.workers, self.rows)
-                ds = cut_by_length(ds, share, cut, own_lengths=False, cap=self.rows,
-                                   shares=True)
+                ds = cut_by_length(ds, share, cut, cap=self.rows, shares=True)
                 return ds.map(functools.partial(_trimmed_element, materialize=materialize,
                                                 rows=self.element_rows))
             if self.adapter.shares:
@@ -357,8 +356,7 @@ class MicroBatches:
                 element = functools.partial(_trimmed_rows, materialize=materialize,
                                             rows=self.element_rows, padded=cut.padded)
             else:
-                ds = cut_by_length(ds, self.pattern, cut, own_lengths=self.adapter.own_lengths,
-                                   cap=self.rows)
+                ds = cut_by_length(ds, self.pattern, cut, cap=self.rows)
                 element = functools.partial(_trimmed_element, materialize=materialize,
                                             rows=self.element_rows)
             ds = ds.map(element, **(_IN_PARALLEL if parallel else {}))
@@ -379,9 +377,7 @@ class MicroBatches:
         """The runs of :attr:`pattern`, rows in the order they come, this worker's kept."""
         sizes = [p.rows for p in self.pattern]
         if varying_shapes(ds.element_spec):
-            ds = pad_to_longest(ds, sizes, own_lengths=self.adapter.own_lengths,
-                                lengths=cut.lengths if cut.lengths is not None
-                                else self.adapter.lengths())
+            ds = pad_to_longest(ds, sizes)
         else:
             ds = ds.rebatch(sizes if len(sizes) > 1 else sizes[0])
         keep = [p.keep for p in self.pattern]

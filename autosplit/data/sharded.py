@@ -83,7 +83,6 @@ class ShardedInput(InputAdapter):
     """
 
     rows = None  # each worker's own count; the epoch ends where every worker's does
-    own_lengths = False
     shares = True
 
     def __init__(self, distributed: tf.distribute.DistributedDataset, kind: str, *,
@@ -102,7 +101,6 @@ class ShardedInput(InputAdapter):
                 f"Expected the {kind}'s elements to be (x, y), (x, y, sample_weight) or x "
                 f"alone. Received: element_spec={dataset.element_spec}.")
         self.rows_vary = lengths is not None
-        self.own_lengths = not self.rows_vary  # padded by padded_batch(B)
         vars(self)["_lengths"] = lengths
         if varying_shapes(dataset.element_spec) and not self.rows_vary:
             raise DatasetError(

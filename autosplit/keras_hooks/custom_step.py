@@ -43,7 +43,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from autosplit.errors import UnsupportedModelError, noted
+from autosplit.errors import UnsupportedModelError, refusing
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.batchnorm import calls_of, counted_all, pooled_layers, recording
 from autosplit.keras_hooks.gradients import Reading
@@ -167,12 +167,14 @@ def custom_facts(model: keras.Model, specs: tuple) -> CustomFacts:
         return tf.constant(0.0)
 
     # Our own refusal (a GAN's second optimizer) passes without the note on rows.
-    with noted(f"autosplit traced `{type(model).__name__}.train_step` on a micro-batch of "
-               f"{static_rows or 'some'} rows: it cuts every input along its first axis, "
-               "one row per example, as a batch of fewer rows. A step that reads positions "
-               "along that axis (data[0] and data[1] as anchors and positives, keras-io's "
-               "metric learning) or needs the whole batch cannot be split so: give such "
-               "parts an axis of their own after the rows, or train with model.fit."):
+    with refusing(
+            "a train_step that takes batches of any number of rows, one row per example",
+            f"`{type(model).__name__}.train_step`, which autosplit traced on a micro-batch "
+            f"of {static_rows or 'some'} rows, every input cut along its first axis",
+            "A step that reads positions along that axis (data[0] and data[1] as anchors "
+            "and positives, keras-io's metric learning) or needs the whole batch cannot be "
+            "split so: give such parts an axis of their own after the rows, or train with "
+            "model.fit."):
         trace_once(trace, *specs)
         if not counted_all(model, facts["batch_norm_calls"]):
             trace_once(trace, *specs)  # the first trace built layers: count their calls

@@ -27,6 +27,7 @@ import tensorflow as tf
 from autosplit.data.cuts import Trimmed
 from autosplit.data.example_lengths import Lengths, group_lengths, row_costs
 from autosplit.data.structure import empty_to_none
+from autosplit.errors import said
 from autosplit.keras_hooks import internals as _keras
 from autosplit.step.contribution import compute_contribution, update_metrics
 from autosplit.step.loss_plan import step_plan
@@ -144,7 +145,7 @@ def check_padding(model: keras.Model, sample: tuple, spec: tuple, lengths: Lengt
                                    [1.0] * len(outputs))))
     except Exception as error:  # any failure: not shown to ignore padding, so exact path
         snapshot.restore()
-        return PaddingCheck(False, f"the check could not run ({_said(error)})")
+        return PaddingCheck(False, f"the check could not run ({said(error)})")
     for group, (short, long) in enumerate(found):
         differs = _compare(model, short, long)
         if differs is not None:
@@ -159,14 +160,6 @@ def check_padding(model: keras.Model, sample: tuple, spec: tuple, lengths: Lengt
         return PaddingCheck(True, f"its own train_step gives the same gradients, logs and "
                             f"metrics {checked}", outputs)
     return PaddingCheck(True, f"the same loss, gradients and metrics {checked}", outputs)
-
-
-def _said(error: Exception) -> str:
-    """An error's own line: a traced function's error ends with it, after the trace."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip() and not (
-        line.lstrip().startswith(("File ", "Graph execution", "Detected at", "in user code"))
-        or line.startswith(("\t", "        ")))]
-    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
 
 
 def _outputs(model: keras.Model, base: tuple, longer: list[tuple]) -> tuple[int | None, ...] | str:

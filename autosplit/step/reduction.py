@@ -34,9 +34,11 @@ __all__ = [
     "SUM",
     "WEIGHT",
     "LossTerms",
+    "check_call",
     "check_reduction",
     "combined_loss",
     "output_terms",
+    "own_call",
     "row_weight",
 ]
 
@@ -83,6 +85,26 @@ def check_reduction(loss: object) -> str:
     return reduction
 
 
+def own_call(loss: object) -> bool:
+    """Whether ``loss`` computes its value in a ``__call__`` of its own (keras-io's
+    ``SupervisedContrastiveLoss``), not in ``call()`` under Keras's ``__call__``, which
+    reduces its per-example values (:func:`output_terms` mirrors that reduction)."""
+    return (isinstance(loss, keras.losses.Loss)
+            and type(loss).__call__ is not keras.losses.Loss.__call__)
+
+
+def check_call(loss: object) -> None:
+    """Refuse a loss whose ``__call__`` is its own: its per-example values are not
+    ``call()``'s, and what autosplit sums must be what Keras's compiled loss computes."""
+    if own_call(loss):
+        raise UnsupportedModelError(
+            "Expected a compiled loss whose value Keras's Loss.__call__ reduces from "
+            f"call()'s per-example values. Received: {type(loss).__name__}, which "
+            "overrides __call__, so its value is its own, not a sum over examples that "
+            "micro-batches can add up. Return per-example values from call(y_true, "
+            "y_pred) and leave __call__ to Keras, or train with model.fit.")
+
+
 def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_valid,
                  stretch=None) -> LossTerms:
     """The numerator and denominator of ``loss(y_true, y_pred, sample_weight)``.
@@ -103,6 +125,7 @@ def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_val
         (or ``sum(numerators)`` for ``reduction="sum"``).
     """
     reduction = check_reduction(loss)
+    check_call(loss)
     dtype = loss.dtype
     in_mask = _keras.get_keras_mask(y_pred)
     y_pred = tree.map_structure(lambda t: keras.ops.convert_to_tensor(t, dtype=dtype), y_pred)

@@ -30,7 +30,7 @@ import tensorflow as tf
 from autosplit.data.markers import is_header
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.structure import empty_to_none
-from autosplit.errors import DatasetError, noted
+from autosplit.errors import DatasetError, refusing
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.checks import check_trainable
 from autosplit.keras_hooks.custom_step import has_custom_step
@@ -277,11 +277,14 @@ def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | 
     key = step_key(pipeline.batch_size, compilation, batch_norm)
     step = state.steps.get(key)
     # keras-io's Switch Transformer reshapes to a fixed batch_size * tokens.
-    with noted(f"autosplit built and traced `{type(model).__name__}` on micro-batches of "
-               f"{pipeline.rows} rows (batch_size={pipeline.batch_size}), as model.fit "
-               "would on batches of that size. A model that fixes the batch size in "
-               "call() (a reshape to batch_size * tokens) cannot be split: take such "
-               "sizes from the input (keras.ops.shape(x)[0]), or train with model.fit."):
+    with refusing(
+            "a model whose call() takes batches of any number of rows",
+            f"`{type(model).__name__}`, which autosplit built and traced on micro-batches "
+            f"of {pipeline.rows} rows (batch_size={pipeline.batch_size}), as model.fit "
+            "would on batches of that size",
+            "A model that fixes the batch size in call() (a reshape to batch_size * "
+            "tokens) cannot be split: take such sizes from the input "
+            "(keras.ops.shape(x)[0]), or train with model.fit."):
         build_for(model, spec, pipeline.local_replicas)
         if step is None:
             if state.steps:

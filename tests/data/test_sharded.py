@@ -102,7 +102,7 @@ def test_a_dataset_stays_as_it_is_for_one_worker_or_when_read_whole(strategy):
     assert sharded_input(padded, strategy, two, 4, cut=longest) is padded
     by_length = sharded_input(padded, strategy, two, 4, cut=longest._replace(by="length"))
     assert isinstance(by_length, ShardedInput) and by_length.rows_vary
-    assert not by_length.own_lengths and by_length.lengths() == padded.lengths()
+    assert by_length.lengths() == padded.lengths()
     two_local = Layout(workers=2, worker=1, local_replicas=2, replicas=4)
     assert sharded_input(padded, strategy, two_local, 4,
                          cut=longest._replace(by="length")) is padded
