@@ -46,7 +46,8 @@ from autosplit.keras_hooks.interception import PLAIN, intercept
 from autosplit.keras_hooks.traced import summed_in_float16
 from autosplit.step.accumulation import split_loss
 from autosplit.step.compiled import run_once
-from autosplit.step.loss_plan import align_targets, loss_plan, step_plan
+from autosplit.step.forward import align_targets
+from autosplit.step.loss_plan import loss_plan, step_plan
 from autosplit.step.overflow import HALF_OVERFLOW
 from autosplit.step.padding import check_padding
 from autosplit.step.snapshot import Snapshot

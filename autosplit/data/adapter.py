@@ -37,7 +37,6 @@ from autosplit.errors import DatasetError, describe
 __all__ = [
     "EXAMPLE_CHUNK",
     "HINT",
-    "HOST",
     "InputAdapter",
     "arity",
     "check_class_weight_alone",
@@ -53,9 +52,7 @@ HINT = ("Pass arrays (x, y[, sample_weight]), a tf.data.Dataset of (x, y[, sampl
         "(single examples or batches), a keras.utils.PyDataset or a Python generator.")
 EXAMPLE_CHUNK = 256  # examples per host batch before the cut; any size gives the same rows
 
-HOST = "/device:CPU:0"
 _PARTS = ("x", "y", "sample_weight")
-
 
 
 def named_leaves(parts: tuple) -> list[tuple[str, Any]]:

@@ -14,7 +14,6 @@ import tensorflow as tf
 from autosplit.data.adapter import (
     EXAMPLE_CHUNK,
     HINT,
-    HOST,
     InputAdapter,
     check_class_weight_alone,
     class_weight_fn,
@@ -22,6 +21,7 @@ from autosplit.data.adapter import (
 from autosplit.data.example_lengths import Padded, padded_sequences
 from autosplit.data.structure import map_present
 from autosplit.errors import DatasetError, describe
+from autosplit.graph import HOST
 
 __all__ = ["ArrayInput"]
 

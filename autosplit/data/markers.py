@@ -8,7 +8,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from autosplit.data.adapter import HOST
+from autosplit.graph import HOST
 
 __all__ = ["end_marker", "is_end_marker", "is_header", "markable", "skip_to_end_marker"]
 

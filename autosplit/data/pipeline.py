@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from autosplit.data.adapter import HOST, InputAdapter, varying_shapes
+from autosplit.data.adapter import InputAdapter, varying_shapes
 from autosplit.data.cuts import (
     Cut,
     Trimmed,
@@ -42,6 +42,7 @@ from autosplit.data.sharded import SHARE_ELEMENTS, cut_shares
 from autosplit.data.split import Piece, piece_pattern
 from autosplit.data.structure import none_to_empty
 from autosplit.data.xla_shapes import Shapes
+from autosplit.graph import HOST
 
 __all__ = ["MicroBatches", "elements_per_batch", "host_autotune", "release"]
 

@@ -38,7 +38,6 @@ from typing import Any
 import tensorflow as tf
 
 from autosplit.data.adapter import (
-    HOST,
     InputAdapter,
     arity,
     check_class_weight_alone,
@@ -50,6 +49,7 @@ from autosplit.data.datasets import DatasetInput, batch_rows
 from autosplit.data.example_lengths import Lengths
 from autosplit.data.layout import Layout
 from autosplit.errors import DatasetError
+from autosplit.graph import HOST
 from autosplit.keras_hooks.distribute import worker_pipeline
 
 # The elements one large batch of a sharded input may take: no bound (an int32), its

@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from autosplit.data.adapter import HOST
+from autosplit.graph import HOST
 
 __all__ = ["Shapes"]
 

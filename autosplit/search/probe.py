@@ -52,7 +52,6 @@ from autosplit.warn import warn_user
 __all__ = ["ProbeResult", "Trial", "invalidate_cache", "probe", "search_micro_batch"]
 
 
-
 def format_trial(trial: Trial, budget: int) -> str:
     """One line per finished trial, for progress output."""
     outcome = ("crashed" if trial.crashed else "OOM" if trial.oom

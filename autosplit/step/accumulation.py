@@ -13,17 +13,14 @@ from keras import tree
 
 from autosplit.data.split import Split, balanced_sizes
 from autosplit.data.structure import empty_to_none
+from autosplit.graph import after
 from autosplit.keras_hooks import internals as _keras
-from autosplit.step.contribution import (
-    Totals,
-    combine,
-    compute_contribution,
-    update_metrics,
-    without_padding,
-)
-from autosplit.step.loss_plan import LossPlan, forward_totals, loss_plan, step_plan
+from autosplit.step.contribution import combine, compute_contribution
+from autosplit.step.forward import forward_totals
+from autosplit.step.loss_plan import LossPlan, loss_plan, step_plan
+from autosplit.step.metrics import update_metrics, without_padding
 from autosplit.step.reduction import combined_loss, output_terms
-from autosplit.step.sums import added, after, sum_loop, zero_totals
+from autosplit.step.totals import Totals, added, sum_loop, zero_totals
 
 __all__ = ["as_scale", "finish", "piece_rows", "prepare", "replicas_here", "split_loss",
            "sum_pieces"]

@@ -32,29 +32,14 @@ from autosplit.keras_hooks.batchnorm import recording
 from autosplit.keras_hooks.custom_step import CustomFacts, batch_data
 from autosplit.keras_hooks.interception import intercept
 from autosplit.keras_hooks.target import log_parts, replayed
-from autosplit.step.loss_plan import (
-    COUNT_GROUP,
-    SUM_GROUP,
-    LossPlan,
-    forward,
-    forward_parts,
-    forward_totals,
-    output_stretches,
-    weight_regularization,
-)
+from autosplit.step.forward import forward, forward_parts, forward_totals, output_stretches
+from autosplit.step.loss_plan import COUNT_GROUP, SUM_GROUP, LossPlan
 from autosplit.step.overflow import overflowed, poisoned
-from autosplit.step.reduction import COUNT, SUM, combined_loss
+from autosplit.step.reduction import COUNT, SUM, combined_loss, weight_regularization
+from autosplit.step.totals import Totals
 from autosplit.warn import warn_user
 
-__all__ = [
-    "Contribution",
-    "Totals",
-    "combine",
-    "compute_contribution",
-    "update_loss_trackers",
-    "update_metrics",
-    "without_padding",
-]
+__all__ = ["Contribution", "combine", "compute_contribution"]
 
 class Contribution(NamedTuple):
     """One micro-batch's contribution (per replica)."""
@@ -196,24 +181,6 @@ def _untracked(what: str) -> None:
         "from the step instead (logs combine ratios, maxima and minima exactly).")
 
 
-class Totals(NamedTuple):
-    """Sums over the micro-batches of one large batch (per replica, or all-reduced)."""
-
-    gradients: list  # per group, per variable (None: no gradient)
-    numerators: list
-    denominators: list
-    forward: tf.Tensor
-    rows: tf.Tensor
-
-    def summed_over_replicas(self, context) -> Totals:
-        """The scalar sums added up over every replica in one all-reduce; the gradients
-        stay this replica's (the optimizer all-reduces those)."""
-        numerators, denominators, forward, rows = context.all_reduce(
-            tf.distribute.ReduceOp.SUM, (self.numerators, self.denominators, self.forward,
-                                         self.rows))
-        return Totals(self.gradients, numerators, denominators, forward, rows)
-
-
 def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
             replicas: int = 1, context: Any = None) -> tuple[tf.Tensor, list, list]:
     """(loss, gradients, per-output losses) of the large batch from its sums.
@@ -277,102 +244,3 @@ def _combined_gradients(variables, plan: LossPlan, totals: Totals, correction,
     return gradients
 
 
-def update_loss_trackers(model, loss, per_output, rows) -> list:
-    """Record a large batch's loss and per-output losses, weighted by its ``rows``, in
-    Keras's loss trackers; returns the update ops (graph mode)."""
-    tracker = _keras.loss_tracker(model)
-    updates = [] if tracker is None else [tracker.update_state(loss, sample_weight=rows)]
-    for metric, value in zip(_keras.output_loss_trackers(model), per_output, strict=False):
-        updates.append(metric.update_state(value, sample_weight=rows))
-    return [u for u in updates if u is not None]
-
-
-def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
-                   all_real: bool = False, stretch=None) -> None:
-    """Update the compiled metrics from one micro-batch's real rows, as ``model.fit``
-    updates them from a batch: ``sample_weight`` as given (None without one).
-
-    A padded micro-batch's padding rows are dropped first (:func:`real_rows`), not
-    weighed 0: a weight Keras never passes reached every metric, and metrics that
-    flatten or broadcast it against their own values broke (``MeanIoU`` on per-pixel
-    targets raised; the Keras guide's ``CategoricalTruePositives`` counted m times).
-    ``all_real``: the caller knows every row is real; the rows pass as they are, with their
-    static shapes, and no ``tf.cond`` checks for padding.
-
-    ``stretch``: a micro-batch cut by length, per output (``y_pred``'s structure;
-    ``autosplit.data.cuts.Trimmed``). A Keras metric averages each row's values over
-    its length before it weighs rows, so a row padded to ``P`` weighs ``L / P`` times
-    what it weighs in the large batch of length ``L``: the metrics of an output with a
-    length axis get weights divided by its stretch (``autosplit.step.padding`` checks
-    that this gives the large batch's).
-    """
-    unweighted, weighted, flatten = _keras.metric_lists(model)
-    if not unweighted and not weighted:
-        return
-    if masks is None:  # Keras masks ride on y_pred's tensors, which the cut replaces
-        masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
-    if not all_real:
-        y, y_pred, masks, sample_weight = real_rows((y, y_pred, masks, sample_weight), valid)
-    if masks is not None:
-        for tensor, mask in zip(keras.tree.flatten(y_pred), keras.tree.flatten(masks),
-                                strict=False):
-            if mask is not None:
-                _keras.set_keras_mask(tensor, mask)
-    y_flat, p_flat = flatten(y), flatten(y_pred)
-    s_flat = [None] * len(p_flat) if stretch is None else flatten(stretch)
-    for mls, y_t, y_p, s in zip(unweighted, y_flat, p_flat, s_flat, strict=False):
-        if mls:
-            mls.update_state(y_t, y_p, **_shrunk(None, y_p, s))
-    if sample_weight is not None:
-        sw_flat = flatten(sample_weight)
-        if len(sw_flat) < len(y_flat):
-            sw_flat = [sw_flat[0]] * len(y_flat)
-    else:
-        sw_flat = [None] * len(y_flat)
-    for mls, y_t, y_p, s_w, s in zip(weighted, y_flat, p_flat, sw_flat, s_flat, strict=False):
-        if mls:
-            mls.update_state(y_t, y_p, **(_shrunk(s_w, y_p, s) or {"sample_weight": s_w}))
-
-
-def _shrunk(sample_weight, y_pred, stretch) -> dict:
-    """``update_metrics``'s weights for one output: ``sample_weight`` (ones if None)
-    over ``stretch`` where the output has a length axis; else nothing to add."""
-    rank = y_pred.shape.rank
-    if stretch is None or rank is None or rank < 2 or y_pred.shape[1] is not None:
-        return {}
-    shrink = 1.0 / tf.cast(stretch, tf.float32)
-    if sample_weight is None:
-        # (rows, 1): a Keras mask of (rows, length) multiplies it
-        return {"sample_weight": tf.fill([tf.shape(y_pred)[0], 1], shrink)}
-    return {"sample_weight": tf.cast(sample_weight, tf.float32) * shrink}
-
-
-def real_rows(structure: Any, valid: tf.Tensor) -> Any:
-    """``structure`` (tensors with a leading row axis, or None) less its padding rows;
-    a micro-batch without padding (all but the last of a large batch, usually) passes
-    as it is, not copied. The row count becomes dynamic."""
-    keep = valid > 0
-    leaves = tf.nest.flatten(structure)
-    present = [t for t in leaves if t is not None]
-    if not present:
-        return structure
-    kept = tf.cond(tf.reduce_all(keep), lambda: [tf.identity(t) for t in present],
-                   lambda: [tf.boolean_mask(t, keep) for t in present])
-    it = iter(kept)
-    return tf.nest.pack_sequence_as(structure, [None if t is None else next(it) for t in leaves])
-
-
-def without_padding(strip: bool, x, y, sample_weight, valid) -> tuple:
-    """The real rows of a micro-batch alone, where something averages over its rows.
-
-    A layer's own loss (``add_loss(mean(...))``, an endpoint layer's CTC), a loss that
-    returns one value per batch, a custom train_step and a BatchNormalization layer whose
-    statistics are pooled average over every row they see; padding rows (copies of real
-    ones) would enter those means. ``strip``: such models get micro-batches of their
-    real rows only (a dynamic row count: under XLA a second compiled shape for the short
-    micro-batch); others keep the static shape. A micro-batch without padding (all but
-    the last of a large batch, usually) passes as it is, not copied.
-    """
-    if not strip:
-        return x, y, sample_weight, valid
-    return tuple(real_rows((x, y, sample_weight, valid), valid))

@@ -27,11 +27,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from autosplit.data.adapter import HOST, InputAdapter
+from autosplit.data.adapter import InputAdapter
 from autosplit.data.datasets import batched_ancestor
 from autosplit.data.inputs import get_input
 from autosplit.data.pipeline import MicroBatches, release
 from autosplit.data.structure import empty_to_none
+from autosplit.graph import HOST
 from autosplit.keras_hooks.custom_step import (
     batch_data,
     flat_logs,
@@ -42,22 +43,11 @@ from autosplit.keras_hooks.custom_step import (
 from autosplit.keras_hooks.interception import weighed_trackers
 from autosplit.keras_hooks.traced import trace
 from autosplit.step.compiled import FunctionCache
-from autosplit.step.contribution import (
-    Totals,
-    update_loss_trackers,
-    update_metrics,
-    without_padding,
-)
-from autosplit.step.loss_plan import (
-    LossPlan,
-    forward,
-    forward_parts,
-    forward_totals,
-    loss_plan,
-    weight_regularization,
-)
-from autosplit.step.reduction import COUNT, combined_loss
-from autosplit.step.sums import added, sum_loop, zero_totals
+from autosplit.step.forward import forward, forward_parts, forward_totals
+from autosplit.step.loss_plan import LossPlan, loss_plan
+from autosplit.step.metrics import update_loss_trackers, update_metrics, without_padding
+from autosplit.step.reduction import COUNT, combined_loss, weight_regularization
+from autosplit.step.totals import Totals, added, sum_loop, zero_totals
 
 __all__ = ["Evaluator"]
 

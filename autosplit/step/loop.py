@@ -19,9 +19,8 @@ from typing import Any, Literal, NamedTuple
 
 import tensorflow as tf
 
-from autosplit.data.adapter import HOST
 from autosplit.data.markers import is_end_marker
-from autosplit.step.sums import after
+from autosplit.graph import HOST, after
 from autosplit.step.update import LargeBatchUpdate
 
 __all__ = ["Pull", "pull", "run_element"]

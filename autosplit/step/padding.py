@@ -29,8 +29,9 @@ from autosplit.data.example_lengths import Lengths, group_lengths, row_costs
 from autosplit.data.structure import empty_to_none
 from autosplit.errors import said
 from autosplit.keras_hooks import internals as _keras
-from autosplit.step.contribution import compute_contribution, update_metrics
+from autosplit.step.contribution import compute_contribution
 from autosplit.step.loss_plan import step_plan
+from autosplit.step.metrics import update_metrics
 from autosplit.step.snapshot import Snapshot
 
 __all__ = ["PaddingCheck", "check_padding"]

@@ -40,6 +40,7 @@ __all__ = [
     "output_terms",
     "own_call",
     "row_weight",
+    "weight_regularization",
 ]
 
 # What a loss's denominator counts: autosplit's kinds, not Keras's reduction strings
@@ -225,3 +226,10 @@ def combined_loss(numerators: Sequence, denominators: Sequence, forward, rows, *
 def squeeze(x1: tf.Tensor, x2: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """Keras's ``squeeze_or_expand_to_same_rank`` (a rank-1 weight meets (m, 1) losses)."""
     return _keras.squeeze_or_expand_to_same_rank(x1, x2)
+
+
+def weight_regularization(model: keras.Model) -> tf.Tensor:
+    """Sum of the weight regularizers: depends on the weights only, counted once."""
+    losses = [tf.cast(v.regularizer(v), tf.float32) for v in model.trainable_variables
+              if getattr(v, "regularizer", None) is not None]
+    return tf.add_n(losses) if losses else tf.constant(0.0, tf.float32)

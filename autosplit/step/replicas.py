@@ -16,8 +16,8 @@ from typing import Any
 import tensorflow as tf
 
 from autosplit.data.layout import layout
+from autosplit.graph import after
 from autosplit.keras_hooks import internals as _keras
-from autosplit.step.sums import after
 
 __all__ = ["Replicas", "without_replica_axis"]
 

@@ -11,32 +11,18 @@ them, inside its compiled functions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from autosplit.data.adapter import HOST
+from autosplit.graph import HOST, after
 from autosplit.keras_hooks.batchnorm import Pool
-from autosplit.step.contribution import Contribution, Totals
-from autosplit.step.loss_plan import LossPlan, forward_totals
+from autosplit.step.contribution import Contribution
+from autosplit.step.loss_plan import LossPlan
+from autosplit.step.totals import Totals
 
-__all__ = ["Stash", "Sums", "added", "after", "sum_loop", "zero_totals"]
-
-
-def after(ops: list) -> tf.Tensor:
-    """A token that exists once ``ops`` have run.
-
-    Order many ops after many others through one token: ``tf.control_dependencies(ops)``
-    gives every op made under it one control edge per entry of ``ops``, so ordering the
-    optimizer's apply (some 15 ops a variable) after every variable's gradient grows
-    with the square of the variable count, and so does the time TensorFlow's graph
-    optimiser spends on the step: on a model of a few hundred variables, the call's
-    first large batch would take twice as long.
-    """
-    with tf.control_dependencies(ops):
-        return tf.constant(True)
+__all__ = ["Stash", "Sums"]
 
 
 def _zero_from(value: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
@@ -173,35 +159,3 @@ class Stash:
 # Loop-carried sums: accumulate_gradients, accumulate_iterator and validation.
 
 
-def added(totals: Totals, c: Contribution | Totals) -> Totals:
-    """``totals`` plus one micro-batch's sums; a gradient of None adds nothing."""
-    part = Totals(c.gradients, c.numerators, c.denominators, c.forward, c.rows)
-    return tf.nest.map_structure(lambda a, b: a if b is None else a + b, totals, part)
-
-
-def zero_totals(terms: int, gradients: list[Any] | None = None) -> Totals:
-    """Float32 zeros for ``terms`` compiled losses; ``gradients`` the zero gradient sums."""
-    zeros = [tf.constant(0.0)] * terms
-    return Totals([] if gradients is None else gradients, zeros, zeros, forward_totals(),
-                  tf.constant(0.0))
-
-
-def sum_loop(step: Callable[[tf.Tensor, Totals], tuple[Totals, tf.Tensor]],
-             count: int | tf.Tensor, start: Totals) -> tuple[Totals, tf.Tensor]:
-    """``totals, stop = step(i, totals)`` for micro-batches ``i < count``, until ``stop``.
-
-    The loop of ``accumulate_gradients``, ``accumulate_iterator`` and validation
-    (``autosplit.step.evaluate``): the sums are loop-carried tensors, returned with whether a
-    step stopped early (its input ran out).
-    """
-    def body(i: tf.Tensor, totals: Totals, stop: tf.Tensor
-             ) -> tuple[tf.Tensor, Totals, tf.Tensor]:
-        totals, stop = step(i, totals)
-        return i + 1, totals, stop
-
-    # parallel_iterations=1: micro-batches run one after another, so the peak memory
-    # is one micro-batch's, not several in flight.
-    _, totals, stop = tf.while_loop(
-        lambda i, _, stop: tf.logical_and(i < count, tf.logical_not(stop)), body,
-        (tf.constant(0), start, tf.constant(False)), parallel_iterations=1)
-    return totals, stop

@@ -28,50 +28,20 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from autosplit.data.adapter import HOST
 from autosplit.data.cuts import Trimmed, inputs_of
 from autosplit.data.structure import empty_to_none
 from autosplit.errors import UnsupportedModelError
-from autosplit.keras_hooks import internals as _keras
+from autosplit.graph import HOST, after
 from autosplit.keras_hooks.checks import check_trainable
-from autosplit.keras_hooks.interception import defers
 from autosplit.step.compiled import FunctionCache
-from autosplit.step.contribution import (
-    Contribution,
-    combine,
-    compute_contribution,
-    update_loss_trackers,
-    update_metrics,
-    without_padding,
-)
+from autosplit.step.contribution import Contribution, combine, compute_contribution
+from autosplit.step.custom_logs import CustomLogs
 from autosplit.step.loss_plan import LossPlan, step_plan
+from autosplit.step.metrics import update_loss_trackers, update_metrics, without_padding
 from autosplit.step.replicas import Replicas, without_replica_axis
-from autosplit.step.sums import Stash, Sums, after
-from autosplit.warn import warn_user
+from autosplit.step.sums import Stash, Sums
 
 __all__ = ["LargeBatchUpdate"]
-
-
-def _combined(state: list, parts: list, kinds: tuple, first: tf.Tensor) -> tuple:
-    """A logged value combined over the micro-batches of a large batch so far, part by
-    part (``target.log_parts``): ``state`` per part (its value so far, the weight its mean
-    has gathered), ``parts`` this piece's ``(value, weight)``. Returns (value, assigns)."""
-    ops, values = [], []
-    for (so_far, gathered), (t, weight), kind in zip(state, parts, kinds, strict=True):
-        t = tf.cast(t, tf.float32)
-        if kind in ("last", "fixed"):
-            value = t
-        elif kind in ("sum", "max", "min"):
-            both = {"sum": tf.add, "max": tf.maximum, "min": tf.minimum}[kind](so_far, t)
-            value = tf.where(first, t, both)
-        else:  # a weighed mean: by rows, or by a ratio's divisor
-            total = tf.where(first, weight, gathered + weight)
-            share = tf.math.divide_no_nan(weight, total)
-            value = tf.where(first, t, so_far + (t - so_far) * share)
-            ops.append(gathered.assign(total))
-        ops.append(so_far.assign(value))
-        values.append(value)
-    return tf.add_n(values), ops
 
 
 class LargeBatchUpdate:
@@ -105,14 +75,7 @@ class LargeBatchUpdate:
         self._functions = functions
         self._jit = jit
         self._template: Any = None  # the structure of a Contribution, for _unflatten
-        self.logs: Any = None  # a custom train_step's logs, in variables
-        # per flat log, per part: its value so far and the weight its mean has gathered
-        self._log_parts: list = []
-        self._trackers: list = []  # a custom step's deferred tracker updates' state
-        # A custom train_step's metric variables as the last committed micro-step left
-        # them: its trackers count a micro-batch inside the step, before an error in the
-        # backward pass can stop it, so a redo restores them first (pull(resume=True)).
-        self._metric_copies: list = []
+        self.custom_logs: CustomLogs | None = None  # a custom train_step's, once bound
         self.element_spec: Any = None
         self.micro_batch_spec: Any = None
         self.rows = 0
@@ -143,35 +106,8 @@ class LargeBatchUpdate:
                 f"{type(model).__name__} under {type(replicas.strategy).__name__} with "
                 f"{replicas.count} replicas; autosplit splits a custom train_step on one "
                 "device only (yet).")
-        if self.plan.custom is not None and not self._metric_copies:
-            self._metric_copies = [
-                (v, tf.Variable(tf.convert_to_tensor(v), trainable=False))
-                for m in _keras.all_metrics(model) for v in m.variables]
-        if self.plan.custom is not None and self.logs is None:
-            # What the step returned, combined over the large batch's micro-batches so
-            # far, and the weight each weighed mean has gathered.
-            self.logs = tf.nest.map_structure(
-                lambda s: tf.Variable(tf.zeros([d or 1 for d in s.shape.as_list()], s.dtype),
-                                      trainable=False, shape=tf.TensorShape(None)),
-                self.plan.custom.logs)
-            self._log_parts = [[(tf.Variable(0.0, trainable=False),
-                                 tf.Variable(0.0, trainable=False)) for _ in kinds]
-                               for kinds in self.plan.custom.log_kinds]
-            # per deferred tracker update: its parts' running values and weights, the
-            # row count gathered, and its metric's variables as the large batch found them
-            metrics = _keras.all_metrics(self.model)
-            self._trackers = [
-                (kinds, metrics[index],
-                 [(tf.Variable(0.0, trainable=False), tf.Variable(0.0, trainable=False))
-                  for _ in kinds], tf.Variable(0.0, trainable=False),
-                 [tf.Variable(tf.convert_to_tensor(v), trainable=False)
-                  for v in metrics[index].variables])
-                for kinds, index in self.plan.custom.tracker_kinds if defers(kinds)]
-            if self.replicas.count > 1 and any(
-                    kinds[0] == "gradient_norm" for kinds in self.plan.custom.log_kinds):
-                warn_user("autosplit: the train_step returns a norm of its gradients; under "
-                          f"{self.replicas.count} replicas it is logged as the last "
-                          "micro-batch's on one replica, not the large batch's.")
+        if self.plan.custom is not None and self.custom_logs is None:
+            self.custom_logs = CustomLogs(model, self.plan.custom)
         # Another input structure (sample weights or not) can change the loss groups,
         # or what is stashed; compiled functions captured the old variables.
         sums: Sums | None = getattr(self, "sums", None)  # None before the first bind
@@ -244,69 +180,24 @@ class LargeBatchUpdate:
         """Per replica: update the compiled metrics from one contribution (after ``ready``;
         ``all_real``: all its rows are real)."""
         contribution = self._unflatten(list(values))
-        if self.plan.custom is not None:  # the step updated its own metrics
+        if self.custom_logs is not None:  # the step updated its own metrics
             with tf.control_dependencies([] if ready is None else [ready]):
-                return self._combine_logs(contribution)
+                first = (tf.cast(self.sums.rows.read_value(), tf.float32)
+                         <= tf.cast(contribution.rows, tf.float32))
+                return self.custom_logs.combine(contribution, first)
         with tf.control_dependencies([] if ready is None else [ready]):
             update_metrics(self.model, contribution.y, contribution.y_pred,
                            contribution.sample_weight, contribution.valid, contribution.masks,
                            all_real=all_real, stretch=contribution.stretch)
             return tf.constant(True)
 
-    def _combine_logs(self, contribution: Contribution) -> tf.Tensor:
-        """A custom step's logs, combined over the large batch so far as each combines
-        (``CustomFacts.log_kinds``); a large batch's first micro-batch replaces the last
-        one's values (a NaN there included). After this micro-batch's sums are committed."""
-        first = (tf.cast(self.sums.rows.read_value(), tf.float32)
-                 <= tf.cast(contribution.rows, tf.float32))
-        assert self.plan.custom is not None
-        tracked = after(self._combine_trackers(contribution, first))
-        ops = [tracked]
-        metrics = _keras.all_metrics(self.model)
-        for v, state, parts, kinds in zip(
-                tf.nest.flatten(self.logs), self._log_parts, contribution.log_parts,
-                self.plan.custom.log_kinds, strict=True):
-            if kinds[0] == "result":  # as the trackers stand now, deferred updates made
-                with tf.control_dependencies([tracked]):
-                    ops.append(v.assign(tf.cast(metrics[kinds[1]].result(), v.dtype)))
-                continue
-            if kinds == ("last",) or kinds[0] == "gradient_norm":
-                ops.append(v.assign(tf.cast(parts[0][0], v.dtype)))
-                continue
-            value, assigns = _combined(state, parts, kinds, first)
-            ops += [*assigns, v.assign(tf.cast(value, v.dtype))]
-        return after(ops)
-
-    def _combine_trackers(self, contribution: Contribution, first: tf.Tensor) -> list:
-        """A custom step's deferred tracker updates (a masked mean given to a ``Mean``):
-        each metric is put back as the large batch found it and updated once with the
-        value combined over its micro-batches so far, with the row count gathered, so
-        that after the last one it holds one update with the large batch's value."""
-        ops = []
-        for (kinds, metric, state, count, kept), (parts, given) in zip(
-                self._trackers, contribution.tracker_parts, strict=True):
-            value, assigns = _combined(state, parts, kinds, first)
-            now = [tf.convert_to_tensor(v) for v in metric.variables]
-            start = [tf.where(first, n, k.read_value()) for n, k in zip(now, kept, strict=True)]
-            weight = None
-            if given is not None:
-                weight = tf.where(first, given, count + given)
-                assigns.append(count.assign(weight))
-            restored = [k.assign(s) for k, s in zip(kept, start, strict=True)] + [
-                v.assign(s) for v, s in zip(metric.variables, start, strict=True)]
-            with tf.control_dependencies([after(assigns + restored)]):
-                metric.update_state(value, sample_weight=weight)
-                # read after the update (a tf.function orders a variable's reads and writes)
-                ops.append(after([tf.convert_to_tensor(v) for v in metric.variables]))
-        return ops
-
     def keep_metrics(self) -> tf.Tensor:
         """Copy a custom step's metric variables as they stand (after a committed micro-batch)."""
-        return after([copy.assign(tf.convert_to_tensor(v)) for v, copy in self._metric_copies])
+        return tf.constant(True) if self.custom_logs is None else self.custom_logs.keep()
 
     def restore_metrics(self) -> tf.Tensor:
         """Put back a custom step's metric variables as the last committed micro-batch left them."""
-        return after([v.assign(copy.read_value()) for v, copy in self._metric_copies])
+        return tf.constant(True) if self.custom_logs is None else self.custom_logs.restore()
 
     def micro_step(self, x, y, w, valid, end_row, rows, *, all_real: bool = False) -> tf.Tensor:
         """One micro-step on every local replica: compute, then (only once all of them
@@ -336,10 +227,10 @@ class LargeBatchUpdate:
         if replicas.count == 1:
             with tf.control_dependencies([recorded]):
                 committed = self._commit_metrics(values, all_real=all_real)
-            if not self._metric_copies:
+            if self.custom_logs is None:
                 return committed
             with tf.control_dependencies([committed]):
-                return self.keep_metrics()
+                return self.custom_logs.keep()
         commit = functools.partial(self._commit_metrics, all_real=all_real)
         return replicas.done(replicas.run(commit, values, recorded))
 
@@ -375,7 +266,7 @@ class LargeBatchUpdate:
             context=tf.distribute.get_replica_context() if self.replicas.count > 1 else None)
         pairs = [(g, v) for g, v in zip(gradients, model.trainable_variables, strict=True)
                  if g is not None]
-        norms = self._gradient_norms(gradients)
+        norms = [] if self.custom_logs is None else self.custom_logs.gradient_norms(gradients)
         # One loss scale for the whole large batch: a LossScaleOptimizer unscales,
         # checks the summed gradients once and skips the whole step on an overflow.
         # Under a strategy Keras's optimizer all-reduces these gradients: once.
@@ -396,16 +287,6 @@ class LargeBatchUpdate:
         with tf.control_dependencies(norms):
             return tf.identity(loss)
 
-    def _gradient_norms(self, gradients: list) -> list:
-        """A custom step's logs of the norm of its gradients, as the large batch's
-        (``CustomFacts.log_kinds``): one replica only (``bind`` warns otherwise)."""
-        if self.plan.custom is None or self.replicas.count > 1:
-            return []
-        return [v.assign(tf.cast(tf.linalg.global_norm([gradients[i] for i in kinds[1]]),
-                                 v.dtype))
-                for v, kinds in zip(tf.nest.flatten(self.logs), self.plan.custom.log_kinds,
-                                    strict=True) if kinds[0] == "gradient_norm"]
-
     def apply(self, ready=None):
         """Apply the summed large batch once (after ``ready``) and zero the sums; returns
         the logs: the compiled metrics' results, or a custom step's last logs."""
@@ -416,8 +297,8 @@ class LargeBatchUpdate:
     def logs_now(self):
         """The logs as they stand: the compiled metrics' results, or a custom step's
         last logs."""
-        if self.plan.custom is not None:
-            return tf.nest.map_structure(lambda v: v.read_value(), self.logs)
+        if self.custom_logs is not None:
+            return self.custom_logs.read()
         return self.model.get_metrics_result()
 
     def apply_if_any(self, ready):

@@ -11,10 +11,10 @@ from _inputs import B, Batches, M, batches, candidate, data, make
 from common import assert_weights_close
 
 import autosplit
-from autosplit.data.adapter import HOST
 from autosplit.data.inputs import get_input
 from autosplit.data.pipeline import MicroBatches
 from autosplit.errors import DatasetError
+from autosplit.graph import HOST
 from autosplit.step.train_step import step_for
 from autosplit.testing import traced_graph
 
