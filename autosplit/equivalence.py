@@ -37,7 +37,7 @@ from autosplit.culprits import (
     static_culprits,
     unreduced_culprits,
 )
-from autosplit.data.example_lengths import group_lengths, padded_lengths
+from autosplit.data.sequences.lengths import group_lengths, padded_lengths
 from autosplit.data.split import Split, split_batch
 from autosplit.data.structure import map_present
 from autosplit.keras_hooks import internals as _keras

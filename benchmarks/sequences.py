@@ -85,7 +85,7 @@ def budget(settings: Settings, kind: str) -> int:
 
 def cut_of(adapter, settings: Settings, kind: str, method: str):
     """The pipeline's ``Cut`` of a method: by length (in tokens), else as rows come."""
-    from autosplit.data.cuts import Cut
+    from autosplit.data.sequences.cut import Cut
 
     if method == "rows":
         return Cut("longest", lengths=adapter.lengths())
@@ -100,9 +100,9 @@ def padding_share(kind: str, settings: Settings, method: str) -> tuple[float, in
     of a micro-batch's shape)."""
     import tensorflow as tf
 
-    from autosplit.data.cut_stats import cut_stats
     from autosplit.data.inputs import get_input
     from autosplit.data.pipeline import MicroBatches
+    from autosplit.data.sequences.stats import cut_stats
 
     ds = examples(kind, settings)
     if method.startswith("keras_accumulation"):  # each input of a padded batch: a length of its own

@@ -3,10 +3,10 @@
 On a GPU, Keras's ``compile()`` turns XLA on (``jit_compile="auto"``), and XLA compiles
 a program per shape of a step's inputs. The question: cut in tokens under XLA (each
 length rounded up to a geometric bucket, each micro-batch's rows to one of two counts,
-``autosplit/data/cuts.py``), how many real tokens per second does training reach against
-the same cut without XLA, how much padding does it feed, how many programs does it
-compile, and how long does its first epoch (compiling them) take against a steady one's
-and against Keras's own gradient accumulation under XLA?
+``autosplit/data/sequences/by_length.py``), how many real tokens per second does
+training reach against the same cut without XLA, how much padding does it feed, how many
+programs does it compile, and how long does its first epoch (compiling them) take
+against a steady one's and against Keras's own gradient accumulation under XLA?
 
 Data and models: ``benchmarks/sequence_data.py``'s IMDB-shaped lengths (divided by 4:
 up to 625 tokens), a masked GRU classifier (``gru``) and a causal language model

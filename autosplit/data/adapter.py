@@ -31,7 +31,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from autosplit.data.example_lengths import Lengths, Padded, lengths_of, tie
+from autosplit.data.sequences.lengths import Lengths, PaddedArrays, lengths_of, tie
 from autosplit.errors import DatasetError, describe
 
 __all__ = [
@@ -175,7 +175,7 @@ class InputAdapter:
         return x, y, (w if self._class_weight is None else self._class_weight(y, w))
 
     def lengths(self) -> Lengths | None:
-        """The lengths of this input's examples (``autosplit.data.example_lengths``):
+        """The lengths of this input's examples (``autosplit.data.sequences.lengths``):
         which parts vary in length, along which axis, and which share a length, as the
         first examples read show (the batches of a user's ``padded_batch``); read once.
         None where no part varies (rows of arrays: their sequences are
@@ -209,9 +209,9 @@ class InputAdapter:
                 break
         return found
 
-    def padded_sequences(self, takes_any_length: bool) -> Padded | None:
+    def padded_sequences(self, takes_any_length: bool) -> PaddedArrays | None:
         """How this input's rows of one shape hold padded sequences
-        (``example_lengths.padded_sequences``); None but for arrays."""
+        (``lengths.padded_sequences``); None but for arrays."""
         return None
 
     def sample(self, n: int) -> tuple:

@@ -18,7 +18,7 @@ from autosplit.data.adapter import (
     check_class_weight_alone,
     class_weight_fn,
 )
-from autosplit.data.example_lengths import Padded, padded_sequences
+from autosplit.data.sequences.lengths import PaddedArrays, padded_sequences
 from autosplit.data.structure import map_present
 from autosplit.errors import DatasetError, describe
 from autosplit.graph import HOST
@@ -118,7 +118,7 @@ class ArrayInput(InputAdapter):
     def sample(self, n: int) -> tuple:
         return self._weighted(*map_present(lambda t: t[:n], self.arrays))
 
-    def padded_sequences(self, takes_any_length: bool) -> Padded | None:
+    def padded_sequences(self, takes_any_length: bool) -> PaddedArrays | None:
         return padded_sequences(self.arrays, takes_any_length)
 
 

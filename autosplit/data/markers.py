@@ -1,6 +1,6 @@
 """Elements with no real row, which a pipeline puts between its micro-batches: the end
 of an epoch or of a large batch (:func:`end_marker`), and a share's header
-(:func:`is_header`, ``autosplit.data.cuts.cut_by_length``)."""
+(:func:`is_header`, ``autosplit.data.sequences.by_length.cut_by_length``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def is_end_marker(element: Any) -> tf.Tensor:
 
 
 def is_header(element: Any) -> tf.Tensor:
-    """Whether ``element`` is a share's header (``cuts.cut_by_length``'s, ``valid`` -1):
+    """Whether ``element`` is a share's header (``by_length.cut_by_length``'s, ``valid`` -1):
     like an end marker, it holds no real row."""
     return tf.reduce_any(element[-1] < 0)
 

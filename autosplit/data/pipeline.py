@@ -27,21 +27,17 @@ from typing import Any
 import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter, varying_shapes
-from autosplit.data.cuts import (
-    Cut,
-    Trimmed,
-    cut_by_length,
-    cut_rows_by_length,
-    trim,
-)
-from autosplit.data.example_lengths import Padded
 from autosplit.data.layout import ALONE, Layout
-from autosplit.data.longest import pad_to_longest
 from autosplit.data.markers import end_marker, markable
+from autosplit.data.sequences.by_length import cut_by_length, cut_rows_by_length, trim
+from autosplit.data.sequences.cut import Cut
+from autosplit.data.sequences.length_factor import Shortened
+from autosplit.data.sequences.lengths import PaddedArrays
+from autosplit.data.sequences.longest import pad_to_longest
+from autosplit.data.sequences.shapes import Shapes
 from autosplit.data.sharded import SHARE_ELEMENTS, cut_shares
 from autosplit.data.split import Piece, piece_pattern
 from autosplit.data.structure import none_to_empty
-from autosplit.data.xla_shapes import Shapes
 from autosplit.graph import HOST
 
 __all__ = ["MicroBatches", "elements_per_batch", "host_autotune", "release"]
@@ -114,27 +110,28 @@ def _element(*piece: Any, materialize, rows: int, row_numbers: bool, all_real: b
 
 
 @tf.autograph.experimental.do_not_convert
-def _trimmed_element(piece: Any, stretch: tf.Tensor, valid: tf.Tensor, *, materialize,
+def _shortened_element(piece: Any, length_factor: tf.Tensor, valid: tf.Tensor, *, materialize,
                      rows: int | None) -> tuple:
-    """:func:`_element` of a piece cut by length (``cuts.cut_by_length``): its inputs
-    as a :class:`Trimmed` with their stretch (rows None: as the piece comes, its own
+    """:func:`_element` of a piece cut by length (``by_length.cut_by_length``): its inputs
+    as a :class:`Shortened` with their length factors (rows None: as the piece comes, its own
     ``valid``, which marks the rows XLA's shapes padded it with)."""
-    (padded, stretch, valid), padded_valid = _pad_rows((piece, stretch, valid), rows)
+    (padded, length_factor, valid), padded_valid = _pad_rows((piece, length_factor, valid), rows)
     valid = valid if rows is None else valid * padded_valid
     x, y, w = materialize(padded)
-    return Trimmed(x, stretch), none_to_empty(y), none_to_empty(w), valid
+    return Shortened(x, length_factor), none_to_empty(y), none_to_empty(w), valid
 
 
 @tf.autograph.experimental.do_not_convert
-def _trimmed_rows(numbers: tf.Tensor, length: tf.Tensor, stretch: tf.Tensor, valid: tf.Tensor,
-                  *, materialize, rows: int | None, padded: Padded) -> tuple:
-    """:func:`_trimmed_element` of a piece of row numbers (``cuts.cut_rows_by_length``):
+def _shortened_rows(numbers: tf.Tensor, length: tf.Tensor, length_factor: tf.Tensor,
+                    valid: tf.Tensor, *, materialize, rows: int | None,
+                    padded: PaddedArrays) -> tuple:
+    """:func:`_shortened_element` of a piece of row numbers (``by_length.cut_rows_by_length``):
     the rows gathered, then cut to the piece's length."""
-    (numbers, stretch, valid), padded_valid = _pad_rows((numbers, stretch, valid), rows,
+    (numbers, length_factor, valid), padded_valid = _pad_rows((numbers, length_factor, valid), rows,
                                                         row_numbers=True)
     valid = valid if rows is None else valid * padded_valid
     x, y, w = trim(materialize(numbers), padded, length)
-    return Trimmed(x, stretch), none_to_empty(y), none_to_empty(w), valid
+    return Shortened(x, length_factor), none_to_empty(y), none_to_empty(w), valid
 
 
 def _pad_replicas_of(*element: Any, replicas: int) -> Any:
@@ -176,13 +173,13 @@ class MicroBatches:
         batch_size: B, the global large batch.
         rows: rows per micro-batch on this worker.
         where: the ``tf.distribute`` layout of this process (``autosplit.data.layout``).
-        cut: how each large batch is cut (``autosplit.data.cuts.Cut``). None or
+        cut: how each large batch is cut (``autosplit.data.sequences.cut.Cut``). None or
             ``"rows"``/``"longest"``: as its rows come, each micro-batch padded to its
             large batch's longest row where rows vary in shape. ``"length"``: its rows
             sorted by length and each micro-batch padded to its own longest row in
             each of an example's lengths (under XLA, ``cut.buckets``, rounded up to its
             bucket), for a model that ignores padding; its inputs then come as
-            ``cuts.Trimmed``. ``"tokens"``: the same in micro-batches of up to
+            ``length_factor.Shortened``. ``"tokens"``: the same in micro-batches of up to
             ``cut.tokens`` tokens and ``rows`` rows, as many as a large batch needs,
             then an element with no row that ends it (``markers.is_end_marker``): elements have
             no static row count, and none is padding but for XLA's, which pads each
@@ -281,7 +278,7 @@ class MicroBatches:
 
         ``autotune`` turns ``tf.data``'s autotuning on or off for the whole pipeline,
         the input's own stages included; None: :func:`host_autotune`. ``counted``: the
-        shapes pulled count in :attr:`shapes` (a read on the host, ``cut_stats``, does not).
+        shapes pulled count in :attr:`shapes` (a read on the host, ``sequences.stats``, does not).
         """
         autotune = host_autotune() if autotune is None else autotune
         if not self.adapter.shuffles:
@@ -339,7 +336,7 @@ class MicroBatches:
             if self.adapter.shares and cut.sorted:  # a header, its pieces, an end
                 share = piece_pattern(self.batch_size // self.where.workers, self.rows)
                 ds = cut_by_length(ds, share, cut, cap=self.rows, shares=True)
-                return ds.map(functools.partial(_trimmed_element, materialize=materialize,
+                return ds.map(functools.partial(_shortened_element, materialize=materialize,
                                                 rows=self.element_rows))
             if self.adapter.shares:
                 return cut_shares(
@@ -352,13 +349,13 @@ class MicroBatches:
                 element = functools.partial(_element, materialize=materialize, rows=self.rows,
                                             row_numbers=self.adapter.row_numbers,
                                             all_real=self.all_real())
-            elif cut.padded is not None:  # this worker's pieces alone
+            elif cut.arrays is not None:  # this worker's pieces alone
                 ds = cut_rows_by_length(ds, self.pattern, cut, cap=self.rows)
-                element = functools.partial(_trimmed_rows, materialize=materialize,
-                                            rows=self.element_rows, padded=cut.padded)
+                element = functools.partial(_shortened_rows, materialize=materialize,
+                                            rows=self.element_rows, padded=cut.arrays)
             else:
                 ds = cut_by_length(ds, self.pattern, cut, cap=self.rows)
-                element = functools.partial(_trimmed_element, materialize=materialize,
+                element = functools.partial(_shortened_element, materialize=materialize,
                                             rows=self.element_rows)
             ds = ds.map(element, **(_IN_PARALLEL if parallel else {}))
             replicas = self.local_replicas

@@ -16,7 +16,7 @@ Sequences of varying length cut by length (``Cut.sorted``) on one replica per wo
 are sharded alike, ``padded_batch(B)`` first (:func:`shards_by_length`): each worker
 sorts and cuts its own share, and since a per-token denominator and a metric count the
 large batch's padded length, each share's pieces come after a header that holds the
-share's length per model output (``cuts.cut_by_length``); the workers agree on the
+share's length per model output (``by_length.cut_by_length``); the workers agree on the
 longest before the share's first micro-step (``TrainStep.agree_lengths``). Sequences
 padded to the large batch's longest row (a model that reads its padding), or on
 several local replicas, are read whole by every worker, each keeping its share.
@@ -44,10 +44,10 @@ from autosplit.data.adapter import (
     class_weight_fn,
     varying_shapes,
 )
-from autosplit.data.cuts import Cut
 from autosplit.data.datasets import DatasetInput, batch_rows
-from autosplit.data.example_lengths import Lengths
 from autosplit.data.layout import Layout
+from autosplit.data.sequences.cut import Cut
+from autosplit.data.sequences.lengths import Lengths
 from autosplit.errors import DatasetError
 from autosplit.graph import HOST
 from autosplit.keras_hooks.distribute import worker_pipeline

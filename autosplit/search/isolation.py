@@ -78,7 +78,7 @@ class IsolatedTrials:
             stash), which the child makes too (:func:`autosplit.search.trials.child_trials`).
         tokens: ``(buckets, length, outputs)``: trials in tokens, the sample's padded
             sequences cut by length with lengths rounded up to XLA's buckets where
-            ``buckets`` (``Cut.buckets``), a stretch per output as ``outputs`` says
+            ``buckets`` (``Cut.buckets``), a length factor per output as ``outputs`` says
             (``Cut.outputs``), a trial at m of ``m * length`` tokens
             (``autosplit.search.trials.TrialRunner``).
 

@@ -22,12 +22,12 @@ import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter
 from autosplit.data.arrays import ArrayInput
-from autosplit.data.cuts import Cut
-from autosplit.data.example_lengths import costliest_row, padded_lengths, padded_sequences
 from autosplit.data.hub import preprocessed, takes_raw_data
 from autosplit.data.inputs import get_input
 from autosplit.data.layout import Layout, layout
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sequences.cut import Cut
+from autosplit.data.sequences.lengths import costliest_row, padded_lengths, padded_sequences
 from autosplit.data.split import check_size
 from autosplit.errors import ArgumentError, MemoryLimitError, check_choice, describe
 from autosplit.keras_hooks import internals as _keras
@@ -177,11 +177,11 @@ def search_micro_batch(model: keras.Model, adapter: InputAdapter, batch_size: in
         return cached
     say = _reporter(verbose, on_trial, budget)
     length = 1 if by_length is None else costliest_row(
-        sample(), by_length.lengths, by_length.padded, by_length.buckets, tokens=True)
+        sample(), by_length.lengths, by_length.arrays, by_length.buckets, tokens=True)
     isolated = _isolated(model, sample, local_batch, budget, meter, jit, where, isolate,
                          None if by_length is None else (by_length.buckets, length,
                                                          by_length.outputs),
-                         several=by_length is not None and by_length.padded is None and
+                         several=by_length is not None and by_length.arrays is None and
                          by_length.lengths is not None and by_length.lengths.number > 1)
     if isolated is not None:
         with isolated:
@@ -221,7 +221,7 @@ def _in_tokens(cut: Cut | None, reiterable: bool, sample: Callable[[], tuple[Any
         return None
     spec = tf.nest.map_structure(tf.TensorSpec.from_tensor,
                                  tuple(() if part is None else part for part in sample()))
-    return cut._replace(padded=padded, lengths=padded_lengths(spec, padded))
+    return cut.of_arrays(padded, padded_lengths(spec, padded))
 
 
 def _checked(objective: str, isolate: bool | None, memory_limit: int | str | None,

@@ -22,11 +22,11 @@ import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter
 from autosplit.data.arrays import ArrayInput
-from autosplit.data.cuts import Cut
-from autosplit.data.example_lengths import padded_lengths, padded_sequences
 from autosplit.data.layout import Layout, layout
 from autosplit.data.markers import is_end_marker
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sequences.cut import Cut
+from autosplit.data.sequences.lengths import padded_lengths, padded_sequences
 from autosplit.data.split import split_batch
 from autosplit.errors import NothingFitsError
 from autosplit.memory.peak_meter import PeakMeter
@@ -125,8 +125,8 @@ class TrialRunner:
                 cut = (MicroBatches(self.data, self.batch_size, rows, self.where)
                        if self.by_length is None else
                        MicroBatches(self.data, self.batch_size, local, self.where,
-                                    cut=self.by_length._replace(
-                                        tokens=rows * self.length, packing="fullest")))
+                                    cut=self.by_length.with_budget(
+                                        rows * self.length, packing="fullest")))
                 data = trial_dataset(cut)
                 # As training at this size will run: whole elements where none is padded.
                 self.step.rebind(data.element_spec, all_real=cut.all_real(), rows=cut.rows)
@@ -248,7 +248,7 @@ def child_trials(model: keras.Model, sample: tuple[Any, Any, Any], batch_size: i
         padded = padded_sequences(arrays, takes_any_length=True)
         assert padded is not None
         by_length = Cut("tokens", lengths=padded_lengths(pipeline.element_spec()[:3], padded),
-                        buckets=bool(tokens[0]), padded=padded, outputs=tuple(tokens[2]))
+                        buckets=bool(tokens[0]), arrays=padded, outputs=tuple(tokens[2]))
         length = tokens[1]
     runner = TrialRunner(step, Snapshot(model), meter, budget, data, batch_size, where,
                          lambda trial: None, by_length=by_length, length=length)

@@ -25,14 +25,14 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from autosplit.data.cuts import Trimmed, inputs_of
+from autosplit.data.sequences.length_factor import Shortened, inputs_of, output_length_factors
 from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.batchnorm import recording
 from autosplit.keras_hooks.custom_step import CustomFacts, batch_data
 from autosplit.keras_hooks.interception import intercept
 from autosplit.keras_hooks.target import log_parts, replayed
-from autosplit.step.forward import forward, forward_parts, forward_totals, output_stretches
+from autosplit.step.forward import forward, forward_parts, forward_totals
 from autosplit.step.loss_plan import COUNT_GROUP, SUM_GROUP, LossPlan
 from autosplit.step.overflow import overflowed, poisoned
 from autosplit.step.reduction import COUNT, SUM, combined_loss, weight_regularization
@@ -62,9 +62,9 @@ class Contribution(NamedTuple):
     # per deferred tracker update of a custom step (interception.weighed_trackers):
     # ([(value, weight)] per part, the row count it was given or None)
     tracker_parts: Any = None
-    # a micro-batch cut by length: per output (y_pred's structure), its stretch
-    # (cuts.Trimmed.stretch), a scalar or None
-    stretch: Any = None
+    # a micro-batch cut by length: per output (y_pred's structure), its length factor
+    # (length_factor.Shortened), a scalar or None
+    length_factor: Any = None
 
 
 def _dense_f32(g) -> tf.Tensor | None:
@@ -77,14 +77,15 @@ def compute_contribution(model, plan: LossPlan, x, y, sample_weight, valid, *,
                          batch_size: int, scale, pool: list | tuple = ()) -> Contribution:
     """Forward and backward of one micro-batch; changes no variable but the model's own
     (BatchNormalization statistics, seed generators; a custom step's metric trackers)."""
-    stretch = x.stretch[0] if isinstance(x, Trimmed) else None
+    length_factor = x.length_factor[0] if isinstance(x, Shortened) else None
     x = inputs_of(x)
     if plan.custom is not None:
         return _custom_contribution(model, plan.custom, x, y, sample_weight, valid,
                                     batch_size=batch_size, pool=pool)
     variables = model.trainable_variables
     with recording(pool) as records, tf.GradientTape(persistent=len(plan.groups) > 1) as tape:
-        y, y_pred, terms, in_call = forward(model, x, y, sample_weight, valid, stretch=stretch)
+        y, y_pred, terms, in_call = forward(model, x, y, sample_weight, valid,
+                                            length_factor=length_factor)
         rows = tf.reduce_sum(valid)
         in_call_mean, in_call_sum = forward_parts(in_call, plan.forward_summed)
         objectives, divisors = [], []
@@ -121,7 +122,7 @@ def compute_contribution(model, plan: LossPlan, x, y, sample_weight, valid, *,
     return Contribution(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
                  forward_totals(in_call_mean, in_call_sum, rows), rows, y, y_pred, masks, None,
                  _moments(pool, records), sample_weight, valid,
-                 stretch=output_stretches(stretch, y_pred))
+                 length_factor=output_length_factors(length_factor, y_pred))
 
 
 def _moments(pool, records) -> list | None:

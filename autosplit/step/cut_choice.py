@@ -2,10 +2,10 @@
 (:func:`choose_cut`): rows as they come, padded to the large batch's longest row, by
 length, or by length in micro-batches of a token budget, and why.
 
-The decision reads the input's lengths (``autosplit.data.example_lengths``) and the
+The decision reads the input's lengths (``autosplit.data.sequences.lengths``) and the
 check of padding (``autosplit.step.padding``) once, and every refusal is raised here,
 with its reason, before anything changes; the pipeline, the probe and ``FitReport`` read
-the :class:`~autosplit.data.cuts.Cut` it returns.
+the :class:`~autosplit.data.sequences.cut.Cut` it returns.
 """
 
 from __future__ import annotations
@@ -16,16 +16,10 @@ import keras
 import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter
-from autosplit.data.cuts import Cut
-from autosplit.data.example_lengths import (
-    LENGTH_BUCKETS,
-    TOKEN_BUCKETS,
-    Lengths,
-    Padded,
-    padded_lengths,
-)
 from autosplit.data.layout import Layout
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sequences.cut import Cut
+from autosplit.data.sequences.lengths import Lengths, PaddedArrays, padded_lengths
 from autosplit.data.sharded import shards_by_length
 from autosplit.data.structure import empty_to_none
 from autosplit.errors import DatasetError, UnsupportedModelError
@@ -79,7 +73,7 @@ def choose_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where
         by_length: True asks for the cut by length (raising where it cannot be), False
             refuses it, None (``"auto"``) lets the check of padding decide.
         jit: the step runs under XLA: lengths are rounded up to XLA's buckets
-            (``example_lengths.LENGTH_BUCKETS``), and in tokens rows to what the budget
+            (``buckets.LENGTH_BUCKETS``), and in tokens rows to what the budget
             holds at those lengths.
         tokens: ``micro_batch_tokens``: an int budget, ``"auto"`` (the probe's budget,
             or rows where ``rows_given``) or None (rows).
@@ -120,8 +114,7 @@ def choose_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where
         if verbose and by_length is None:
             print(f"autosplit: micro-batches padded to their large batch's longest row: "
                   f"{why}.", flush=True)
-        return Cut("longest", f"to the large batch's longest row: {why}", lengths,
-                   padded=padded)
+        return Cut("longest", lengths, arrays=padded, found=why)
     if tokens is None or (tokens == "auto" and rows_given):
         return cut
     refused = tokens_refused(where, jit, jit and _averages_on_its_own(model, element),
@@ -137,10 +130,7 @@ def choose_cut(model: keras.Model, adapter: InputAdapter, batch_size: int, where
         if verbose:
             print(f"autosplit: micro-batches sized in rows, not tokens: {refused}.", flush=True)
         return cut
-    if jit:
-        why = (cut.why or "").replace(_xla_note(tokens=False), _xla_note(tokens=True))
-        cut = cut._replace(why=why)
-    return cut._replace(by="tokens", tokens=tokens if isinstance(tokens, int) else None)
+    return cut.in_tokens(tokens if isinstance(tokens, int) else None)
 
 
 def _refuse_rows(adapter: InputAdapter, by_length: bool | None, tokens: Any) -> None:
@@ -160,8 +150,8 @@ def _refuse_rows(adapter: InputAdapter, by_length: bool | None, tokens: Any) -> 
 
 
 def _by_length(model: keras.Model, adapter: InputAdapter, batch_size: int, element: tuple,
-               lengths: Lengths, padded: Padded | None, where: Layout, by_length: bool | None,
-               jit: bool) -> tuple[str, Cut | None]:
+               lengths: Lengths, padded: PaddedArrays | None, where: Layout,
+               by_length: bool | None, jit: bool) -> tuple[str, Cut | None]:
     """The cut by length, or None with why not (``element``: the pipeline's spec)."""
     if by_length is False:
         return "by_length=False", None
@@ -174,22 +164,8 @@ def _by_length(model: keras.Model, adapter: InputAdapter, batch_size: int, eleme
     found = check_padding(model, sample, spec, lengths, pre=pre)
     if not found.ignores_padding:
         return _not_ignored(found), None
-    rounded = f" ({_xla_note(tokens=False)})"
-    several = f"{lengths.number} lengths per example, " if lengths.number > 1 else ""
-    on = (f" on {where.local_replicas} replicas, each a row of every {where.local_replicas}"
-          if where.local_replicas > 1 else "")
-    return "", Cut("length", f"by length{rounded if jit else ''}{on}: {several}the model "
-                   f"ignores padding ({found.reason})", lengths, jit, padded,
-                   replicas=where.local_replicas, outputs=found.outputs)
-
-
-def _xla_note(tokens: bool) -> str:
-    """How XLA's shapes round a micro-batch cut by length (``example_lengths``)."""
-    buckets = TOKEN_BUCKETS if tokens else LENGTH_BUCKETS
-    shown = ", ".join(str(b) for b in buckets[:6])
-    rows = "; rows to what the budget holds there, or half" if tokens else ""
-    return (f"under XLA each length rounded up to a bucket: {shown}, ... each "
-            f"{1.6 if tokens else 1.25}x{rows}")
+    return "", Cut("length", lengths, buckets=jit, arrays=padded,
+                   replicas=where.local_replicas, outputs=found.outputs, found=found.reason)
 
 
 def _not_ignored(found: PaddingCheck) -> str:

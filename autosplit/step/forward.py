@@ -10,11 +10,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from autosplit.data.sequences.length_factor import output_length_factors
 from autosplit.errors import DatasetError
 from autosplit.keras_hooks import internals as _keras
 from autosplit.step.reduction import output_terms
 
-__all__ = ["align_targets", "forward", "forward_parts", "forward_totals", "output_stretches"]
+__all__ = ["align_targets", "forward", "forward_parts", "forward_totals"]
 
 
 def align_targets(model: keras.Model, y: Any, y_pred: Any) -> Any:
@@ -53,23 +54,12 @@ def _n_weight_regularizers(model: keras.Model) -> int:
     return sum(1 for v in model.trainable_variables if getattr(v, "regularizer", None))
 
 
-def output_stretches(stretch, y_pred):
-    """``stretch`` (one entry per flat model output, ``cuts.Trimmed.stretch``'s row) as
-    ``y_pred``'s structure: each output's own; None without one."""
-    if stretch is None or not stretch.shape[-1]:
-        return None
-    outputs = keras.tree.flatten(y_pred)
-    columns = int(stretch.shape[-1])
-    return keras.tree.pack_sequence_as(y_pred, [stretch[k] if k < columns else None
-                                                for k in range(len(outputs))])
-
-
-def forward(model, x, y, sample_weight, valid, *, training=True, stretch=None):
+def forward(model, x, y, sample_weight, valid, *, training=True, length_factor=None):
     """One micro-batch forward pass: targets, predictions, loss terms, forward losses
-    (``stretch``: per flat output, ``reduction.output_terms``'s)."""
+    (``length_factor``: per flat output, ``reduction.output_terms``'s)."""
     y_pred = model(x, training=training) if _keras.call_has_training_arg(model) else model(x)
     y = align_targets(model, y, y_pred)
-    stretches = output_stretches(stretch, y_pred)
+    length_factors = output_length_factors(length_factor, y_pred)
     terms = []
     for flat in _keras.flat_losses(model):
         y_t = _keras.resolve_path(flat.path, y)
@@ -77,8 +67,8 @@ def forward(model, x, y, sample_weight, valid, *, training=True, stretch=None):
         s_w = sample_weight
         if sample_weight is not None and keras.tree.is_nested(sample_weight):
             s_w = _keras.resolve_path(flat.path, sample_weight)
-        terms.append(output_terms(flat.loss, y_t, y_p, s_w, valid, None if stretches is None
-                                  else _keras.resolve_path(flat.path, stretches)))
+        terms.append(output_terms(flat.loss, y_t, y_p, s_w, valid, None if length_factors is None
+                                  else _keras.resolve_path(flat.path, length_factors)))
     losses = list(model.losses)
     in_call = losses[: len(losses) - _n_weight_regularizers(model)]
     return y, y_pred, terms, [tf.cast(loss, tf.float32) for loss in in_call]

@@ -11,6 +11,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from autosplit.data.sequences.length_factor import metric_weight
 from autosplit.keras_hooks import internals as _keras
 
 __all__ = ["real_rows", "update_loss_trackers", "update_metrics", "without_padding"]
@@ -27,7 +28,7 @@ def update_loss_trackers(model, loss, per_output, rows) -> list:
 
 
 def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
-                   all_real: bool = False, stretch=None) -> None:
+                   all_real: bool = False, length_factor=None) -> None:
     """Update the compiled metrics from one micro-batch's real rows, as ``model.fit``
     updates them from a batch: ``sample_weight`` as given (None without one).
 
@@ -38,11 +39,11 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
     ``all_real``: the caller knows every row is real; the rows pass as they are, with their
     static shapes, and no ``tf.cond`` checks for padding.
 
-    ``stretch``: a micro-batch cut by length, per output (``y_pred``'s structure;
-    ``autosplit.data.cuts.Trimmed``). A Keras metric averages each row's values over
-    its length before it weighs rows, so a row padded to ``P`` weighs ``L / P`` times
+    ``length_factor``: a micro-batch cut by length, per output (``y_pred``'s structure;
+    ``autosplit.data.sequences.length_factor``). A Keras metric averages each row's values
+    over its length before it weighs rows, so a row padded to ``P`` weighs ``L / P`` times
     what it weighs in the large batch of length ``L``: the metrics of an output with a
-    length axis get weights divided by its stretch (``autosplit.step.padding`` checks
+    length axis get weights divided by its length factor (``autosplit.step.padding`` checks
     that this gives the large batch's).
     """
     unweighted, weighted, flatten = _keras.metric_lists(model)
@@ -58,10 +59,10 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
             if mask is not None:
                 _keras.set_keras_mask(tensor, mask)
     y_flat, p_flat = flatten(y), flatten(y_pred)
-    s_flat = [None] * len(p_flat) if stretch is None else flatten(stretch)
+    s_flat = [None] * len(p_flat) if length_factor is None else flatten(length_factor)
     for mls, y_t, y_p, s in zip(unweighted, y_flat, p_flat, s_flat, strict=False):
         if mls:
-            mls.update_state(y_t, y_p, **_shrunk(None, y_p, s))
+            mls.update_state(y_t, y_p, **metric_weight(None, y_p, s))
     if sample_weight is not None:
         sw_flat = flatten(sample_weight)
         if len(sw_flat) < len(y_flat):
@@ -70,20 +71,7 @@ def update_metrics(model, y, y_pred, sample_weight, valid, masks=None, *,
         sw_flat = [None] * len(y_flat)
     for mls, y_t, y_p, s_w, s in zip(weighted, y_flat, p_flat, sw_flat, s_flat, strict=False):
         if mls:
-            mls.update_state(y_t, y_p, **(_shrunk(s_w, y_p, s) or {"sample_weight": s_w}))
-
-
-def _shrunk(sample_weight, y_pred, stretch) -> dict:
-    """``update_metrics``'s weights for one output: ``sample_weight`` (ones if None)
-    over ``stretch`` where the output has a length axis; else nothing to add."""
-    rank = y_pred.shape.rank
-    if stretch is None or rank is None or rank < 2 or y_pred.shape[1] is not None:
-        return {}
-    shrink = 1.0 / tf.cast(stretch, tf.float32)
-    if sample_weight is None:
-        # (rows, 1): a Keras mask of (rows, length) multiplies it
-        return {"sample_weight": tf.fill([tf.shape(y_pred)[0], 1], shrink)}
-    return {"sample_weight": tf.cast(sample_weight, tf.float32) * shrink}
+            mls.update_state(y_t, y_p, **(metric_weight(s_w, y_p, s) or {"sample_weight": s_w}))
 
 
 def real_rows(structure: Any, valid: tf.Tensor) -> Any:

@@ -1,17 +1,18 @@
 """Whether a model ignores padding: what lets a large batch of sequences be cut by length.
 
-A micro-batch cut by length (``autosplit.data.cuts``) is padded less than its large batch,
-in each of an example's lengths. That changes nothing only where the model's losses,
-gradients and metrics do not see the padding: a mask (``Embedding(mask_zero=True)``, a
-``padding_mask``), a ``sample_weight`` that weighs it 0, a causal model whose real tokens
-never attend to later ones. :func:`check_padding` finds it out on a few real rows rather
-than assume it, through the step the model trains with (Keras's, or its own
-``train_step``): one micro-step on them padded to their longest row in every length, and
-one padded 8 columns further in one length at a time, must give the same loss numerators,
-gradients, in-call losses, metric totals and logs, and denominators that differ only as
-``Trimmed.stretch`` says. Which length each output follows is read off the model the same
-way: the outputs whose second axis grows with a length. Random layers (dropout, noise)
-are still for the steps; the model is left as it was found.
+A micro-batch cut by length (``autosplit.data.sequences.by_length``) is padded less than
+its large batch, in each of an example's lengths. That changes nothing only where the
+model's losses, gradients and metrics do not see the padding: a mask
+(``Embedding(mask_zero=True)``, a ``padding_mask``), a ``sample_weight`` that weighs it
+0, a causal model whose real tokens never attend to later ones. :func:`check_padding`
+finds it out on a few real rows rather than assume it, through the step the model trains
+with (Keras's, or its own ``train_step``): one micro-step on them padded to their
+longest row in every length, and one padded 8 columns further in one length at a time,
+must give the same loss numerators, gradients, in-call losses, metric totals and logs,
+and denominators that differ only as ``Shortened.length_factor`` says. Which length each
+output follows is read off the model the same way: the outputs whose second axis grows
+with a length. Random layers (dropout, noise) are still for the steps; the model is left
+as it was found.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from autosplit.data.cuts import Trimmed
-from autosplit.data.example_lengths import Lengths, group_lengths, row_costs
+from autosplit.data.sequences.length_factor import Shortened
+from autosplit.data.sequences.lengths import Lengths, group_lengths, row_costs
 from autosplit.data.structure import empty_to_none
 from autosplit.errors import said
 from autosplit.keras_hooks import internals as _keras
@@ -106,7 +107,7 @@ def check_padding(model: keras.Model, sample: tuple, spec: tuple, lengths: Lengt
         sample: ``(x, y, sample_weight)`` tensors, rows padded to their longest.
         spec: the specs of ``(x, y, sample_weight_or_())`` in a micro-batch: the
             inputs that vary in length have an unknown size along their length's axis.
-        lengths: the lengths of an example (``autosplit.data.example_lengths``).
+        lengths: the lengths of an example (``autosplit.data.sequences.lengths``).
         pre: the rows are padded at their front (``keras.utils.pad_sequences``'
             default), not at their end.
     """
@@ -140,8 +141,8 @@ def check_padding(model: keras.Model, sample: tuple, spec: tuple, lengths: Lengt
             found = []
             for group in range(lengths.number):
                 longer = shortest[group] + _MORE
-                stretch = [longer / shortest[group] if g == group else 1.0 for g in outputs]
-                found.append((_run(model, snapshot, step, padded(), stretch),
+                length_factor = [longer / shortest[group] if g == group else 1.0 for g in outputs]
+                found.append((_run(model, snapshot, step, padded(), length_factor),
                               _run(model, snapshot, step, padded(_MORE, group),
                                    [1.0] * len(outputs))))
     except Exception as error:  # any failure: not shown to ignore padding, so exact path
@@ -188,7 +189,7 @@ def _step(model: keras.Model, plan: Any, spec: tuple, outputs: int, rows: int) -
     kind."""
     rows_spec = tf.nest.map_structure(lambda s: tf.TensorSpec([None, *s.shape[1:]], s.dtype),
                                       spec)
-    signature = (Trimmed(rows_spec[0], tf.TensorSpec([None, outputs], tf.float32)),
+    signature = (Shortened(rows_spec[0], tf.TensorSpec([None, outputs], tf.float32)),
                  *rows_spec[1:], tf.TensorSpec([None], tf.float32))
 
     def step(x, y, w, valid):
@@ -199,7 +200,7 @@ def _step(model: keras.Model, plan: Any, spec: tuple, outputs: int, rows: int) -
                     "loss denominators": c.denominators}
         if plan.custom is None:
             update_metrics(model, c.y, c.y_pred, w, valid, c.masks, all_real=True,
-                           stretch=c.stretch)
+                           length_factor=c.length_factor)
             compared.update({"loss": c.numerators, "losses added in call()": c.forward})
         else:
             compared.update({"logs": [v for v in tf.nest.flatten(c.log_parts) if v is not None],
@@ -212,14 +213,14 @@ def _step(model: keras.Model, plan: Any, spec: tuple, outputs: int, rows: int) -
 
 
 def _run(model: keras.Model, snapshot: Snapshot, step: Any, data: tuple,
-         stretch: list[float]) -> dict:
+         length_factor: list[float]) -> dict:
     """One micro-step on ``data`` with every metric reset first, the model restored after."""
     rows = int(tf.nest.flatten(data)[0].shape[0])
     for metric in _keras.all_metrics(model):
         metric.reset_state()
     try:
-        out = step(Trimmed(data[0], tf.constant([stretch] * rows, tf.float32,
-                                                shape=[rows, len(stretch)])),
+        out = step(Shortened(data[0], tf.constant([length_factor] * rows, tf.float32,
+                                                shape=[rows, len(length_factor)])),
                    *data[1:], tf.ones([rows], tf.float32))
         return tf.nest.map_structure(lambda t: np.asarray(t), out)
     finally:

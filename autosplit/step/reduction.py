@@ -107,7 +107,7 @@ def check_call(loss: object) -> None:
 
 
 def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_valid,
-                 stretch=None) -> LossTerms:
+                 length_factor=None) -> LossTerms:
     """The numerator and denominator of ``loss(y_true, y_pred, sample_weight)``.
 
     Args:
@@ -116,9 +116,9 @@ def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_val
         y_pred: model outputs for the micro-batch (possibly carrying a Keras mask).
         sample_weight: the user's sample weights for the micro-batch, or None.
         row_valid: float tensor (m,): 1.0 for real examples, 0.0 for padding.
-        stretch: for a micro-batch padded short of its large batch's length
-            (``autosplit.data.cuts.Trimmed``), the large batch's length over its own:
-            a denominator that counts every loss element along a length counts the
+        length_factor: for a micro-batch padded short of its large batch's length
+            (``autosplit.data.sequences.length_factor``), the large batch's length over
+            its own: a denominator that counts every loss element along a length counts the
             large batch's.
 
     Returns:
@@ -180,8 +180,8 @@ def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_val
         return LossTerms(numerator, tf.cast(denominator, tf.float32), True, COUNT, per_row,
                          per_example, row_mean)
     denominator = tf.reduce_sum(tf.ones_like(values) * row_weight(row_valid, values))
-    if stretch is not None and None in values.shape.as_list()[1:]:
-        denominator = denominator * tf.cast(stretch, denominator.dtype)
+    if length_factor is not None and None in values.shape.as_list()[1:]:
+        denominator = denominator * tf.cast(length_factor, denominator.dtype)
     return LossTerms(numerator, tf.cast(denominator, tf.float32), False, COUNT, per_row,
                      per_example, row_mean)
 

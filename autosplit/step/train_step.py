@@ -220,11 +220,11 @@ class TrainStep:
     def agree_lengths(self, iterator) -> bool:
         """Pull this worker's next share's header (``markers.is_header``) and agree with
         every worker on the large batch's length per model output (collective), which
-        the micro-steps then stretch to (``LargeBatchUpdate.agree_lengths``). A worker
+        the micro-steps then count (``LargeBatchUpdate.agree_lengths``). A worker
         whose input ended agrees with no length of its own. Returns whether every
         worker read its header; where this one's input failed (a bad record of its
         share), it joins the agreement as one that gave up, then raises its error."""
-        scale = self.update.stretch_scale
+        scale = self.update.share_factor.variable
         assert scale is not None
         local, failure = tf.zeros(scale.shape), None
         try:
@@ -234,7 +234,7 @@ class TrainStep:
                 if not bool(is_header(element)):
                     raise DatasetError("Expected a share's header before its micro-batches. "
                                        "Received: a micro-batch; the pipeline lost its order.")
-                local = element[0].stretch[0]
+                local = element[0].length_factor[0]
         except (tf.errors.OpError, DatasetError) as error:
             local, failure = -tf.ones(scale.shape), error
         least = self._function("lengths", self.update.agree_lengths)(local)

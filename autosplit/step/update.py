@@ -28,10 +28,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from autosplit.data.cuts import Trimmed, inputs_of
+from autosplit.data.sequences.length_factor import ShareFactor, inputs_of
 from autosplit.data.structure import empty_to_none
 from autosplit.errors import UnsupportedModelError
-from autosplit.graph import HOST, after
+from autosplit.graph import after
 from autosplit.keras_hooks.checks import check_trainable
 from autosplit.step.compiled import FunctionCache
 from autosplit.step.contribution import Contribution, combine, compute_contribution
@@ -80,8 +80,8 @@ class LargeBatchUpdate:
         self.micro_batch_spec: Any = None
         self.rows = 0
         # Per model output, the large batch's length over this worker's share's, which
-        # each micro-batch cut by length stretches by (agree_lengths); ones but there.
-        self.stretch_scale: tf.Variable | None = None
+        # each micro-batch cut by length is scaled by (agree_lengths); ones but there.
+        self.share_factor = ShareFactor()
 
     def bind(self, element_spec: Any) -> None:
         """Use elements of ``element_spec`` (another micro-batch size) from now on."""
@@ -92,7 +92,7 @@ class LargeBatchUpdate:
         self.element_spec = element_spec
         self.micro_batch_spec = (x, empty_to_none(y), empty_to_none(w), valid)
         self.rows = valid.shape[0]  # None: each element's own (Cut.tokens)
-        self._bind_stretch(x)
+        self.share_factor.bind(x)
         self.plan = step_plan(model, _static_rows((inputs_of(x), *self.micro_batch_spec[1:3])))
         self.pool = [layer for layer, calls in self.plan.batch_norm_calls
                      if calls] if self.pooled else []
@@ -118,20 +118,6 @@ class LargeBatchUpdate:
         if stash is None or not stash.fits(element_spec):
             self._functions.clear()
             self.stash = Stash(element_spec)
-
-    def _bind_stretch(self, x: Any) -> None:
-        """:attr:`stretch_scale` for micro-batches cut by length (``x`` a ``Trimmed``'s
-        spec): ones, until workers agree on a large batch's length (a step reused by a
-        later run forgets the last agreement)."""
-        if not isinstance(x, Trimmed):
-            return
-        outputs = x.stretch.shape[-1:]
-        scale = self.stretch_scale
-        if scale is None or scale.shape != outputs:
-            with tf.init_scope(), tf.device(HOST):
-                self.stretch_scale = tf.Variable(tf.ones(outputs), trainable=False)
-        else:
-            scale.assign(tf.ones(outputs))
 
     # ------------------------------------------------------------ one micro-batch
 
@@ -188,7 +174,7 @@ class LargeBatchUpdate:
         with tf.control_dependencies([] if ready is None else [ready]):
             update_metrics(self.model, contribution.y, contribution.y_pred,
                            contribution.sample_weight, contribution.valid, contribution.masks,
-                           all_real=all_real, stretch=contribution.stretch)
+                           all_real=all_real, length_factor=contribution.length_factor)
             return tf.constant(True)
 
     def keep_metrics(self) -> tf.Tensor:
@@ -211,8 +197,7 @@ class LargeBatchUpdate:
         padding is dropped before the metrics or a model that needs its real rows alone.
         """
         replicas = self.replicas
-        if isinstance(x, Trimmed) and self.stretch_scale is not None:
-            x = Trimmed(x.inputs, x.stretch * self.stretch_scale)
+        x = self.share_factor.applied(x)
         if replicas.count == 1:
             values = self._compute(x, y, w, valid, all_real)
             with tf.control_dependencies([after(values)]):
@@ -235,16 +220,9 @@ class LargeBatchUpdate:
         return replicas.done(replicas.run(commit, values, recorded))
 
     def agree_lengths(self, local: tf.Tensor) -> tf.Tensor:
-        """Collective: per model output, the large batch's length, the most of every
-        worker's ``local`` (its share's, 0 for none: ``cuts.cut_by_length``'s header),
-        kept as this worker's stretch of its micro-batches (:attr:`stretch_scale`).
-        Returns the least of every worker's: below 0 where one could not read its
-        header (it gave up)."""
-        assert self.stretch_scale is not None
-        most, least = self.replicas.bounds(local)
-        scale = tf.where(local > 0, most / tf.maximum(local, 1.0), 1.0)
-        with tf.control_dependencies([self.stretch_scale.assign(scale)]):
-            return tf.reduce_min(least)
+        """Collective: the large batch's length per model output, the most of every
+        worker's ``local`` (``ShareFactor.agree``); the least of every worker's."""
+        return self.share_factor.agree(local, self.replicas.bounds)
 
     # ------------------------------------------------------------ the apply
 

@@ -178,7 +178,7 @@ def rebuild(plan: Plan, recovery: Recovery) -> MicroBatches:
     cut = plan.pipeline.cut
     rows = recovery.rows
     if cut.tokens:  # a budget as much smaller, the rows as capped
-        cut = cut._replace(tokens=max(1, cut.tokens // recovery.slices))
+        cut = cut.shrunk(recovery.slices)
         rows = plan.pipeline.rows
     split = split_batch(plan.split.batch_size, rows)
     pipeline = MicroBatches(plan.pipeline.adapter, plan.pipeline.batch_size,

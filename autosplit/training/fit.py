@@ -17,11 +17,11 @@ from typing import Any, Literal
 import keras
 
 from autosplit.data.adapter import InputAdapter
-from autosplit.data.cut_stats import cut_stats
 from autosplit.data.hub import preprocessed, preprocessed_validation, takes_raw_data
 from autosplit.data.inputs import get_input
 from autosplit.data.layout import layout
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sequences.stats import cut_stats
 from autosplit.data.sharded import sharded_input
 from autosplit.data.split import split_batch
 from autosplit.keras_hooks import internals as _keras

@@ -12,9 +12,9 @@ import keras
 import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter
-from autosplit.data.example_lengths import costliest_row
 from autosplit.data.layout import Layout, layout
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sequences.lengths import costliest_row
 from autosplit.data.sharded import sharded_input
 from autosplit.data.split import Split, split_batch
 from autosplit.errors import BatchSizeError
@@ -86,8 +86,8 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
         micro = probe_result.micro_batch_size
         reason = probe_result.reason()
         if cut.by == "tokens":  # the budget found; or rows, where the trials ran in rows
-            cut = (cut._replace(tokens=probe_result.tokens) if probe_result.tokens
-                   else cut._replace(by="length"))
+            cut = (cut.with_budget(probe_result.tokens) if probe_result.tokens
+                   else cut.in_rows())
     elif args.micro_batch_size is None:
         micro, reason = local, f"micro_batch_tokens={cut.tokens} given"
     else:
@@ -97,15 +97,13 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
         assert cut.lengths is not None
         micro = min(args.micro_batch_size or local, local)
         length = (probe_result.reference_length if probe_result is not None else
-                  costliest_row(adapter.sample(local), cut.lengths, cut.padded, cut.buckets,
+                  costliest_row(adapter.sample(local), cut.lengths, cut.arrays, cut.buckets,
                                  tokens=True))
-        cut = cut._replace(why=f"{cut.why}; micro-batches of up to {cut.tokens} tokens")
     split = split_batch(local, micro)
     sharded = sharded_input(adapter, model.distribute_strategy, where, args.batch_size, cut=cut)
     if sharded is not adapter:  # sequences cut by length: each worker its own share
         adapter = sharded
-        cut = cut._replace(why=f"{cut.why}; each of {where.workers} workers reads and cuts "
-                               "its own share")
+        cut = cut.shared(where.workers)
     pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where, cut=cut)
     step = step_for(model, pipeline, jit_compile=jit_compile, batch_norm=args.batch_norm)
     # In tokens, a large batch has as many micro-batches as it needs: it may be split.

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from autosplit.data.cut_stats import CutStats
+from autosplit.data.sequences.stats import CutStats
 from autosplit.training.recovery import OomRecovery
 from autosplit.warn import warn_user
 

@@ -12,17 +12,17 @@ import tensorflow as tf
 from common import assert_within_reorder_noise
 
 import autosplit
-from autosplit.data.cuts import Cut
+from autosplit.data.sequences.cut import Cut
 
 B, M, VOCAB = 64, 16, 50
 
 
-def cut_by_length(adapter, buckets=False, tokens=None, outputs=(0,)):
+def cut_by_length(adapter, buckets=False, tokens=None, outputs=(0,), replicas=1):
     """The pipeline's Cut by length (in tokens with ``tokens``; under XLA's length
-    buckets with ``buckets``) of ``adapter``'s rows, with one output that follows the
-    first length (its stretch, ``Trimmed.stretch``)."""
+    buckets with ``buckets``; on ``replicas`` local replicas) of ``adapter``'s rows, with
+    one output that follows the first length (its ``Shortened.length_factor``)."""
     return Cut("tokens" if tokens else "length", lengths=adapter.lengths(),
-               buckets=buckets, tokens=tokens, outputs=outputs)
+               buckets=buckets, tokens=tokens, outputs=outputs, replicas=replicas)
 
 
 def sequences(n=192, seed=0, median=10, longest=60):

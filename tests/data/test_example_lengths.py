@@ -4,14 +4,14 @@ as the data shows; and each row's length in each of them."""
 import numpy as np
 import tensorflow as tf
 
-from autosplit.data.example_lengths import (
+from autosplit.data.inputs import get_input
+from autosplit.data.sequences.lengths import (
     costliest_row,
     group_lengths,
     lengths_of,
     padded_lengths,
     tie,
 )
-from autosplit.data.inputs import get_input
 
 IDS = tf.TensorSpec([None, None], tf.int32)
 

@@ -35,7 +35,7 @@ def test_a_pair_is_cut_by_length_in_each_of_its_lengths_and_trains_as_model_fit(
         kind, optimizer):
     # The GRU's loss is a mean over the target's unmasked tokens; the Transformer's is
     # divided by every target cell (sum_over_batch_size over a sample_weight mask), which
-    # each micro-batch stretches to the large batch's target length.
+    # each micro-batch counts the large batch's target length (its length factor).
     data = pairs()
     got = pairs_train_as_model_fit(kind, data=data, optimizer=optimizer)
     assert got.autosplit.padding.startswith("by length: 2 lengths per example"), \
@@ -75,7 +75,7 @@ def test_micro_batches_of_a_token_budget_count_both_lengths_and_train_as_model_f
     assert got.autosplit.tokens == TOKENS
     assert got.autosplit.padding.endswith(f"micro-batches of up to {TOKENS} tokens")
     adapter = get_input(examples(data, "gru").padded_batch(32))
-    cut = choose_cut_for(adapter)._replace(by="tokens", tokens=TOKENS)
+    cut = choose_cut_for(adapter).in_tokens(TOKENS)
     seen = 0
     for x, _, _, valid in MicroBatches(adapter, B, B, cut=cut).dataset():
         if bool(is_end_marker((valid,))):
@@ -102,8 +102,8 @@ def test_a_ragged_pair_of_numpy_examples_is_cut_as_its_dataset():
 def test_under_xla_each_length_is_rounded_up_to_its_bucket_and_trains_as_model_fit():
     # XLA compiles a program per shape: each of a pair's lengths is rounded up to its
     # bucket on its own (even past the large batch's), a bounded set of programs. The
-    # loss is divided by every target cell, which each micro-batch stretches to the
-    # large batch's target length.
+    # loss is divided by every target cell: each micro-batch counts the large batch's
+    # target length, by its length factor.
     r = np.random.default_rng(3)
     data = [(r.integers(1, VOCAB, int(n)).astype("int32"),
              r.integers(1, VOCAB, int(n) + 1 + int(r.integers(0, 4))).astype("int32"))

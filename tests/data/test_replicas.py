@@ -29,7 +29,7 @@ def test_each_replica_takes_a_row_of_every_two_sorted_rows_padded_to_their_longe
     # 185 rows: the last large batch has 57, one replica a row short (a copy, valid 0).
     seqs = sequences(185)
     adapter = get_input(dataset(seqs, "gru").padded_batch(16))
-    cut = cut_by_length(adapter, tokens=tokens)._replace(replicas=2)
+    cut = cut_by_length(adapter, tokens=tokens, replicas=2)
     rows = []
     for x, _, _, valid in MicroBatches(adapter, B, 8, TWO, cut=cut).dataset():
         if is_end_marker((valid,)):

@@ -31,9 +31,9 @@ from _sequences import (
 from common import tensor_relative_error
 
 import autosplit
-from autosplit.data.example_lengths import LENGTH_BUCKETS
 from autosplit.data.inputs import get_input
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sequences.buckets import LENGTH_BUCKETS
 from autosplit.errors import DatasetError, UnsupportedModelError
 from autosplit.step.padding import check_padding
 from autosplit.step.train_step import build_for
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.slow  # every test trains models on sequences (2-26 s o
 def test_a_model_that_ignores_padding_is_cut_by_length_andtrains_as_model_fit(kind):
     # A Keras mask (GRU, LSTM, attention with a padding mask), a per-token loss weighted
     # by a sample_weight mask (sum_over_batch_size divides by the large batch's rows x
-    # its longest row, a micro-batch by its own unless stretched), and keras_hub's GPT-2
+    # its longest row, a micro-batch by its own times its length factor), and keras_hub's GPT-2
     # with its padding_mask. The input comes in padded batches of 16.
     seqs = sequences()
     got = trains_as_model_fit(kind, dataset(seqs, kind).padded_batch(16), seqs=seqs)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from autosplit.data.cuts import Cut
 from autosplit.data.inputs import get_input
 from autosplit.data.layout import ALONE, Layout
 from autosplit.data.markers import is_end_marker, is_header
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sequences.cut import Cut
 from autosplit.data.sharded import SHARE_ELEMENTS, ShardedInput, sharded_input, shards_by_length
 from autosplit.errors import DatasetError
 
@@ -100,19 +100,20 @@ def test_a_dataset_stays_as_it_is_for_one_worker_or_when_read_whole(strategy):
     assert sharded_input(padded, strategy, two, 4) is padded
     longest = Cut("longest", lengths=padded.lengths())
     assert sharded_input(padded, strategy, two, 4, cut=longest) is padded
-    by_length = sharded_input(padded, strategy, two, 4, cut=longest._replace(by="length"))
+    by_length = sharded_input(padded, strategy, two, 4,
+                              cut=Cut("length", lengths=padded.lengths()))
     assert isinstance(by_length, ShardedInput) and by_length.rows_vary
     assert by_length.lengths() == padded.lengths()
     two_local = Layout(workers=2, worker=1, local_replicas=2, replicas=4)
     assert sharded_input(padded, strategy, two_local, 4,
-                         cut=longest._replace(by="length")) is padded
+                         cut=Cut("length", lengths=padded.lengths())) is padded
 
 
 @pytest.mark.parametrize("tokens", [None, 40])
 def test_a_share_of_sequences_comes_as_its_header_then_pieces_cut_by_length(strategy, tokens):
     """Each share (a per-replica batch, padded as TensorFlow hands it): a header that
     holds its longest row, its rows sorted and cut, each piece padded to its own longest,
-    then an end. Every real row comes once; stretch is the share's length over the
+    then an end. Every real row comes once; the length factor is the share's length over the
     piece's, which the workers' agreement then brings to the large batch's."""
     lengths = [3, 17, 5, 9, 2, 11, 4, 8, 6, 1, 7, 12, 10, 2]
     examples = tf.data.Dataset.from_generator(
@@ -130,7 +131,7 @@ def test_a_share_of_sequences_comes_as_its_header_then_pieces_cut_by_length(stra
     for x, y, _, valid in pipeline.dataset(autotune=False):
         if bool(is_header((valid,))):
             assert current is None  # a header opens each share, after the last one's end
-            longest, current = int(x.stretch[0, 0]), []
+            longest, current = int(x.length_factor[0, 0]), []
             continue
         assert current is not None
         if bool(is_end_marker((valid,))):
@@ -139,7 +140,7 @@ def test_a_share_of_sequences_comes_as_its_header_then_pieces_cut_by_length(stra
             continue
         real = [int(n) for n, ok in zip(y, valid, strict=True) if ok > 0]
         assert x.inputs.shape[1] == max(real)  # padded to its own longest row
-        np.testing.assert_allclose(x.stretch[:, 0], longest / max(real))
+        np.testing.assert_allclose(x.length_factor[:, 0], longest / max(real))
         if tokens:
             assert x.inputs.shape[0] * x.inputs.shape[1] <= tokens
         current.append(sorted(real))
@@ -180,10 +181,10 @@ def test_class_weight_weighs_a_distributed_inputs_rows(strategy):
     assert weights == [[3.0, 1.0, 0.5, 1.0, 1.0, 1.0]]  # labels 0..5
 
 
-def test_a_step_reused_without_headers_stretches_each_micro_batch_by_its_own_length():
+def test_a_step_reused_without_headers_counts_each_micro_batch_by_its_own_length():
     """The large batch's length the workers last agreed on (``agree_lengths``) is
     forgotten when a pipeline is bound again: a later run of the same step, unsharded,
-    stretches to its own large batch's length."""
+    counts its own large batch's length."""
     from _sequences import B, M, cut_by_length, dataset, model_of, sequences
 
     from autosplit.step.train_step import build_for, step_for
@@ -192,7 +193,7 @@ def test_a_step_reused_without_headers_stretches_each_micro_batch_by_its_own_len
     model = model_of("lm_sample_weight")
     build_for(model, MicroBatches(adapter, B, M).element_spec())  # as the cut's choice does
     step = step_for(model, MicroBatches(adapter, B, M, cut=cut_by_length(adapter)))
-    scale = step.update.stretch_scale
+    scale = step.update.share_factor.variable
     assert scale is not None and scale.numpy().tolist() == [1.0]
     scale.assign([2.5])  # as an agreement leaves it
     again = step_for(model, MicroBatches(adapter, B, M, cut=cut_by_length(adapter)))

@@ -114,7 +114,8 @@ def test_each_micro_batch_holds_at_most_the_budget_and_every_row_once(cap):
         assert len(tokens) == 1 or tokens.size <= TOKENS
         longest = max(len(np.trim_zeros(t, "b")) for t in tokens)
         assert tokens.shape[1] == longest  # padded to its own longest row
-        np.testing.assert_allclose(x.stretch.numpy(), x.stretch.numpy()[:1].repeat(len(tokens), 0))
+        factors = x.length_factor.numpy()
+        np.testing.assert_allclose(factors, factors[:1].repeat(len(tokens), 0))
         seen += [tuple(np.trim_zeros(t, "b")) for t in tokens]
     assert counts == [64, 64, 22] and not seen
     for index, rows_seen in enumerate(large):
@@ -364,7 +365,7 @@ def test_a_generator_of_padded_batches_is_probed_in_tokens_on_its_sample():
 
 @pytest.mark.slow
 def test_a_generator_of_features_the_child_cannot_cut_keeps_the_probes_rows():
-    # Padded features, not token ids: the probe's trials on the generator's sample run
+    # PaddedArrays features, not token ids: the probe's trials on the generator's sample run
     # in rows (no budget in tokens to find), and training keeps the rows they chose,
     # cut by length, where it ran micro-batches of the whole large batch.
     seqs = sequences()

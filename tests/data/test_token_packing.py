@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from autosplit.data.packing import STEP_COST, token_pieces
+from autosplit.data.sequences.packing import STEP_COST, token_pieces
 
 
 @functools.cache

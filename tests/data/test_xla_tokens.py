@@ -25,12 +25,12 @@ from _sequences import B, cut_by_length, dataset, model_of, sequences, trains_as
 from common import child_env, relative_error
 
 import autosplit
-from autosplit.data.cuts import Cut
-from autosplit.data.example_lengths import TOKEN_BUCKETS
 from autosplit.data.inputs import get_input
 from autosplit.data.markers import is_end_marker
-from autosplit.data.packing import rows_within
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sequences.buckets import TOKEN_BUCKETS
+from autosplit.data.sequences.cut import Cut
+from autosplit.data.sequences.packing import rows_within
 
 TOKENS = 240  # 4 rows of the longest (60), 30 of the shortest (3, in the bucket of 8)
 

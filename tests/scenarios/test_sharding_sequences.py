@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 from common import TESTS, local_workers, relative_error, saved_steps
 
-from autosplit.data.cuts import Cut
+from autosplit.data.sequences.cut import Cut
 
 pytestmark = pytest.mark.slow
 

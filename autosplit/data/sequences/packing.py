@@ -1,7 +1,7 @@
 """How a large batch's rows, sorted by what they cost, are cut into micro-batches under a
 token budget: for the least work, or each filled to the budget (the probe's trials).
 
-A row has one length per group of its parts (``autosplit.data.example_lengths``): a
+A row has one length per group of its parts (``autosplit.data.sequences.lengths``): a
 translation pair its source's and its target's. A micro-batch pads each group to its own
 longest row, so it costs its rows times the sum of its longest lengths, and that must fit
 the budget. With one length the rows' order makes the last row the longest; with several,
@@ -38,8 +38,9 @@ def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
     row (``autosplit.data.markers.is_end_marker``). Lengths of rank 1 are one length.
 
     ``padded_rows``: each piece is padded to the rows the budget holds at its lengths,
-    or half that (:func:`padded_row_count`: XLA's shapes, ``autosplit.data.cuts``), so it
-    costs those rows, not its own, for the least work."""
+    or half that (:func:`padded_row_count`: XLA's shapes,
+    ``autosplit.data.sequences.pieces``), so it costs those rows, not its own, for the
+    least work."""
     if lengths.shape.rank == 1:
         lengths = lengths[:, None]
     n = tf.shape(lengths, out_type=tf.int64)[0]

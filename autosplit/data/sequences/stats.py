@@ -7,10 +7,10 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from autosplit.data.cuts import inputs_of
-from autosplit.data.example_lengths import group_lengths
 from autosplit.data.markers import is_end_marker, is_header
 from autosplit.data.pipeline import MicroBatches
+from autosplit.data.sequences.length_factor import inputs_of
+from autosplit.data.sequences.lengths import group_lengths
 
 __all__ = ["CutStats", "cut_stats"]
 
@@ -28,7 +28,7 @@ def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None
     """Micro-batches per large batch of ``pipeline`` and the share of padding they feed,
     over the first ``large_batches`` of an epoch in the input's own order, read on the host
     (no step runs); None for an input read once (a generator) or without lengths. A row's
-    tokens are its lengths (``example_lengths.group_lengths``), summed over an example's
+    tokens are its lengths (``lengths.group_lengths``), summed over an example's
     lengths, its cells the micro-batch's padded lengths (arrays padded at their front are
     read so where cut by length, which knows it), times its real rows (under XLA's
     buckets, every row of its shape)."""
@@ -36,7 +36,7 @@ def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None
     lengths = cut.lengths if cut.lengths is not None else pipeline.adapter.lengths()
     if not pipeline.adapter.reiterable or lengths is None or lengths.number == 0:
         return None
-    pre = cut.padded is not None and cut.padded.pre
+    pre = cut.arrays is not None and cut.arrays.pre
     read = pieces = real = cells = 0
     # of this large batch; None where markers end each (tokens, shares)
     left = None if pipeline.batches_marked else pipeline.elements(0)

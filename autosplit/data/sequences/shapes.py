@@ -2,7 +2,7 @@
 
 XLA compiles a program per distinct shape of its inputs. Cut by length under XLA, a
 micro-batch's lengths (and, in tokens, its rows) are rounded up to buckets
-(``autosplit.data.example_lengths``), so a run compiles a bounded set of programs
+(``autosplit.data.sequences.lengths``), so a run compiles a bounded set of programs
 (``Cut.programs``); :class:`Shapes` counts the ones it really gave the step, for
 ``FitReport.programs``.
 """

@@ -15,13 +15,11 @@ Sequences come padded with zeros (``padded_batch``'s default, ``pad_sequences``)
 example's length in a group is one past its last non-zero entry in any part of the group
 (:func:`group_lengths`): trailing zeros are padding to a model that ignores padding. Arrays
 of one shape that hold padded sequences, at the front or at the end, are
-:class:`Padded`.
+:class:`PaddedArrays`.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -29,9 +27,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["LENGTH_BUCKETS", "TOKEN_BUCKETS", "Lengths", "Padded", "bucket_up", "buckets_to",
-           "costliest_row", "group_lengths", "lengths_of", "padded_lengths", "padded_sequences",
-           "round_up", "row_costs", "tie"]
+from autosplit.data.sequences.buckets import bucket_up
+
+__all__ = ["Lengths", "PaddedArrays", "costliest_row", "group_lengths", "lengths_of",
+           "padded_lengths", "padded_sequences", "real_lengths", "row_costs", "tie"]
 
 _PARTS = ("x", "y", "sample_weight")
 
@@ -136,15 +135,26 @@ def group_lengths(leaves: list[Any], lengths: Lengths, *, pre: bool = False) -> 
         for index in lengths.members(group):
             t, axis = leaves[index], lengths.axes[index]
             if axis is not None and t is not None:
-                found.append(_real_lengths(t, axis, pre))
+                found.append(real_lengths(t, axis, pre))
         per_group.append(tf.reduce_max(tf.stack(found), axis=0))
     return tf.stack(per_group, axis=1)
 
 
-def _real_lengths(t: tf.Tensor, axis: int, pre: bool) -> tf.Tensor:
-    """Per row: one past the last non-zero entry of ``t`` along ``axis`` (from the end
-    where ``pre``), int64 (rows,)."""
-    nonzero = tf.not_equal(t, tf.zeros([], t.dtype))
+def real_lengths(t: Any, axis: int = 1, pre: bool = False) -> tf.Tensor:
+    """Per row of ``t`` (dense, or ragged along ``axis`` = 1): one past its last non-zero
+    entry along ``axis`` (counted from the end where ``pre``: padded at the front),
+    int64 (rows,). The one place a sequence's length without its padding is read.
+
+    >>> real_lengths(tf.constant([[3, 1, 0, 0], [0, 2, 0, 5]])).numpy().tolist()
+    [2, 4]
+    >>> real_lengths(tf.constant([[0, 0, 3, 1]]), pre=True).numpy().tolist()
+    [2]
+    >>> real_lengths(tf.ragged.constant([[4, 0], [0, 0, 7, 0]])).numpy().tolist()
+    [1, 3]
+    """
+    if isinstance(t, tf.RaggedTensor):  # as dense as its longest row, padded with zeros
+        t = t.to_tensor()
+    nonzero = tf.not_equal(t, tf.zeros([], t.dtype)) if t.dtype != tf.bool else t
     others = [a for a in range(1, t.shape.rank) if a != axis]
     if others:
         nonzero = tf.reduce_any(nonzero, axis=others)
@@ -154,59 +164,13 @@ def _real_lengths(t: tf.Tensor, axis: int, pre: bool) -> tf.Tensor:
     return tf.reduce_max(tf.where(nonzero, columns[None, :], 0), axis=1)
 
 
-def round_up(n: Any, multiple: int) -> Any:
-    """``n`` rounded up to a multiple of ``multiple`` (ints or tensors)."""
-    return (n + multiple - 1) // multiple * multiple
-
-
-def _buckets(growth: float, limit: int = 2**24) -> tuple[int, ...]:
-    found = [8]
-    while found[-1] < limit:
-        found.append(round_up(math.ceil(found[-1] * growth), 8))
-    return tuple(found)
-
-
-# Under XLA, which compiles a program per shape, a micro-batch's every length is rounded
-# up to a bucket (tensor2tensor's geometric buckets, on multiples of 8): each the next
-# multiple of 8 at least ``growth`` times the last. Rows cut by length take
-# LENGTH_BUCKETS (8, 16, 24, 32, 40, 56, 72, 96, 120, ..., 1.25x: a length padded by at
-# most a quarter past the first few; 16 up to 512). Micro-batches in tokens also round
-# their rows, to two counts per length (``autosplit.data.cuts``), so they take coarser
-# ones, TOKEN_BUCKETS (8, 16, 32, 56, 96, 160, 256, 416, ..., 1.6x; 9 up to 512): as
-# few programs as the rows cut for less padding than one row count per length would
-# leave (measured in ``benchmarks/README.md``).
-LENGTH_BUCKETS = _buckets(1.25)
-TOKEN_BUCKETS = _buckets(1.6)
-
-
-def bucket_up(n: Any, tokens: bool = False) -> Any:
-    """The least of :data:`LENGTH_BUCKETS` (``tokens``: :data:`TOKEN_BUCKETS`) at least
-    ``n`` (an int, or an int64 tensor of any shape); past the last, ``n`` itself."""
-    buckets = TOKEN_BUCKETS if tokens else LENGTH_BUCKETS
-    if isinstance(n, (int, np.integer)):
-        at = bisect.bisect_left(buckets, int(n))
-        return buckets[at] if at < len(buckets) else int(n)
-    n = tf.convert_to_tensor(n, tf.int64)
-    table = tf.constant(buckets, tf.int64)
-    flat = tf.reshape(n, [-1])
-    at = tf.searchsorted(table, flat, side="left", out_type=tf.int64)
-    found = tf.where(at < len(buckets), tf.gather(table, tf.minimum(at, len(buckets) - 1)), flat)
-    return tf.reshape(found, tf.shape(n))
-
-
-def buckets_to(longest: int, tokens: bool = False) -> int:
-    """How many buckets (:func:`bucket_up`'s) a length of up to ``longest`` may take."""
-    return bisect.bisect_left(TOKEN_BUCKETS if tokens else LENGTH_BUCKETS,
-                              max(int(longest), 1)) + 1
-
-
 def row_costs(lengths: tf.Tensor) -> tf.Tensor:
     """What each row of ``lengths`` (rows, groups) costs a micro-batch: the sum of its
     lengths, the cells of its every part (a pair's source and target)."""
     return tf.reduce_sum(lengths, axis=-1)
 
 
-def costliest_row(sample: tuple, lengths: Lengths | None, padded: Padded | None,
+def costliest_row(sample: tuple, lengths: Lengths | None, padded: PaddedArrays | None,
                   buckets: bool = False, tokens: bool = False) -> int:
     """What the costliest row of ``sample`` (``(x, y, sample_weight)`` padded to its
     longest, as ``InputAdapter.sample`` gives it) costs (:func:`row_costs`), each length
@@ -223,7 +187,7 @@ def costliest_row(sample: tuple, lengths: Lengths | None, padded: Padded | None,
     return max(int(tf.reduce_max(row_costs(found))), 1)
 
 
-class Padded(NamedTuple):
+class PaddedArrays(NamedTuple):
     """Arrays of one shape that hold sequences padded with zeros to one length
     (``keras.utils.pad_sequences``)."""
 
@@ -232,7 +196,7 @@ class Padded(NamedTuple):
     lengths: np.ndarray  # int64 (rows,): each row's length without its padding
 
 
-def padded_sequences(arrays: tuple, takes_any_length: bool) -> Padded | None:
+def padded_sequences(arrays: tuple, takes_any_length: bool) -> PaddedArrays | None:
     """How ``arrays`` = ``(x, y, sample_weight)`` hold padded sequences, or None.
 
     Sequences are integer inputs of rank 2 or more (token ids) whose second axis some
@@ -253,16 +217,15 @@ def padded_sequences(arrays: tuple, takes_any_length: bool) -> Padded | None:
         if v:
             held = np.asarray(t) != 0
             nonzero |= held.any(axis=tuple(range(2, held.ndim))) if held.ndim > 2 else held
-    columns = np.arange(1, length + 1)
-    post = np.where(nonzero, columns, 0).max(axis=1)
-    pre = np.where(nonzero, length + 1 - columns, 0).max(axis=1)
+    post = real_lengths(tf.constant(nonzero)).numpy()
+    pre = real_lengths(tf.constant(nonzero), pre=True).numpy()
     if min(post.sum(), pre.sum()) >= length * len(post):
         return None  # no row is padded
     front = bool(pre.sum() < post.sum())
-    return Padded(length, front, (pre if front else post).astype(np.int64))
+    return PaddedArrays(length, front, (pre if front else post).astype(np.int64))
 
 
-def padded_lengths(spec: Any, padded: Padded | int) -> Lengths:
+def padded_lengths(spec: Any, padded: PaddedArrays | int) -> Lengths:
     """The one length of arrays that hold ``padded`` sequences (or sequences padded to
     that many columns): every part as long as they are along its second axis (``spec``:
     ``(x, y, sample_weight)``'s, rows first)."""

@@ -1,0 +1,110 @@
+"""The length factor of a micro-batch cut short of its large batch: per model output,
+the large batch's padded length over the micro-batch's, in the length the output
+follows (1 for an output that follows none).
+
+A micro-batch cut by length (``autosplit.data.sequences.by_length``) is padded less
+than its large batch. A loss divided by every cell along a length
+(``sum_over_batch_size`` without a Keras mask) must still count the large batch's
+cells, and a metric averaged over the length must weigh each row as the large batch
+does: the denominator is multiplied by the factor (``autosplit.step.reduction``), the
+metric's weights divided by it (:func:`metric_weight`). The micro-batch's inputs come as
+:class:`Shortened`, which carries it.
+
+Where several workers each cut their own share, a share's length is not the large
+batch's: they agree on the longest before its first micro-step, and :class:`ShareFactor`
+scales each micro-batch's factor by the large batch's length over the share's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import keras
+import tensorflow as tf
+
+from autosplit.graph import HOST
+
+__all__ = ["ShareFactor", "Shortened", "inputs_of", "metric_weight", "output_length_factors"]
+
+
+class Shortened(NamedTuple):
+    """A micro-batch's inputs padded to its own longest row, not its large batch's."""
+
+    inputs: Any  # x, as the model takes it
+    # float32 (rows, outputs): per model output (Cut.outputs), the large batch's padded
+    # length over this micro-batch's in the length the output follows (1: none)
+    length_factor: tf.Tensor
+
+
+def inputs_of(x: Any) -> Any:
+    """The model's inputs, from ``x`` or from a :class:`Shortened`."""
+    return x.inputs if isinstance(x, Shortened) else x
+
+
+def output_length_factors(length_factor: tf.Tensor | None, y_pred: Any) -> Any:
+    """``length_factor`` (a row of :attr:`Shortened.length_factor`: one entry per flat
+    model output) in ``y_pred``'s structure, each output its own; None without one."""
+    if length_factor is None or not length_factor.shape[-1]:
+        return None
+    outputs = keras.tree.flatten(y_pred)
+    columns = int(length_factor.shape[-1])
+    return keras.tree.pack_sequence_as(y_pred, [length_factor[k] if k < columns else None
+                                                for k in range(len(outputs))])
+
+
+def metric_weight(sample_weight: Any, y_pred: Any, length_factor: Any) -> dict:
+    """The weights of one output's metrics: ``sample_weight`` (ones if None) over its
+    ``length_factor`` where the output has a length axis; else nothing to add.
+
+    A Keras metric averages each row's values over its length before it weighs rows,
+    so a row padded to ``P`` weighs ``L / P`` times what it weighs in the large batch
+    of length ``L``."""
+    rank = y_pred.shape.rank
+    if length_factor is None or rank is None or rank < 2 or y_pred.shape[1] is not None:
+        return {}
+    shrink = 1.0 / tf.cast(length_factor, tf.float32)
+    if sample_weight is None:
+        # (rows, 1): a Keras mask of (rows, length) multiplies it
+        return {"sample_weight": tf.fill([tf.shape(y_pred)[0], 1], shrink)}
+    return {"sample_weight": tf.cast(sample_weight, tf.float32) * shrink}
+
+
+class ShareFactor:
+    """Per model output, the large batch's length over this worker's share's, in a
+    variable on the host: ones, until the workers agree (:meth:`agree`)."""
+
+    def __init__(self) -> None:
+        self.variable: tf.Variable | None = None
+
+    def bind(self, x: Any) -> None:
+        """Ones for micro-batches of ``x``'s spec (a :class:`Shortened`'s: one per
+        output), none otherwise: a step reused by a later run forgets the last
+        agreement."""
+        if not isinstance(x, Shortened):
+            return
+        outputs = x.length_factor.shape[-1:]
+        if self.variable is None or self.variable.shape != outputs:
+            with tf.init_scope(), tf.device(HOST):
+                self.variable = tf.Variable(tf.ones(outputs), trainable=False)
+        else:
+            self.variable.assign(tf.ones(outputs))
+
+    def applied(self, x: Any) -> Any:
+        """``x`` with its length factors scaled to the large batch's length."""
+        if not isinstance(x, Shortened) or self.variable is None:
+            return x
+        return Shortened(x.inputs, x.length_factor * self.variable)
+
+    def agree(self, local: tf.Tensor,
+              bounds: Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]) -> tf.Tensor:
+        """Per model output, the large batch's length: the most of every worker's
+        ``local`` (its share's, 0 for none: a share's header), through ``bounds`` (a
+        collective: most and least over every replica), kept as this worker's factor.
+        Returns the least of every worker's: below 0 where one could not read its
+        header (it gave up)."""
+        assert self.variable is not None
+        most, least = bounds(local)
+        scale = tf.where(local > 0, most / tf.maximum(local, 1.0), 1.0)
+        with tf.control_dependencies([self.variable.assign(scale)]):
+            return tf.reduce_min(least)
