@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
 import tensorflow as tf
 
 from autosplit.data.sequences.lengths import Lengths, PaddedArrays, lengths_of, tie
+from autosplit.data.structure import leaves_named
 from autosplit.errors import DatasetError, describe
 
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
     "check_shared_rows",
     "class_weight_fn",
     "leading_rows",
-    "named_leaves",
     "varying_shapes",
 ]
 
@@ -52,21 +51,16 @@ HINT = ("Pass arrays (x, y[, sample_weight]), a tf.data.Dataset of (x, y[, sampl
         "(single examples or batches), a keras.utils.PyDataset or a Python generator.")
 EXAMPLE_CHUNK = 256  # examples per host batch before the cut; any size gives the same rows
 
-_PARTS = ("x", "y", "sample_weight")
 
-
-def named_leaves(parts: tuple) -> list[tuple[str, Any]]:
-    """``[("x[0]", leaf), ("y", leaf), ...]``: every leaf of ``(x, y[, sample_weight])``
-    but None, named as messages name it."""
-    return [(name + "".join(f"[{p!r}]" for p in path), leaf)
-            for name, part in zip(_PARTS, parts, strict=False)
-            for path, leaf in keras.tree.flatten_with_path(part) if leaf is not None]
+def _present(parts: tuple) -> list[tuple[str, Any]]:
+    """The leaves of ``(x, y[, sample_weight])`` but None, named as messages name them."""
+    return [(name, leaf) for name, leaf in leaves_named(tuple(parts)) if leaf is not None]
 
 
 def leading_rows(parts: tuple) -> dict[str, int | None]:
     """``{"x[0]": rows, "y": rows, ...}``: the leading dimension of every leaf."""
     counts: dict[str, int | None] = {}
-    for label, leaf in named_leaves(parts):
+    for label, leaf in _present(parts):
         shape = tf.TensorShape(getattr(leaf, "shape", None))
         counts[label] = None if shape.rank in (None, 0) else shape[0]
     return counts
@@ -86,7 +80,7 @@ def check_shared_rows(parts: tuple, what: str) -> None:
 def check_known_rank(parts: tuple, what: str) -> None:
     """Refuse, before anything runs, parts whose rank is unknown: the pipeline cuts and
     pads every part along its axes."""
-    unknown = [f"{label}: {leaf}" for label, leaf in named_leaves(parts)
+    unknown = [f"{label}: {leaf}" for label, leaf in _present(parts)
                if isinstance(leaf, tf.TensorSpec) and leaf.shape.rank is None]
     if unknown:
         raise DatasetError(

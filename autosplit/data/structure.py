@@ -7,9 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import keras
 import tensorflow as tf
 
-__all__ = ["empty_to_none", "map_present", "none_to_empty", "unnumbered"]
+__all__ = ["PARTS", "empty_to_none", "leaves_named", "map_present", "none_to_empty",
+           "unnumbered"]
+
+PARTS = ("x", "y", "sample_weight")  # an element's parts, as messages name them
 
 
 def map_present(fn: Callable[[Any], Any], structure: Any) -> Any:
@@ -28,3 +32,17 @@ def empty_to_none(w: Any) -> Any:
 def unnumbered(_: Any, *row: Any) -> Any:
     """An ``enumerate``d element without its number: the row (its parts as a tuple)."""
     return row[0] if len(row) == 1 else row
+
+
+def leaves_named(parts: Any) -> list[tuple[str, Any]]:
+    """``[("x[0]", leaf), ("y", leaf), ...]``: every leaf of ``parts`` (``(x, y[,
+    sample_weight])``, or ``x`` alone), in ``tf.nest.flatten``'s order, named as messages
+    name it (None leaves kept, named too).
+
+    >>> [name for name, _ in leaves_named(({"ids": 1, "mask": 2}, 3))]
+    ["x['ids']", "x['mask']", 'y']
+    """
+    if not isinstance(parts, tuple):
+        parts = (parts,)
+    return [(PARTS[path[0]] + "".join(f"[{p!r}]" for p in path[1:]) if path else "x", leaf)
+            for path, leaf in keras.tree.flatten_with_path(parts)]

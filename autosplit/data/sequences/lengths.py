@@ -23,16 +23,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from autosplit.data.sequences.buckets import bucket_up
+from autosplit.data.structure import leaves_named
 
 __all__ = ["Lengths", "PaddedArrays", "costliest_row", "group_lengths", "lengths_of",
            "padded_lengths", "padded_sequences", "real_lengths", "row_costs", "tie"]
 
-_PARTS = ("x", "y", "sample_weight")
 
 
 class Lengths(NamedTuple):
@@ -77,8 +76,7 @@ def lengths_of(spec: Any) -> Lengths | None:
     groups: list[int | None] = []
     names: list[str] = []
     uncut: list[str] = []
-    for path, leaf in keras.tree.flatten_with_path(spec):
-        name = _PARTS[path[0]] + "".join(f"[{p!r}]" for p in path[1:]) if path else "x"
+    for name, leaf in leaves_named(spec):
         names.append(name)
         varying = _varying_axes(leaf)
         if varying is None:
@@ -231,7 +229,7 @@ def padded_lengths(spec: Any, padded: PaddedArrays | int) -> Lengths:
     ``(x, y, sample_weight)``'s, rows first)."""
     length = padded if isinstance(padded, int) else padded.length
     axes, names = [], []
-    for path, leaf in keras.tree.flatten_with_path(spec):
-        names.append(_PARTS[path[0]] + "".join(f"[{p!r}]" for p in path[1:]))
+    for name, leaf in leaves_named(spec):
+        names.append(name)
         axes.append(1 if leaf.shape.rank >= 2 and leaf.shape[1] in (None, length) else None)
     return Lengths(tuple(axes), tuple(None if a is None else 0 for a in axes), tuple(names))
