@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from autosplit.data.arrays import ArrayInput
+from autosplit.data.markers import Ends
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import split_batch
 from autosplit.step.train_step import TrainStep, step_for
@@ -31,6 +32,8 @@ from autosplit.training import fit as _fit
 from autosplit.training.recovery import RecoverableStep, Recovery
 
 __all__ = ["FaultyStep", "inject_oom", "traced_graph", "train_on_large_batch"]
+
+_INPUT = Ends("input")
 
 
 class FaultyStep:
@@ -86,20 +89,20 @@ class FaultyStep:
         self.applied += 1
         return logs
 
-    def run_if_any(self, iterator: Any, count: int, *, marked: bool = False) -> dict | None:
+    def run_if_any(self, iterator: Any, count: int, *, ends: Ends = _INPUT) -> dict | None:
         self._maybe_fail(1)
-        logs = self.step.run_if_any(iterator, count, marked=marked)
+        logs = self.step.run_if_any(iterator, count, ends=ends)
         self.applied += logs is not None
         return logs
 
     def run_local(self, iterator: Any, count: int, *, resume: bool = False,
-                  slices: int = 1, marked: bool = False) -> int:
+                  slices: int = 1, ends: Ends = _INPUT) -> int:
         if not resume:
             self._maybe_fail(slices)
         else:
             self._faulted = False
         return self.step.run_local(iterator, count, resume=resume, slices=slices,
-                                   marked=marked)
+                                   ends=ends)
 
     def finish(self) -> dict:
         logs = self.step.finish()

@@ -1,16 +1,62 @@
-"""Elements with no real row, which a pipeline puts between its micro-batches: the end
-of an epoch or of a large batch (:func:`end_marker`), and a share's header
-(:func:`is_header`, ``autosplit.data.sequences.by_length.cut_by_length``)."""
+"""How a large batch's elements end, and an epoch's (:class:`Ends`), and the elements
+with no real row that a pipeline puts between its micro-batches to say so: the end of an
+epoch or of a large batch (:func:`end_marker`), and a share's header (:func:`is_header`,
+``autosplit.data.sequences.by_length.cut_by_length``)."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Literal
 
 import tensorflow as tf
 
 from autosplit.graph import HOST
 
-__all__ = ["end_marker", "is_end_marker", "is_header", "markable", "skip_to_end_marker"]
+__all__ = ["Batch", "Ends", "end_marker", "is_end_marker", "is_header", "markable",
+           "skip_to_end_marker"]
+
+
+Batch = Literal["counted", "input", "marker", "header"]  # Ends.batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Ends:
+    """Where each large batch's elements end, and each epoch's: decided once per call
+    (``MicroBatches.ends``) and read by the epochs, the out-of-memory recovery and the
+    step's loop (``autosplit.step.loop.Pull``).
+
+    ``batch``: ``"counted"``, the iterator holds a known count of elements for each
+    large batch (an input that knows its length); ``"input"``, the last large batch ends
+    where the input does; ``"marker"``, every large batch ends with an element of no row
+    (micro-batches in tokens, a worker's share in rows); ``"header"``, every large batch
+    (a worker's share cut by length) begins with a header, which the workers agree on,
+    and ends with a marker.
+
+    ``epoch``: ``"iterator"``, an epoch ends with its iterator, or after the large
+    batches its first epoch counted; ``"marker"``, one iterator repeated over the epochs
+    of an input whose length only its end tells, each epoch ended by a marker.
+    """
+
+    batch: Batch = "counted"
+    epoch: Literal["iterator", "marker"] = "iterator"
+
+    @property
+    def stop(self) -> Literal["counted", "input", "marker"]:
+        """How the step's loop stops (``Pull.ends``): at a marker, where any ends so."""
+        if self.epoch == "marker" or self.marks_batches:
+            return "marker"
+        return "counted" if self.batch == "counted" else "input"
+
+    @property
+    def marks_batches(self) -> bool:
+        """Whether every large batch ends with a marker (then an epoch's marker follows
+        a large batch's)."""
+        return self.batch in ("marker", "header")
+
+    @property
+    def headers(self) -> bool:
+        """Whether every large batch begins with a share's header (:func:`is_header`)."""
+        return self.batch == "header"
 
 
 def end_marker(element_spec: Any) -> tf.data.Dataset | None:
@@ -36,22 +82,22 @@ def is_header(element: Any) -> tf.Tensor:
     return tf.reduce_any(element[-1] < 0)
 
 
-def skip_to_end_marker(iterator: Any, *, batches_marked: bool = False) -> int:
-    """Read ``iterator`` (of ``MicroBatches.dataset(marked=True)``) up to and including
-    its next end marker, or to its end; returns the real elements dropped on the way.
-    An epoch that ran the large batches its first epoch counted ends there:
-    ``model.fit`` trains on no more of a longer epoch. Eager, on the host: mostly one
-    element.
+def skip_to_end_marker(iterator: Any, ends: Ends) -> int:
+    """Read ``iterator`` (of ``MicroBatches.dataset(ends=...)``, its epochs ended by a
+    marker) up to and including its next epoch's marker, or to its end; returns the real
+    elements dropped on the way. An epoch that ran the large batches its first epoch
+    counted ends there: ``model.fit`` trains on no more of a longer epoch. Eager, on the
+    host: mostly one element.
 
-    ``batches_marked``: every large batch ends with a marker too (``Cut.tokens``),
-    read already for the last one run; the epoch's is the marker that follows a marker.
+    Where every large batch ends with a marker too (``Ends.marks_batches``), the last
+    one run has read its own already; the epoch's is the marker that follows a marker.
     """
-    dropped, after_marker = 0, batches_marked
+    dropped, after_marker = 0, ends.marks_batches
     for element in iterator:
         if bool(is_header(element)):
             continue
         if bool(is_end_marker(element)):
-            if after_marker or not batches_marked:
+            if after_marker or not ends.marks_batches:
                 break
             after_marker = True
         else:

@@ -35,7 +35,7 @@ class Pull(NamedTuple):
     anywhere (a smaller graph to trace and optimise, in every call and probe trial);
     ``"input"``, the input may end anywhere; ``"marker"``, the iterator runs on past
     each epoch (or, in tokens, each large batch), whose end is an element with no real
-    row (``MicroBatches.dataset(marked=True)``): the loop stops there, as at the end
+    row (``markers.Ends``): the loop stops there, as at the end
     of an iterator, and the marker is neither stashed nor counted.
 
     ``all_real``: the elements hold real rows only (:func:`run_element`).

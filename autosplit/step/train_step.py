@@ -22,12 +22,12 @@ from __future__ import annotations
 import functools
 import gc
 import math
-from typing import Any
+from typing import Any, Literal
 
 import keras
 import tensorflow as tf
 
-from autosplit.data.markers import is_header
+from autosplit.data.markers import Ends, is_header
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.structure import empty_to_none
 from autosplit.errors import DatasetError, refusing
@@ -42,6 +42,15 @@ from autosplit.step.replicas import without_replica_axis
 from autosplit.step.update import LargeBatchUpdate
 
 __all__ = ["TrainStep", "build_for", "row_count", "step_for"]
+
+
+_INPUT = Ends("input")
+
+
+def _until(ends: Ends) -> Literal["input", "marker"]:
+    """Where a loop that may end early stops (``Pull.ends``): at a marker, or at the
+    input's end."""
+    return "marker" if ends.stop == "marker" else "input"
 
 
 def row_count(total: float) -> float:
@@ -151,13 +160,13 @@ class TrainStep:
         return self._function("fused", self._fused,
                               how=Pull("counted", all_real=self.all_real))
 
-    def function_if_any(self, *, marked: bool = False):
+    def function_if_any(self, ends: Ends = _INPUT):
         """The compiled function :meth:`run_if_any` calls, ``(iterator, count) ->
-        (applied, ended, logs)``: it pulls until the input ends (``marked``: until an
-        element with no row marks an end), if it ends before ``count``; ``ended`` says
-        whether it did."""
+        (applied, ended, logs)``: it pulls until the input ends (or, as ``ends`` says,
+        until an element with no row marks an end), if it ends before ``count``;
+        ``ended`` says whether it did."""
         return self._function("fused_if_any", self._fused_if_any,
-                              how=Pull("marker" if marked else "input", all_real=self.all_real))
+                              how=Pull(_until(ends), all_real=self.all_real))
 
     def tracing_count(self) -> int:
         """Traces of every compiled function so far (0 under ``run_eagerly``)."""
@@ -175,28 +184,28 @@ class TrainStep:
         self._dirty = False
         return logs
 
-    def run_if_any(self, iterator, count: int, *, marked: bool = False) -> dict | None:
+    def run_if_any(self, iterator, count: int, *, ends: Ends = _INPUT) -> dict | None:
         """:meth:`run` for an input whose end only its iterator tells (one replica): the
         apply runs in the same call, if any row came; None (nothing applied) if the
-        input ended (``marked``: a marker came, ``MicroBatches.dataset(marked=True)`` or
-        with tokens each large batch's) before the large batch began.
+        input ended (or, as ``ends`` says, a marker came: an epoch's end, or in tokens
+        each large batch's) before the large batch began.
         :meth:`input_ended` then says whether this call reached that end."""
         self._dirty = True
-        applied, ended, logs = self.function_if_any(marked=marked)(
+        applied, ended, logs = self.function_if_any(ends)(
             iterator, tf.constant(count, tf.int32))
         self._dirty = False
         self._ended = bool(ended)
         return logs if bool(applied) else None
 
     def run_local(self, iterator, count: int, *, resume: bool = False, slices: int = 1,
-                  marked: bool = False) -> int:
-        """Commit up to ``count`` elements (after the stash, with ``resume``; ``marked``
-        as :meth:`run_if_any` takes it); returns the number pulled. Runs no collective:
+                  ends: Ends = _INPUT) -> int:
+        """Commit up to ``count`` elements (after the stash, with ``resume``; ``ends`` as
+        :meth:`run_if_any` takes it); returns the number pulled. Runs no collective:
         safe for one worker to fail alone."""
         self._dirty = True
         self._ended = None
         fn = self._function("local", self._local, how=Pull(
-            "marker" if marked else "input", all_real=self.all_real, resume=resume, slices=slices))
+            _until(ends), all_real=self.all_real, resume=resume, slices=slices))
         return int(fn(iterator, tf.constant(count, tf.int32)))
 
     def input_ended(self) -> bool:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 from autosplit.data.adapter import InputAdapter
-from autosplit.data.markers import skip_to_end_marker
+from autosplit.data.markers import Ends, skip_to_end_marker
 from autosplit.data.pipeline import MicroBatches, release
 from autosplit.data.split import split_batch
 from autosplit.keras_hooks.custom_step import flat_logs
@@ -31,14 +31,14 @@ class Iteration:
 
     keep_iterator: bool  # one iterator across epochs, as model.fit keeps it
     repeat: bool  # one iterator of the pipeline repeated, every epoch's elements known
-    epochs_marked: bool  # one iterator repeated, each epoch ended by a marker
-    batches_marked: bool  # each large batch ended by a marker (micro-batches in tokens)
     rereads: bool  # with steps_per_epoch, the data read again once it runs out
+    ends: Ends  # where each large batch's elements end, and each epoch's
 
     @property
-    def marked(self) -> bool:
-        """The step's loops stop at a marker (``Recovery``'s ``marked``)."""
-        return self.epochs_marked or self.batches_marked
+    def one_iterator(self) -> bool:
+        """One iterator of the pipeline read over every epoch (repeated, or ended by
+        markers)."""
+        return self.repeat or self.ends.epoch == "marker"
 
 
 def iteration_of(adapter: InputAdapter, plan: Plan, args: Args) -> Iteration:
@@ -56,12 +56,12 @@ def iteration_of(adapter: InputAdapter, plan: Plan, args: Args) -> Iteration:
     """
     one_iterator = (args.steps_per_epoch is None and adapter.reiterable
                     and not adapter.epoch_hooks and not plan.layout.multi_worker)
+    steps_given = args.steps_per_epoch is not None
     return Iteration(
-        keep_iterator=args.steps_per_epoch is not None or not adapter.reiterable,
+        keep_iterator=steps_given or not adapter.reiterable,
         repeat=one_iterator and adapter.rows is not None,
-        epochs_marked=one_iterator and adapter.rows is None and plan.pipeline.can_mark(),
-        batches_marked=plan.pipeline.batches_marked,
-        rereads=args.steps_per_epoch is not None and adapter.reiterable)
+        rereads=steps_given and adapter.reiterable,
+        ends=plan.pipeline.ends(one_iterator=one_iterator, steps_given=steps_given))
 
 
 class Epochs:
@@ -114,13 +114,14 @@ class Epochs:
             ran += 1
             if self.model.stop_training:
                 break
-            if mode.epochs_marked and not mode.batches_marked and plan.step.input_ended():
+            if (mode.ends.epoch == "marker" and not mode.ends.marks_batches
+                    and plan.step.input_ended()):
                 ended = True  # this large batch ran up to the epoch's end marker
                 break
-        if mode.epochs_marked and not ended and not self.model.stop_training:
+        if mode.ends.epoch == "marker" and not ended and not self.model.stop_training:
             # As many large batches as the first epoch counted: the epoch ends here, as
             # in model.fit, and its marker (after any rows past them) is read.
-            skip_to_end_marker(self.iterator, batches_marked=mode.batches_marked)
+            skip_to_end_marker(self.iterator, mode.ends)
         self._check_ran(ran)
         if mode.rereads and self.known is not None and self.seen >= self.known:
             self.release()  # the next epoch reads the data again, from a new iterator
@@ -137,13 +138,13 @@ class Epochs:
             return
         if self.recovery.slices > 1 and self.adapter.reiterable:
             rebuild(self.plan, self.recovery)
-        elif self.iterator is not None and (mode.repeat or mode.epochs_marked):
+        elif self.iterator is not None and mode.one_iterator:
             return  # the last epoch pulled all of its elements: this one starts here
         self.release()
         self.seen = 0
         self.iterator = iter(self.plan.pipeline.dataset(
-            repeat=mode.repeat or mode.epochs_marked, shuffle_seed=self.plan.shuffle_seed,
-            epoch=epoch, marked=mode.epochs_marked))
+            repeat=mode.one_iterator, shuffle_seed=self.plan.shuffle_seed,
+            epoch=epoch, ends=mode.ends))
 
     def release(self) -> None:
         """Let go of the iterator (deleted on a thread of its own: ``pipeline.release``)."""

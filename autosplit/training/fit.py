@@ -20,6 +20,7 @@ from autosplit.data.adapter import InputAdapter
 from autosplit.data.hub import preprocessed, preprocessed_validation, takes_raw_data
 from autosplit.data.inputs import get_input
 from autosplit.data.layout import layout
+from autosplit.data.markers import Ends
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.sequences.stats import cut_stats
 from autosplit.data.sharded import sharded_input
@@ -250,7 +251,7 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: Plan,
         callbacks, add_history=True, add_progbar=args.verbose != 0, verbose=args.verbose,
         epochs=args.epochs, steps=args.steps_per_epoch or plan.pipeline.steps(), model=model)
     mode = iteration_of(adapter, plan, args)
-    recovery = _recovery(plan, adapter, args, callback_list, marked=mode.marked)
+    recovery = _recovery(plan, adapter, args, callback_list, mode.ends)
     loop = Epochs(model, adapter, plan, args, callback_list, recovery, mode)
     traces_before = plan.step.tracing_count()
     model.stop_training = False
@@ -295,9 +296,9 @@ def _epoch_logs(step: TrainStep, last: dict[str, Any]) -> dict[str, Any]:
 
 
 def _recovery(plan: Plan, adapter: InputAdapter, args: Args,
-              callback_list: keras.callbacks.CallbackList, *, marked: bool) -> Recovery:
+              callback_list: keras.callbacks.CallbackList, ends: Ends) -> Recovery:
     """The out-of-memory recovery of this call, which tells the callbacks of each shrink
-    (``marked``: the loops stop at markers, ``Iteration.marked``)."""
+    (``ends``: where its large batches end, ``Iteration.ends``)."""
     def on_shrink(*_: int) -> None:
         if plan.probe is not None:  # an OOM proved the cached answer wrong
             from autosplit.search.probe import invalidate_cache
@@ -308,9 +309,8 @@ def _recovery(plan: Plan, adapter: InputAdapter, args: Args,
     recovery = Recovery(
         plan.step, on_oom=args.on_oom, multi_worker=plan.layout.multi_worker,
         known_fits=plan.probe.fitting_sizes() if plan.probe is not None else (),
-        fused=adapter.rows is not None and args.steps_per_epoch is None, marked=marked,
-        on_shrink=on_shrink, most_rows=args.batch_size if adapter.shares else None,
-        headers=plan.pipeline.headers)
+        ends=ends, on_shrink=on_shrink,
+        most_rows=args.batch_size if adapter.shares else None)
     publish(callback_list, recovery, args, plan)
     return recovery
 

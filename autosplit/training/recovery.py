@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import tensorflow as tf
 
+from autosplit.data.markers import Ends
 from autosplit.errors import BatchSizeError, NothingFitsError, WorkerLostError
 from autosplit.search.policy import shrink_micro_batch
 from autosplit.warn import warn_user
@@ -38,6 +39,7 @@ __all__ = ["OomRecovery", "RecoverableStep", "Recovery", "worker_lost"]
 # The rows a worker that gives up reports to the agreement: every other worker's total
 # comes out negative (-inf plus any real rows), which no real count can be.
 _GAVE_UP = -math.inf
+_COUNTED, _INPUT = Ends("counted"), Ends("input")
 
 
 class RecoverableStep(Protocol):
@@ -67,16 +69,16 @@ class RecoverableStep(Protocol):
         """``run_local(iterator, count)`` then ``finish()``, in one call, for an input that
         knows its length: the iterator holds ``count`` more elements."""
 
-    def run_if_any(self, iterator: Any, count: int, *, marked: bool = False
+    def run_if_any(self, iterator: Any, count: int, *, ends: Ends = _INPUT
                    ) -> dict[str, Any] | None:
         """:meth:`run` (one replica), except that it applies nothing and returns None
-        when no row came: the input had ended (``marked``: an element with no row came)
+        when no row came: the input had ended (or a marker came, as ``ends`` says)
         before the large batch began."""
 
     def run_local(self, iterator: Any, count: int, *, resume: bool = False,
-                  slices: int = 1, marked: bool = False) -> int:
+                  slices: int = 1, ends: Ends = _INPUT) -> int:
         """Commit up to ``count`` more elements, each cut into ``slices``, stopping at
-        the input's end (``marked``: at an element with no row); first, with ``resume``,
+        the input's end (or at a marker, as ``ends`` says); first, with ``resume``,
         the stashed element's rows not yet committed. Returns the elements pulled; runs
         no collective."""
 
@@ -142,12 +144,13 @@ class Recovery:
         known_fits: micro-batch sizes the probe saw fit (one is tried when shrinking
             if it is above half the failed size).
         multi_worker: agree with the other workers before every apply.
-        fused: the input knows its length, so every large batch has elements: one call
+        ends: where each large batch's elements end (``markers.Ends``). Counted (an
+            input that knows its length, every large batch has elements), one call
             runs the loop and the apply. Otherwise, on one replica, one call runs the
             loop and applies only if a row came (``run_if_any``); on several, the apply
-            waits until the loop shows the batch is not empty.
-        marked: the loops stop at an element with no row (the pipeline marks each
-            epoch's end, or with tokens each large batch's: ``Iteration.marked``).
+            waits until the loop shows the batch is not empty. The loops stop where
+            ``ends`` says (an input's end, a marker); a share's header comes first
+            where ``ends.headers``.
         on_shrink: called with (step_number, failed_rows, new_rows) after each OOM.
         most_rows: the most rows a large batch may hold, checked before each apply
             (a ``tf.distribute`` input's large batch is what its pipelines yield).
@@ -155,16 +158,15 @@ class Recovery:
 
     def __init__(self, step: RecoverableStep, *, on_oom: str = "recover",
                  known_fits: Sequence[int] = (), multi_worker: bool = False,
-                 fused: bool = True, marked: bool = False,
+                 ends: Ends = _COUNTED,
                  on_shrink: Callable[[int, int, int], None] | None = None,
-                 most_rows: int | None = None, headers: bool = False) -> None:
+                 most_rows: int | None = None) -> None:
         self.step = step
-        self.headers = headers
+        self.ends = ends
         self.on_oom = on_oom
         self.known_fits = list(known_fits)
         self.multi_worker = multi_worker
-        self.fused = fused and not multi_worker and not marked
-        self.marked = marked
+        self.fused = ends.stop == "counted" and not multi_worker
         self.on_shrink = on_shrink
         self.most_rows = most_rows
         self.slices = 1  # each element of the pipeline is cut into this many micro-batches
@@ -204,9 +206,9 @@ class Recovery:
                     if self.fused:
                         return self.step.run(iterator, remaining)
                     if self.step.replicas == 1 and self.most_rows is None:
-                        return self.step.run_if_any(iterator, remaining, marked=self.marked)
+                        return self.step.run_if_any(iterator, remaining, ends=self.ends)
                 self.step.run_local(iterator, remaining, resume=resume, slices=self.slices,
-                                    marked=self.marked)
+                                    ends=self.ends)
                 break
             except tf.errors.ResourceExhaustedError as error:
                 remaining -= self._pulled()
@@ -224,14 +226,14 @@ class Recovery:
         resume, remaining = False, count
         # The large batch's length, before its first micro-step: a collective every
         # worker joins, one whose input failed too (then raising its own error).
-        if self.headers and not self.step.agree_lengths(iterator):
+        if self.ends.headers and not self.step.agree_lengths(iterator):
             self.step.discard()
             raise _another_gave_up(self.step.strategy, step_number)
         while True:
             failure = None
             try:
                 self.step.run_local(iterator, remaining, resume=resume, slices=self.slices,
-                                    marked=self.marked)
+                                    ends=self.ends)
                 remaining = 0
             except tf.errors.ResourceExhaustedError as error:
                 failure = error

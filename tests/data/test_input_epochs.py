@@ -14,7 +14,7 @@ from common import assert_weights_close
 
 import autosplit
 from autosplit.data.inputs import get_input
-from autosplit.data.markers import skip_to_end_marker
+from autosplit.data.markers import Ends, skip_to_end_marker
 from autosplit.data.pipeline import MicroBatches
 
 
@@ -54,7 +54,7 @@ def test_an_input_of_unknown_length_is_read_by_one_iterator_with_marked_epochs(r
                 .filter(lambda *e: True))  # of unknown length
 
     weights, losses, iterators = _fit_batched(dataset, marked=True)
-    assert [k["marked"] for k in iterators] == [True]
+    assert [k["ends"].epoch for k in iterators] == ["marker"]
     expected, expected_losses, fresh = _fit_batched(dataset, marked=False)
     assert len(fresh) == 3
     assert_weights_close(expected, weights, 1e-6)
@@ -190,7 +190,8 @@ def test_skip_to_end_marker_drops_the_rest_of_an_epoch_and_its_marker():
     x, y, w = data()  # 230 rows: 15 micro-batches of 16 (the last of 6 rows) an epoch
     pipeline = MicroBatches(get_input(tf.data.Dataset.from_tensor_slices((x, y, w)).batch(10)),
                             B, M)
-    elements = iter(pipeline.dataset(repeat=True, marked=True))
+    ends = Ends("input", "marker")
+    elements = iter(pipeline.dataset(repeat=True, ends=ends))
     first = [next(elements) for _ in range(4)]
-    assert skip_to_end_marker(elements) == 15 - 4
+    assert skip_to_end_marker(elements, ends) == 15 - 4
     np.testing.assert_array_equal(next(elements)[0], first[0][0])  # the next epoch

@@ -13,8 +13,9 @@ from _inputs import B, Batches, M, N, data
 from common import assert_weights_close
 
 import autosplit
+from autosplit.data.cutters import elements_per_batch
 from autosplit.data.inputs import get_input
-from autosplit.data.pipeline import MicroBatches, elements_per_batch
+from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import balanced_sizes, piece_pattern, split_batch
 
 

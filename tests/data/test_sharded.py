@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from autosplit.data.inputs import get_input
 from autosplit.data.layout import ALONE, Layout
-from autosplit.data.markers import is_end_marker, is_header
+from autosplit.data.markers import Ends, is_end_marker, is_header
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.sequences.cut import Cut
 from autosplit.data.sharded import SHARE_ELEMENTS, ShardedInput, sharded_input, shards_by_length
@@ -51,7 +51,7 @@ def test_each_share_is_cut_into_micro_batches_then_marked(strategy):
     adapter = get_input(by_function(strategy, 11, 8))
     assert isinstance(adapter, ShardedInput) and adapter.rows is None
     pipeline = MicroBatches(adapter, 8, 3, ALONE)
-    assert pipeline.batches_marked and pipeline.steps() is None
+    assert pipeline.ends() == Ends("marker") and pipeline.steps() is None
     assert pipeline.per_batch == SHARE_ELEMENTS  # the loop stops at each share's marker
     assert large_batches(pipeline) == [[[0, 1, 2], [3, 4, 5], [6, 7]], [[8, 9, 10]]]
 
@@ -126,7 +126,7 @@ def test_a_share_of_sequences_comes_as_its_header_then_pieces_cut_by_length(stra
               outputs=(0,))
     pipeline = MicroBatches(adapter, 16, 3, Layout(workers=2, worker=0, local_replicas=1,
                                                    replicas=2), cut=cut)
-    assert pipeline.headers
+    assert pipeline.ends().headers
     shares, current, longest = [], None, 0
     for x, y, _, valid in pipeline.dataset(autotune=False):
         if bool(is_header((valid,))):

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import tensorflow as tf
 
+from autosplit.data.markers import Ends
 from autosplit.errors import NothingFitsError, WorkerLostError
 from autosplit.testing import FaultyStep, inject_oom
 from autosplit.training import fit as _fit
@@ -73,11 +74,11 @@ class FakeStep:
         self.run_local(iterator, count)
         return self.finish()
 
-    def run_if_any(self, iterator, count, *, marked=False):
+    def run_if_any(self, iterator, count, *, ends=None):
         self.run_local(iterator, count)
         return self.finish() if self.local_rows() else None
 
-    def run_local(self, iterator, count, *, resume=False, slices=1, marked=False):
+    def run_local(self, iterator, count, *, resume=False, slices=1, ends=None):
         self.calls.append((count, resume, slices))
         self.pulled, self.exhausted = 0, False
         if resume and self.pending:
@@ -255,10 +256,10 @@ def test_a_size_the_probe_saw_fit_far_below_is_not_taken_half_is():
     assert recovery.records == [OomRecovery(0, 64, 32)]
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_on_oom_raise_reraises_the_error_and_forgets_the_partial_batch(fused, recwarn):
+@pytest.mark.parametrize("batch", ["counted", "input"])
+def test_on_oom_raise_reraises_the_error_and_forgets_the_partial_batch(batch, recwarn):
     step = FakeStep(4, fail_at={1})
-    recovery = Recovery(step, on_oom="raise", fused=fused)
+    recovery = Recovery(step, on_oom="raise", ends=Ends(batch))
     with pytest.raises(tf.errors.ResourceExhaustedError) as raised:
         recovery.run(elements(0, 3, 4), 3, 0)
     assert raised.value is step.errors[0]
@@ -282,7 +283,7 @@ def test_out_of_memory_at_one_row_is_nothing_fits():
 
 def test_an_input_that_ended_before_the_batch_gives_none_and_applies_nothing():
     step = FakeStep(4)
-    assert Recovery(step, fused=False).run(iter([]), 2, 0) is None
+    assert Recovery(step, ends=Ends("input")).run(iter([]), 2, 0) is None
     assert step.calls == [(2, False, 1)] and step.exhausted and step.applied == []
 
 
@@ -418,7 +419,7 @@ def test_a_worker_whose_share_fails_before_its_header_stops_the_others_there():
     # pull. That worker still joins the lengths' agreement, so the other stops there.
     collective = Collective(2)
     steps = [HeaderStep(4, collective=collective, worker=w) for w in range(2)]
-    recoveries = [Recovery(step, multi_worker=True, headers=True) for step in steps]
+    recoveries = [Recovery(step, multi_worker=True, ends=Ends("header")) for step in steps]
     share = iter(["header", *elements(100, 2, 4)])
     results = lockstep(steps, recoveries, [[(bad_record(), 2)], [(share, 2)]])
     assert isinstance(results[0], tf.errors.InvalidArgumentError)

@@ -39,7 +39,7 @@ def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None
     pre = cut.arrays is not None and cut.arrays.pre
     read = pieces = real = cells = 0
     # of this large batch; None where markers end each (tokens, shares)
-    left = None if pipeline.batches_marked else pipeline.elements(0)
+    left = None if pipeline.ends().marks_batches else pipeline.elements(0)
     for x, y, w, valid in pipeline.dataset(autotune=False, counted=False):
         if is_header((valid,)):  # a share's, which the workers agree on
             continue
