@@ -82,9 +82,9 @@ class Epochs:
 
     def epoch(self, epoch: int) -> int:
         """Train one epoch's large batches; returns how many ran."""
-        plan, recovery, callback_list, mode = (self.plan, self.recovery, self.callback_list,
-                                               self.mode)
+        recovery, callback_list, mode = self.recovery, self.callback_list, self.mode
         self._start(epoch)
+        plan = self.plan  # as this epoch's start left it (a recovery's rebuilt one)
         ran = 0
         ended = False  # the input's end (or, marked, the epoch's) was reached
         for index in _steps(self.steps):
@@ -103,6 +103,7 @@ class Epochs:
                 if ran == 0:  # with the last epoch: this one reads it again
                     self.release()
                     self._start(epoch)
+                    plan = self.plan
                     result = recovery.run(self.iterator, count, self.global_step)
             if result is None:
                 ended = True
@@ -137,7 +138,7 @@ class Epochs:
         if self.iterator is not None and mode.keep_iterator:
             return
         if self.recovery.slices > 1 and self.adapter.reiterable:
-            rebuild(self.plan, self.recovery)
+            self.plan = rebuild(self.plan, self.recovery)
         elif self.iterator is not None and mode.one_iterator:
             return  # the last epoch pulled all of its elements: this one starts here
         self.release()
@@ -174,8 +175,9 @@ class Epochs:
             self.model.stop_training = True
 
 
-def rebuild(plan: Plan, recovery: Recovery) -> MicroBatches:
-    """After a recovery, a new epoch's pipeline cuts at the size that worked."""
+def rebuild(plan: Plan, recovery: Recovery) -> Plan:
+    """After a recovery, ``plan`` with a new epoch's pipeline, cut at the size that
+    worked (the recovery's step rebound to it)."""
     cut = plan.pipeline.cut
     rows = recovery.rows
     if cut.tokens:  # a budget as much smaller, the rows as capped
@@ -186,8 +188,7 @@ def rebuild(plan: Plan, recovery: Recovery) -> MicroBatches:
                             split.micro_batch_size, plan.layout, cut=cut,
                             shapes=plan.pipeline.shapes)
     recovery.rebind(pipeline.element_spec(), all_real=pipeline.all_real(), rows=pipeline.rows)
-    plan.pipeline, plan.split = pipeline, split
-    return pipeline
+    return dataclasses.replace(plan, pipeline=pipeline, split=split)
 
 
 def publish(callback_list: keras.callbacks.CallbackList, recovery: Recovery, args: Args,

@@ -270,7 +270,7 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: Plan,
             break  # no epoch to report: a 0.0 loss would mislead EarlyStopping and co.
         epoch_logs = _epoch_logs(plan.step, loop.logs)
         if validation is not None and (epoch + 1) % args.validation_freq == 0:
-            epoch_logs.update(validation(model, plan.validation_rows(recovery.rows),
+            epoch_logs.update(validation(model, loop.plan.validation_rows(recovery.rows),
                                          callback_list))
         adapter.on_epoch_end()
         sizes.append(recovery.rows)
@@ -283,7 +283,7 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: Plan,
     callback_list.on_train_end(logs=epoch_logs or loop.logs)
     recovery.on_shrink = None  # it closes over the recovery itself: no cycle to keep
     history = model.history
-    history.autosplit = _report(plan, adapter, args, recovery, sizes,
+    history.autosplit = _report(loop.plan, adapter, args, recovery, sizes,
                                 plan.step.tracing_count() - traces_before)
     return history
 

@@ -35,8 +35,11 @@ if TYPE_CHECKING:
 __all__ = ["Plan", "plan_run"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Plan:
+    """How a ``fit_large_batch`` call trains: decided once, before its first step; an
+    out-of-memory recovery's next epoch gets a new one (``epochs.rebuild``)."""
+
     split: Split  # of this replica's share B / R
     layout: Layout
     pipeline: MicroBatches
