@@ -26,7 +26,8 @@ checks run before any state changes and raise ``DatasetError``.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Literal
 
 import tensorflow as tf
 
@@ -38,12 +39,14 @@ __all__ = [
     "EXAMPLE_CHUNK",
     "HINT",
     "InputAdapter",
+    "InputFacts",
     "arity",
     "check_class_weight_alone",
     "check_known_rank",
     "check_shared_rows",
     "class_weight_fn",
     "leading_rows",
+    "varying_axes",
     "varying_shapes",
 ]
 
@@ -98,29 +101,78 @@ def varying_shapes(element_spec: Any) -> bool:
                and None in leaf.shape.as_list()[1:] for leaf in tf.nest.flatten(element_spec))
 
 
-class InputAdapter:
-    """One input kind as a host-side stream of rows.
+@dataclasses.dataclass(frozen=True)
+class InputFacts:
+    """What an input is, read once when its adapter is made (``InputAdapter.facts``):
+    the cut, the probe and the pipeline read it, nothing infers it again.
 
-    Attributes:
-        kind: what the user passed, for messages and ``history.autosplit``.
-        rows: examples in one epoch, or None when only the end of the data tells.
-        reiterable: a second pass reads the data again (generators: no).
-        row_numbers: the stream's rows are row numbers, which ``materialize`` turns
-            into data (arrays): padding them copies no data.
-        graph_rewrites: ``tf.data``'s default static rewrites run on the pipeline
-            (map-and-batch fusion, map parallelization and others, on the input's
-            own stages too); see ``ArrayInput.graph_rewrites`` for why arrays turn
-            them off.
+    >>> facts = InputFacts("arrays", rows=100, row_numbers=True)
+    >>> facts.rows_vary, facts.reiterable
+    (False, True)
     """
 
-    kind = "input"
-    rows: int | None = None
-    reiterable = True
-    row_numbers = False
-    graph_rewrites = True
-    shares = False  # elements are this worker's shares of each step (data.sharded)
+    kind: str  # what the user passed, for messages and FitReport.input
+    batched: bool = False  # its elements are its own batches (of any size), not examples
+    rows: int | None = None  # examples in one epoch; None: only the end of the data tells
+    infinite: bool = False  # it never ends (a repeat()): steps_per_epoch must say
+    reiterable: bool = True  # a second pass reads the data again (a generator's: no)
+    # the stream's rows are row numbers (arrays), which materialize turns into data:
+    # padding them copies no data
+    row_numbers: bool = False
+    shares: bool = False  # its elements are this worker's shares of each step (sharded)
+    arity: int = 2  # elements (x, y) 2, (x, y, w) 3, x alone (no targets) 0
+    # per part whose rows vary in shape: its name and the axis (1: the first after the
+    # rows) along which it does
+    varying: tuple[tuple[str, int], ...] = ()
+    # where a varying row's length comes from: "example", each as long as it is;
+    # "batch", as long as the input's own batch padded it (a padded_batch, a generator's
+    # batches, a map to a fixed length TensorFlow's shapes do not know); "share", as
+    # TensorFlow's rebatch of each worker's padded_batch(B) padded it; None: one shape
+    lengths_from: Literal["example", "batch", "share"] | None = None
+    # tf.data's default static rewrites run on the pipeline (map-and-batch fusion, map
+    # parallelization, on the input's own stages too): arrays turn them off (ArrayInput)
+    graph_rewrites: bool = True
+
+    @property
+    def rows_vary(self) -> bool:
+        """Whether its rows vary in shape beyond their count (sequences of varying length)."""
+        return bool(self.varying)
+
+
+def varying_axes(spec: Any, batched: bool) -> tuple[tuple[str, int], ...]:
+    """The parts of ``spec`` (an element's, ``(x, y[, w])`` or x alone) whose rows vary in
+    shape, and along which axis (1: the first after the rows): an axis of unknown size
+    after the rows of a batch, or of an example.
+
+    >>> varying_axes((tf.TensorSpec([None, None]), tf.TensorSpec([None])), batched=True)
+    (('x', 1),)
+    """
+    found = []
+    for name, leaf in _present(spec if isinstance(spec, tuple) else (spec,)):
+        if not isinstance(leaf, tf.TensorSpec) or leaf.shape.rank is None:
+            continue
+        axes = leaf.shape.as_list()[1:] if batched else leaf.shape.as_list()
+        found += [(name, axis + 1) for axis, size in enumerate(axes) if size is None]
+    return tuple(found)
+
+
+class InputAdapter:
+    """One input kind as a host-side stream of rows; what it is, in :attr:`facts`."""
+
+    facts: InputFacts  # set once by each kind's constructor
     _class_weight: Any = None  # (y, sample_weight) -> sample_weight, from ``class_weight``
-    _arity = 2  # elements (x, y) = 2, (x, y, w) = 3, x alone (no targets) = 0
+
+    # The facts every layer reads, by their names (read-only views of :attr:`facts`).
+    kind = property(lambda self: self.facts.kind)
+    rows = property(lambda self: self.facts.rows)
+    reiterable = property(lambda self: self.facts.reiterable)
+    row_numbers = property(lambda self: self.facts.row_numbers)
+    shares = property(lambda self: self.facts.shares)
+    graph_rewrites = property(lambda self: self.facts.graph_rewrites)
+    batched = property(lambda self: self.facts.batched)
+    infinite = property(lambda self: self.facts.infinite)
+    rows_vary = property(lambda self: self.facts.rows_vary)
+    _arity = property(lambda self: self.facts.arity)
 
     def rows_dataset(self, *, shuffle_seed: int | None = None,
                      epoch: int | tf.Variable = 0,

@@ -15,6 +15,7 @@ from autosplit.data.adapter import (
     EXAMPLE_CHUNK,
     HINT,
     InputAdapter,
+    InputFacts,
     check_class_weight_alone,
     class_weight_fn,
 )
@@ -29,13 +30,7 @@ __all__ = ["ArrayInput"]
 class ArrayInput(InputAdapter):
     """NumPy arrays or tensors, one row per example; gathered on the host per micro-batch."""
 
-    kind = "arrays"
     rows: int  # arrays always know their length
-    row_numbers = True  # rows_dataset yields row numbers; materialize gathers them
-    # No tf.data rewrites: each serializes the graph with the arrays the gather captures,
-    # and none sped these stages up (benchmarks.overhead; MicroBatches._build asks for
-    # the parallel gather itself).
-    graph_rewrites = False
 
     def __init__(self, x: Any, y: Any, sample_weight: Any = None, *,
                  shuffle: bool | str = True, class_weight: dict | None = None,
@@ -43,7 +38,6 @@ class ArrayInput(InputAdapter):
         if y is None and sample_weight is not None:
             raise DatasetError(f"Expected targets `y` next to `{name}` and `sample_weight`. "
                                "Received: y=None.")
-        self._arity = 0 if y is None else 2
         # As Keras's adapters do: a list of inputs is a structure, never one array to
         # stack (tf.data would turn a list into one tensor).
         x, y, sample_weight = keras.tree.lists_to_tuples((x, y, sample_weight))
@@ -65,13 +59,18 @@ class ArrayInput(InputAdapter):
                 "Expected x, y (and sample_weight) to have the same number of rows. Received: "
                 f"{ {k: sorted(v) for k, v in lengths.items()} }. Make every array hold one "
                 "row per example.")
-        self.rows = distinct.pop()
-        if self.rows == 0:
+        rows = distinct.pop()
+        if rows == 0:
             raise DatasetError("Expected non-empty arrays. Received: arrays of 0 rows.")
         check_class_weight_alone(class_weight, sample_weight is not None, arrays[1])
         self.arrays = arrays
         self.shuffle = "batch" if _is_batch(shuffle) else bool(shuffle)
         self._class_weight = class_weight_fn(class_weight) if class_weight else None
+        # Row numbers, which materialize gathers. No tf.data rewrites: each serializes the
+        # graph with the arrays the gather captures, and none sped these stages up
+        # (benchmarks.overhead; the pipeline asks for the parallel gather itself).
+        self.facts = InputFacts("arrays", rows=rows, row_numbers=True,
+                                arity=0 if y is None else 2, graph_rewrites=False)
 
     @property
     def shuffles(self) -> bool:

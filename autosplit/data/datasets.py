@@ -12,13 +12,14 @@ import tensorflow as tf
 from autosplit.data.adapter import (
     EXAMPLE_CHUNK,
     InputAdapter,
+    InputFacts,
     arity,
     check_class_weight_alone,
     check_known_rank,
     check_shared_rows,
     class_weight_fn,
     leading_rows,
-    varying_shapes,
+    varying_axes,
 )
 from autosplit.errors import DatasetError
 from autosplit.keras_hooks import tf_data
@@ -66,7 +67,6 @@ class DatasetInput(InputAdapter):
                 f"Expected `{name}` elements to be (x, y), (x, y, sample_weight) or x alone. "
                 f"Received: element_spec={spec}. Map your dataset to such tuples, e.g. "
                 "dataset.map(lambda e: (e['features'], e['label'])).")
-        self._arity = found
         composite = [leaf for leaf in tf.nest.flatten(spec) if not isinstance(leaf, tf.TensorSpec)]
         if composite:
             raise DatasetError(
@@ -78,17 +78,12 @@ class DatasetInput(InputAdapter):
         cardinality = int(dataset.cardinality())
         if cardinality == 0:
             raise DatasetError(f"Expected a non-empty `{name}`. Received: an empty dataset.")
-        self.batched = batched_ancestor(dataset, model) is not None
-        self.kind = "batched tf.data.Dataset" if self.batched else "tf.data.Dataset of examples"
-        self.infinite = cardinality == tf.data.INFINITE_CARDINALITY
-        self.rows = (counted_rows(dataset) if self.batched
-                     else cardinality if cardinality > 0 else None)
-        check_class_weight_alone(class_weight, self._arity == 3,
-                                  spec[1] if self._arity >= 2 else None)
+        batched = batched_ancestor(dataset, model) is not None
+        check_class_weight_alone(class_weight, found == 3, spec[1] if found >= 2 else None)
         self._class_weight = class_weight_fn(class_weight) if class_weight else None
         self.dataset = dataset
-        if self.batched:
-            parts = spec if self._arity else (spec,)
+        if batched:
+            parts = spec if found else (spec,)
             check_shared_rows(parts, f"`{name}`")
             rows = leading_rows(parts)
             if (len(rows) > 1 and None in rows.values() and not ends_in_batch(dataset)
@@ -97,12 +92,18 @@ class DatasetInput(InputAdapter):
                 # are checked by the pipeline's rebatch); not where a look would move a
                 # seed, nor after a batch(), whose parts share their rows.
                 for first in dataset.take(1):
-                    check_shared_rows(first if self._arity else (first,), f"`{name}`")
-        # Rows of varying shape (sequences of varying length): a padded_batch's, or
-        # examples the pipeline (``autosplit.data.pipeline``) pads per large batch, as
-        # padded_batch(B) pads.
-        self.rows_vary = varying_shapes(spec) if self.batched else any(
-            None in s.shape.as_list() for s in tf.nest.flatten(spec) if s.shape.rank)
+                    check_shared_rows(first if found else (first,), f"`{name}`")
+        # Rows of varying shape (sequences of varying length): a padded_batch's, as long
+        # as their batch; or examples, each as long as it is, which the pipeline pads
+        # per large batch, as padded_batch(B) pads them.
+        varying = varying_axes(spec, batched)
+        self.facts = InputFacts(
+            "batched tf.data.Dataset" if batched else "tf.data.Dataset of examples",
+            batched=batched, infinite=cardinality == tf.data.INFINITE_CARDINALITY,
+            rows=(counted_rows(dataset) if batched
+                  else cardinality if cardinality > 0 else None),
+            arity=found, varying=varying,
+            lengths_from=("batch" if batched else "example") if varying else None)
 
     def own_batch_rows(self) -> int | None:
         return batch_rows(self.dataset) if self.batched else None

@@ -9,7 +9,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from autosplit.data.adapter import InputAdapter, arity, check_shared_rows
+from autosplit.data.adapter import (
+    InputAdapter,
+    InputFacts,
+    arity,
+    check_shared_rows,
+    varying_axes,
+)
 from autosplit.errors import DatasetError
 from autosplit.keras_hooks import internals as _keras
 
@@ -22,8 +28,7 @@ class KerasInput(InputAdapter):
     def __init__(self, data: Any, *, shuffle: bool | str,
                  class_weight: dict | None) -> None:
         self.generator = isinstance(data, types.GeneratorType)
-        self.kind = "generator" if self.generator else "keras.utils.PyDataset"
-        self.reiterable = not self.generator
+        kind = "generator" if self.generator else "keras.utils.PyDataset"
         if self.generator:
             if class_weight is not None:
                 raise DatasetError("Expected no `class_weight` with a generator (model.fit "
@@ -39,9 +44,12 @@ class KerasInput(InputAdapter):
         found = arity(spec)
         if found is None:
             raise DatasetError(
-                f"Expected the {self.kind} to yield (x, y), (x, y, sample_weight) or x "
+                f"Expected the {kind} to yield (x, y), (x, y, sample_weight) or x "
                 f"alone. Received: batches of {spec}.")
-        self._arity = found
+        varying = varying_axes(spec, batched=True)
+        self.facts = InputFacts(kind, batched=True, reiterable=not self.generator,
+                                arity=found, varying=varying,
+                                lengths_from="batch" if varying else None)
         first = (_keras.peeked_batches(self.adapter)[:1] if self.generator
                  else [data[0]] if len(data) else [])
         for batch in first:

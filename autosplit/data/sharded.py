@@ -39,10 +39,11 @@ import tensorflow as tf
 
 from autosplit.data.adapter import (
     InputAdapter,
+    InputFacts,
     arity,
     check_class_weight_alone,
     class_weight_fn,
-    varying_shapes,
+    varying_axes,
 )
 from autosplit.data.datasets import DatasetInput, batch_rows
 from autosplit.data.layout import Layout
@@ -80,10 +81,10 @@ class ShardedInput(InputAdapter):
             (``InputAdapter.weighting``).
         lengths: the lengths of an example (``InputAdapter.lengths``), read from the
             whole input, where its batches are padded sequences; None: one shape.
-    """
 
-    rows = None  # each worker's own count; the epoch ends where every worker's does
-    shares = True
+    The facts: no rows (each worker's own count; the epoch ends where every worker's
+    does), shares of each step.
+    """
 
     def __init__(self, distributed: tf.distribute.DistributedDataset, kind: str, *,
                  class_weight: dict | None = None, weighting: Any = None,
@@ -94,25 +95,26 @@ class ShardedInput(InputAdapter):
                 f"Expected a {kind} with one input pipeline in this process, as "
                 "MultiWorkerMirroredStrategy and MirroredStrategy build. Received: one "
                 "without. Pass the tf.data.Dataset itself.")
-        self.kind = kind
         found = arity(dataset.element_spec)
         if found is None:
             raise DatasetError(
                 f"Expected the {kind}'s elements to be (x, y), (x, y, sample_weight) or x "
                 f"alone. Received: element_spec={dataset.element_spec}.")
-        self.rows_vary = lengths is not None
         vars(self)["_lengths"] = lengths
-        if varying_shapes(dataset.element_spec) and not self.rows_vary:
+        varying = varying_axes(dataset.element_spec, batched=True)
+        if varying and lengths is None:
             raise DatasetError(
                 f"Expected the {kind}'s batches to have one shape beyond their rows. "
                 f"Received: element_spec={dataset.element_spec}. Pad to a fixed length, or "
                 "pass the tf.data.Dataset itself.")
-        self._arity = found
         check_class_weight_alone(class_weight, found == 3,
                                  dataset.element_spec[1] if found >= 2 else None)
         self._class_weight = class_weight_fn(class_weight) if class_weight else weighting
         self.dataset = dataset
-        self.infinite = int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY
+        self.facts = InputFacts(
+            kind, batched=True, shares=True, arity=found, varying=varying,
+            infinite=int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY,
+            lengths_from="share" if varying else None)
 
     def rows_dataset(self, *, shuffle_seed: int | None = None,
                      epoch: int | tf.Variable = 0,
