@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data", "sequences"))
 import _pairs
 from _sequences import model_of
 

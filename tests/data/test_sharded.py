@@ -181,25 +181,6 @@ def test_class_weight_weighs_a_distributed_inputs_rows(strategy):
     assert weights == [[3.0, 1.0, 0.5, 1.0, 1.0, 1.0]]  # labels 0..5
 
 
-def test_a_step_reused_without_headers_counts_each_micro_batch_by_its_own_length():
-    """The large batch's length the workers last agreed on (``agree_lengths``) is
-    forgotten when a pipeline is bound again: a later run of the same step, unsharded,
-    counts its own large batch's length."""
-    from _sequences import B, M, cut_by_length, dataset, model_of, sequences
-
-    from autosplit.step.train_step import build_for, step_for
-
-    adapter = get_input(dataset(sequences(), "lm_sample_weight").padded_batch(16))
-    model = model_of("lm_sample_weight")
-    build_for(model, MicroBatches(adapter, B, M).element_spec())  # as the cut's choice does
-    step = step_for(model, MicroBatches(adapter, B, M, cut=cut_by_length(adapter)))
-    scale = step.update.share_factor.variable
-    assert scale is not None and scale.numpy().tolist() == [1.0]
-    scale.assign([2.5])  # as an agreement leaves it
-    again = step_for(model, MicroBatches(adapter, B, M, cut=cut_by_length(adapter)))
-    assert again is step and scale.numpy().tolist() == [1.0]
-
-
 def test_several_workers_take_tokens_where_each_reads_its_own_share(strategy):
     from autosplit.step.cut_choice import tokens_refused
 

@@ -72,7 +72,7 @@ def padded(rows):
 def reference(batches, jit_compile=False, mixed=False):
     """Single-device model.fit, one step per large batch (``mixed``: under
     mixed_float16): weights, iterations, logs and the loss scale (None without)."""
-    sys.path.insert(0, str(TESTS / "data"))
+    sys.path.insert(0, str(TESTS / "data" / "sequences"))
     from _sequences import model_of
 
     spec = (tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None], tf.int32),

@@ -19,7 +19,6 @@ import tensorflow as tf
 from _sequences import (
     VOCAB,
     B,
-    cut_by_length,
     dataset,
     features,
     hungry_gru,
@@ -30,8 +29,6 @@ from _sequences import (
 from common import assert_within_reorder_noise, tensor_relative_error
 
 import autosplit
-from autosplit.data.inputs import get_input
-from autosplit.data.markers import is_end_marker
 from autosplit.data.pipeline import MicroBatches
 from autosplit.errors import ArgumentError, UnsupportedModelError
 
@@ -91,35 +88,6 @@ def test_arrays_padded_to_one_length_are_cut_in_tokens(padding):
         assert tensor_relative_error(e, a) <= 1e-5
     for name, values in expected.history.items():
         np.testing.assert_allclose(got.history[name], values, rtol=1e-5, err_msg=name)
-
-
-@pytest.mark.parametrize("cap", [None, 12])
-def test_each_micro_batch_holds_at_most_the_budget_and_every_row_once(cap):
-    # A micro-batch holds at most budget // its longest row (at least
-    # one row, at most the rows given); an element with no row ends each large batch.
-    seqs = sequences(150)
-    rows = cap or B
-    adapter = get_input(dataset(seqs, "gru").padded_batch(16))
-    cut = MicroBatches(adapter, B, rows, cut=cut_by_length(adapter, tokens=TOKENS))
-    large, seen, counts = [], [], []
-    for x, _, _, valid in cut.dataset():
-        if bool(is_end_marker((valid,))):
-            large.append(sorted(seen))
-            counts.append(len(seen))
-            seen = []
-            continue
-        tokens = x.inputs.numpy()
-        assert valid.numpy().all()  # no padding rows: their count is the piece's own
-        assert len(tokens) <= rows
-        assert len(tokens) == 1 or tokens.size <= TOKENS
-        longest = max(len(np.trim_zeros(t, "b")) for t in tokens)
-        assert tokens.shape[1] == longest  # padded to its own longest row
-        factors = x.length_factor.numpy()
-        np.testing.assert_allclose(factors, factors[:1].repeat(len(tokens), 0))
-        seen += [tuple(np.trim_zeros(t, "b")) for t in tokens]
-    assert counts == [64, 64, 22] and not seen
-    for index, rows_seen in enumerate(large):
-        assert rows_seen == sorted(tuple(s) for s in seqs[index * B:(index + 1) * B])
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Sequences cut by length on several local replicas: each replica takes a row of every
-R of a large batch's sorted rows, in rows cut by length and in micro-batches of a token
-budget, and the run trains as model.fit's full batch on one device
-(``replicas_child.py``, on two logical CPU devices)."""
+R of a large batch's sorted rows (``test_pieces.py`` reads the pieces), in rows cut by
+length and in micro-batches of a token budget, and the run trains as model.fit's full
+batch on one device (``replicas_child.py``, on two logical CPU devices)."""
 
 from __future__ import annotations
 
@@ -11,37 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from _sequences import B, cut_by_length, dataset, sequences
 from common import child_env
-
-from autosplit.data.inputs import get_input
-from autosplit.data.layout import Layout
-from autosplit.data.markers import is_end_marker
-from autosplit.data.pipeline import MicroBatches
-
-TWO = Layout(workers=1, worker=0, local_replicas=2, replicas=2)
-
-
-@pytest.mark.parametrize("tokens", [None, 160])
-def test_each_replica_takes_a_row_of_every_two_sorted_rows_padded_to_their_longest(tokens):
-    # 185 rows: the last large batch has 57, one replica a row short (a copy, valid 0).
-    seqs = sequences(185)
-    adapter = get_input(dataset(seqs, "gru").padded_batch(16))
-    cut = cut_by_length(adapter, tokens=tokens, replicas=2)
-    rows = []
-    for x, _, _, valid in MicroBatches(adapter, B, 8, TWO, cut=cut).dataset():
-        if is_end_marker((valid,)):
-            continue
-        ids, valid = x.inputs.numpy(), valid.numpy()
-        assert ids.shape[0] == 2 and ids.shape[1] <= (8 if tokens is None else 160)
-        real = [np.trim_zeros(r, "b") for r in ids[valid > 0]]
-        assert ids.shape[2] == max(len(r) for r in real)  # the run's longest, no more
-        if tokens is not None:
-            assert ids.shape[1] == 1 or ids.shape[1] * ids.shape[2] <= tokens
-        rows += [tuple(r) for r in real]
-    assert sorted(rows) == sorted(tuple(s) for s in seqs)  # every row once, copies 0
 
 
 @pytest.fixture(scope="module")

@@ -89,3 +89,15 @@ def test_arrays_padded_to_one_length_have_one_length_in_every_part_that_long():
             tf.TensorSpec([None, 60], tf.int32), ())
     found = padded_lengths(spec, 60)
     assert found.axes == (1, None, 1) and found.groups == (0, None, 0)
+
+
+def test_a_length_without_padding_is_read_in_one_place_dense_ragged_at_either_end():
+    from autosplit.data.sequences.lengths import real_lengths
+
+    dense = tf.constant([[[1, 0], [0, 0], [0, 2], [0, 0]], [[0, 0], [0, 0], [0, 0], [0, 0]]])
+    assert real_lengths(dense).numpy().tolist() == [3, 0]  # any entry of a step counts
+    assert real_lengths(tf.transpose(dense, [0, 2, 1]), axis=2).numpy().tolist() == [3, 0]
+    assert real_lengths(tf.constant([[0, 5, 0, 0]]), pre=True).numpy().tolist() == [3]
+    ragged = tf.ragged.constant([[1, 0, 0], [], [0, 0, 4, 0, 0]])
+    assert real_lengths(ragged).numpy().tolist() == [1, 0, 3]
+    assert real_lengths(tf.constant([[True, False, True, False]])).numpy().tolist() == [3]

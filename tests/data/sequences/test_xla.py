@@ -21,16 +21,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _pairs import large_batch_padding
-from _sequences import B, cut_by_length, dataset, model_of, sequences, trains_as_model_fit
+from _sequences import B, dataset, model_of, sequences, trains_as_model_fit
 from common import child_env, relative_error
 
 import autosplit
-from autosplit.data.inputs import get_input
-from autosplit.data.markers import is_end_marker
-from autosplit.data.pipeline import MicroBatches
-from autosplit.data.sequences.buckets import TOKEN_BUCKETS
 from autosplit.data.sequences.cut import Cut
-from autosplit.data.sequences.packing import rows_within
 
 TOKENS = 240  # 4 rows of the longest (60), 30 of the shortest (3, in the bucket of 8)
 
@@ -52,33 +47,6 @@ def test_micro_batches_in_tokens_under_xla_train_as_model_fit(kind):
         dataset(seqs, kind).padded_batch(128)) / 2, report.cut
     bound = Cut("tokens", buckets=True, tokens=TOKENS).programs(60)
     assert bound == 10 and 1 <= report.programs <= bound
-
-
-def test_each_micro_batch_takes_a_bucket_and_one_of_two_row_counts_and_every_row_once():
-    seqs = sequences(150)
-    adapter = get_input(dataset(seqs, "gru").padded_batch(16))
-    pipeline = MicroBatches(adapter, B, B,
-                            cut=cut_by_length(adapter, buckets=True, tokens=TOKENS))
-    assert not pipeline.all_real()  # copies of a row pad a micro-batch to its shape
-    seen, shapes, met = [], set(), 0
-    for x, _, _, valid in pipeline.dataset():
-        if bool(is_end_marker((valid,))):
-            continue
-        tokens, valid = x.inputs.numpy(), valid.numpy()
-        length = tokens.shape[1]
-        most = int(rows_within(TOKENS, length, B))
-        real = tokens[valid > 0]
-        # A large batch's longest piece comes first: its bucket, or the longest row met
-        # so far where the bucket would pass it.
-        met = max(met, *(len(np.trim_zeros(t, "b")) for t in real))
-        assert length in TOKEN_BUCKETS or length == met, (length, met)
-        assert len(tokens) in (most, (most + 1) // 2)
-        assert valid[:len(real)].all() and (tokens[len(real):] == real[-1]).all()
-        assert max(len(np.trim_zeros(t, "b")) for t in real) <= length
-        seen += [tuple(np.trim_zeros(t, "b")) for t in real]
-        shapes.add(tokens.shape)
-    assert sorted(seen) == sorted(tuple(s) for s in seqs)
-    assert len(shapes) <= Cut("tokens", buckets=True, tokens=TOKENS).programs(60)
 
 
 @pytest.mark.slow
@@ -103,20 +71,6 @@ def test_mixed_float16_in_tokens_under_xla_steps_and_scales_as_model_fit():
         reference.optimizer.dynamic_scale.numpy())
     assert relative_error(reference.get_weights(), model.get_weights()) <= 3e-2
     np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=3e-2)
-
-
-@pytest.mark.parametrize("tokens", [None, 4096])
-def test_a_bucket_never_reaches_past_the_longest_row_met_so_far(tokens):
-    # Two large batches: the first's longest row 300 (its bucket 384, in tokens 416),
-    # the second's 500 (600, 672). A model with a table of 512 positions takes 500.
-    r = np.random.default_rng(0)
-    seqs = [r.integers(1, 50, n).astype("int32") for n in
-            [300, 30, 40, 290, 20, 10, 60, 70, 500, 35, 45, 480, 25, 15, 65, 75]]
-    adapter = get_input(dataset(seqs, "gru").padded_batch(8))
-    pipeline = MicroBatches(adapter, 8, 4, cut=cut_by_length(adapter, buckets=True,
-                                                             tokens=tokens))
-    longest = [int(x.inputs.shape[1]) for x, *_ in pipeline.dataset() if x.inputs.shape[0]]
-    assert max(longest[:len(longest) // 2]) == 300 and max(longest) == 500, longest
 
 
 @pytest.mark.slow

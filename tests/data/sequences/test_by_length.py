@@ -34,9 +34,6 @@ import autosplit
 from autosplit.data.inputs import get_input
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.sequences.buckets import LENGTH_BUCKETS
-from autosplit.errors import DatasetError, UnsupportedModelError
-from autosplit.step.padding import check_padding
-from autosplit.step.train_step import build_for
 
 pytestmark = pytest.mark.slow  # every test trains models on sequences (2-26 s on 2 cores)
 
@@ -134,27 +131,6 @@ def test_rows_of_features_keep_their_feature_axis_and_are_cut_by_length():
     assert got.autosplit.padding.startswith("by length")
 
 
-def test_by_length_true_refuses_a_model_that_reads_its_padding_and_changes_nothing():
-    model = reads_padding()
-    before = [w.copy() for w in (model.build((None, None, 3)) or model.get_weights())]
-    with pytest.raises(UnsupportedModelError, match=r"by_length=True.*does not ignore padding"
-                       r".*by_length='auto'"):
-        autosplit.fit_large_batch(model, features(sequences()).padded_batch(16),
-                                  batch_size=B, micro_batch_size=M, by_length=True, verbose=0)
-    for b, a in zip(before, model.get_weights(), strict=True):
-        np.testing.assert_array_equal(b, a)
-    assert int(model.optimizer.iterations) == 0
-
-
-def test_by_length_asks_for_rows_that_vary_and_a_valid_choice():
-    x, y = np.ones((8, 5), "int32"), np.zeros(8, "float32")  # no row padded
-    with pytest.raises(DatasetError, match="vary in length with by_length=True"):
-        autosplit.fit_large_batch(model_of("gru"), x, y, batch_size=4, micro_batch_size=2,
-                                  by_length=True, verbose=0)
-    with pytest.raises(ValueError, match=r"`by_length`.*'auto', True, False.*'yes'"):
-        autosplit.fit_large_batch(model_of("gru"), x, y, batch_size=4, by_length="yes")
-
-
 def test_jit_compiled_steps_cut_by_length_train_as_model_fit():
     # Lengths are rounded up to buckets: XLA compiles one program per bucket.
     seqs = sequences()
@@ -193,37 +169,6 @@ def test_the_length_cut_feeds_each_row_once_with_less_than_half_the_padding():
         ids = x.inputs.numpy()[valid.numpy() > 0]
         met = max(met, *(len(np.trim_zeros(t, "b")) for t in ids))
         assert x.inputs.shape[1] in LENGTH_BUCKETS or x.inputs.shape[1] == met, met
-
-
-def test_the_check_finds_what_reads_padding_and_leaves_the_model_as_it_was():
-    seqs = sequences(32)
-    for make, data, expected in (
-            (lambda: model_of("gru"), dataset(seqs, "gru"), True),
-            (reads_padding, features(seqs), False)):
-        model = make()
-        adapter = get_input(data)
-        spec = MicroBatches(adapter, 16, 8).element_spec()
-        build_for(model, spec)
-        before = [v.numpy().copy() for v in model.variables + model.optimizer.variables]
-        found = check_padding(model, adapter.sample(16), spec[:3], adapter.lengths())
-        assert found.ignores_padding is expected, found
-        after = [v.numpy() for v in model.variables + model.optimizer.variables]
-        for b, a in zip(before, after, strict=True):
-            np.testing.assert_array_equal(b, a)
-
-
-def test_dropout_does_not_hide_that_a_model_ignores_padding():
-    # The check's two steps run with dropout still; training keeps its dropout.
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((None,), dtype="int32"),
-                              keras.layers.Embedding(VOCAB, 8, mask_zero=True),
-                              keras.layers.Dropout(0.5), keras.layers.GRU(8, dropout=0.3),
-                              keras.layers.Dense(1)])
-    model.compile("sgd", keras.losses.BinaryCrossentropy(from_logits=True))
-    history = autosplit.fit_large_batch(model, dataset(sequences(64), "gru").padded_batch(16),
-                                        batch_size=32, micro_batch_size=8, verbose=0)
-    assert history.autosplit.padding.startswith("by length")
-    assert model.layers[1].rate == 0.5
 
 
 def test_check_reports_whether_a_batch_of_padded_sequences_can_be_cut_by_length():
