@@ -18,7 +18,7 @@ from autosplit.data.markers import Ends, skip_to_end_marker
 from autosplit.data.pipeline import MicroBatches
 
 
-def _fit_batched(dataset, *, marked, epochs=3):
+def _fit_batched(dataset, *, epoch_markers, epochs=3):
     """(weights, losses, iterators made) of a fit on ``dataset()``, with or without the
     one iterator whose epochs end at a marker. The dataset is made after the seed is
     set: a seeded shuffle's seeds depend on the global seed at its creation."""
@@ -31,7 +31,7 @@ def _fit_batched(dataset, *, marked, epochs=3):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(MicroBatches, "dataset", spy)
-        if not marked:
+        if not epoch_markers:
             patch.setattr(MicroBatches, "can_mark", lambda self: False)
         keras.utils.set_random_seed(3)
         model = make()
@@ -53,9 +53,9 @@ def test_an_input_of_unknown_length_is_read_by_one_iterator_with_marked_epochs(r
                 .shuffle(rows, seed=5, reshuffle_each_iteration=True).batch(10)
                 .filter(lambda *e: True))  # of unknown length
 
-    weights, losses, iterators = _fit_batched(dataset, marked=True)
+    weights, losses, iterators = _fit_batched(dataset, epoch_markers=True)
     assert [k["ends"].epoch for k in iterators] == ["marker"]
-    expected, expected_losses, fresh = _fit_batched(dataset, marked=False)
+    expected, expected_losses, fresh = _fit_batched(dataset, epoch_markers=False)
     assert len(fresh) == 3
     assert_weights_close(expected, weights, 1e-6)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
@@ -83,8 +83,8 @@ def test_a_marked_epoch_longer_than_the_first_ends_where_model_fit_ends_it():
         calls.clear()
         return tf.data.Dataset.from_generator(rows_this_epoch, output_signature=spec).batch(10)
 
-    weights, losses, _ = _fit_batched(dataset, marked=True)
-    expected, expected_losses, _ = _fit_batched(dataset, marked=False)
+    weights, losses, _ = _fit_batched(dataset, epoch_markers=True)
+    expected, expected_losses, _ = _fit_batched(dataset, epoch_markers=False)
     assert_weights_close(expected, weights, 1e-6)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
 
