@@ -27,7 +27,7 @@ from autosplit.data.arrays import ArrayInput
 from autosplit.data.markers import Ends
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.split import split_batch
-from autosplit.step.train_step import TrainStep, step_for
+from autosplit.step.train_step import Step, TrainStep, step_for
 from autosplit.training import fit as _fit
 from autosplit.training.recovery import RecoverableStep, Recovery
 
@@ -139,7 +139,7 @@ def inject_oom(at_steps: Iterable[int], *, above: int = 0) -> Iterator[list]:
     pending = set(at_steps)
     raised: list[tuple[int, int]] = []
 
-    def faulty_recovery(step: TrainStep, **kwargs: Any) -> Recovery:
+    def faulty_recovery(step: Step, **kwargs: Any) -> Recovery:
         faulty = FaultyStep(step, (), above=above)
         # One record for every call in the block: a step that failed once does not fail
         # again in a later call.
@@ -153,7 +153,7 @@ def inject_oom(at_steps: Iterable[int], *, above: int = 0) -> Iterator[list]:
 def train_on_large_batch(model: keras.Model, x: Any, y: Any, sample_weight: Any = None, *,
                          micro_batch_size: int, batch_size: int | None = None,
                          jit_compile: bool | None = None, run_eagerly: bool | None = None
-                         ) -> tuple[dict, TrainStep]:
+                         ) -> tuple[dict, Step]:
     """One exact large-batch update from arrays (all rows, in order); returns (logs, step).
 
     ``batch_size`` defaults to the number of rows; pass a larger one to train a short

@@ -47,6 +47,7 @@ __all__ = [
     "per_replica",
     "resolve_path",
     "resume_epoch",
+    "seed_states",
     "set_keras_mask",
     "squeeze_or_expand_to_same_rank",
     "symbolic_build",
@@ -156,6 +157,26 @@ def call_has_training_arg(model: keras.Model) -> bool:
 def flatten_layers(model: keras.Model) -> list:
     """Every layer of the model, nested ones included (``Layer._flatten_layers``)."""
     return list(model._flatten_layers())
+
+
+def seed_states(model: keras.Model) -> list:
+    """The state variables of every ``SeedGenerator`` the model's layers draw from
+    (``Layer._seed_generators``; Dropout's, a noise layer's, a random augmentation's), and
+    of Keras's global one where it exists (a draw with ``seed=None``). Each draw is a
+    stateless op on its generator's state, so a forward pass run again from the same
+    states draws the same values."""
+    from keras.src.backend.common import global_state
+
+    found, seen = [], set()
+    for layer in flatten_layers(model):
+        for generator in getattr(layer, "_seed_generators", ()):
+            if id(generator) not in seen:
+                seen.add(id(generator))
+                found.append(generator.state)
+    shared = global_state.get_global_attribute("global_seed_generator")
+    if shared is not None:
+        found.append(shared.state)
+    return found
 
 
 def flat_losses(model: keras.Model) -> list[FlatLoss]:

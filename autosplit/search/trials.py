@@ -32,7 +32,7 @@ from autosplit.errors import NothingFitsError
 from autosplit.memory.peak_meter import PeakMeter
 from autosplit.search.policy import Trial, search
 from autosplit.step.snapshot import Snapshot
-from autosplit.step.train_step import TrainStep, build_for, step_for
+from autosplit.step.train_step import Step, build_for, step_for
 
 __all__ = ["TRIAL_SHUFFLE_SEED", "TrialRunner", "child_trials", "trial_dataset"]
 
@@ -87,7 +87,7 @@ class _Collector:
 class TrialRunner:
     """Trial steps at one size after another, and the lockstep form across workers."""
 
-    def __init__(self, step: TrainStep, snapshot: Snapshot, meter: PeakMeter, budget: int,
+    def __init__(self, step: Step, snapshot: Snapshot, meter: PeakMeter, budget: int,
                  data: InputAdapter, batch_size: int, where: Layout,
                  say: Callable[[Trial], None], by_length: Cut | None = None,
                  length: int = 1) -> None:

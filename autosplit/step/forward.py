@@ -15,7 +15,7 @@ from autosplit.errors import DatasetError
 from autosplit.keras_hooks import internals as _keras
 from autosplit.step.reduction import output_terms
 
-__all__ = ["align_targets", "forward", "forward_parts", "forward_totals"]
+__all__ = ["align_targets", "forward", "forward_parts", "forward_totals", "in_call_losses"]
 
 
 def align_targets(model: keras.Model, y: Any, y_pred: Any) -> Any:
@@ -69,9 +69,15 @@ def forward(model, x, y, sample_weight, valid, *, training=True, length_factor=N
             s_w = _keras.resolve_path(flat.path, sample_weight)
         terms.append(output_terms(flat.loss, y_t, y_p, s_w, valid, None if length_factors is None
                                   else _keras.resolve_path(flat.path, length_factors)))
+    return y, y_pred, terms, in_call_losses(model)
+
+
+def in_call_losses(model: keras.Model) -> list:
+    """The losses the model's last call added (``add_loss``, activity regularizers),
+    float32: ``model.losses`` without the weight penalties, which come last."""
     losses = list(model.losses)
     in_call = losses[: len(losses) - _n_weight_regularizers(model)]
-    return y, y_pred, terms, [tf.cast(loss, tf.float32) for loss in in_call]
+    return [tf.cast(loss, tf.float32) for loss in in_call]
 
 
 def forward_parts(in_call: list, summed: tuple[bool, ...]) -> tuple[tf.Tensor, tf.Tensor]:

@@ -34,7 +34,6 @@ __all__ = [
     "SUM",
     "WEIGHT",
     "LossTerms",
-    "check_call",
     "check_reduction",
     "combined_loss",
     "output_terms",
@@ -94,18 +93,6 @@ def own_call(loss: object) -> bool:
             and type(loss).__call__ is not keras.losses.Loss.__call__)
 
 
-def check_call(loss: object) -> None:
-    """Refuse a loss whose ``__call__`` is its own: its per-example values are not
-    ``call()``'s, and what autosplit sums must be what Keras's compiled loss computes."""
-    if own_call(loss):
-        raise UnsupportedModelError(
-            "Expected a compiled loss whose value Keras's Loss.__call__ reduces from "
-            f"call()'s per-example values. Received: {type(loss).__name__}, which "
-            "overrides __call__, so its value is its own, not a sum over examples that "
-            "micro-batches can add up. Return per-example values from call(y_true, "
-            "y_pred) and leave __call__ to Keras, or train with model.fit.")
-
-
 def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_valid,
                  length_factor=None) -> LossTerms:
     """The numerator and denominator of ``loss(y_true, y_pred, sample_weight)``.
@@ -126,7 +113,13 @@ def output_terms(loss: keras.losses.Loss, y_true, y_pred, sample_weight, row_val
         (or ``sum(numerators)`` for ``reduction="sum"``).
     """
     reduction = check_reduction(loss)
-    check_call(loss)
+    if own_call(loss):
+        # Its value is its own (keras-io's SupervisedContrastiveLoss): a value per batch
+        # that no sum of micro-batches gives, which only the whole-batch step computes
+        # (``autosplit.step.mixing``).
+        value = tf.cast(loss(y_true, y_pred, sample_weight), tf.float32)
+        return LossTerms(value, tf.constant(1.0, tf.float32), False, SUM, None,
+                         per_example=False, row_mean=False)
     dtype = loss.dtype
     in_mask = _keras.get_keras_mask(y_pred)
     y_pred = tree.map_structure(lambda t: keras.ops.convert_to_tensor(t, dtype=dtype), y_pred)

@@ -10,6 +10,7 @@ dependencies do not reach: order between replica functions travels as data, in t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ from autosplit.data.layout import layout
 from autosplit.graph import after
 from autosplit.keras_hooks import internals as _keras
 
-__all__ = ["Replicas", "without_replica_axis"]
+__all__ = ["Replicas", "row_count", "without_replica_axis"]
 
 
 def without_replica_axis(specs: Any) -> Any:
@@ -67,13 +68,13 @@ class Replicas:
         """A token that exists once every local replica's ``values`` do."""
         return after([t for out in self.results(values) for t in tf.nest.flatten(out)])
 
-    def split(self, element: Any) -> Any:
-        """One value per local replica from an element with a leading local-replica axis
-        (an element without one, with a single local replica, as it is)."""
+    def split(self, element: Any, axis: int = 0) -> Any:
+        """One value per local replica from an element with a local-replica axis at
+        ``axis`` (an element without one, with a single local replica, as it is)."""
         if self.local == 1:
             return element
-        return tf.nest.map_structure(
-            lambda t: _keras.per_replica([t[i] for i in range(self.local)]), element)
+        return tf.nest.map_structure(lambda t: _keras.per_replica(
+            [tf.gather(t, i, axis=axis) for i in range(self.local)]), element)
 
     def vote(self, failed: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
         """Collective: ``[failed, rows]`` summed over every worker (one all-reduce of two
@@ -84,3 +85,10 @@ class Replicas:
         """Collective: ``values`` (a vector) at their most and their least over every
         replica (one all-gather: a collective all-reduce takes sums and means only)."""
         return self.results(self.run(_bounds, values))[0]
+
+
+def row_count(total: float) -> float:
+    """The agreement's sum as a count of rows: each local replica adds rows / replicas,
+    which float32 rounds (6 x float32(500 / 3) = 1000.0001); -inf (a worker gave up) as
+    it is."""
+    return float(round(total) if math.isfinite(total) else total)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import math
 from typing import Any, Literal
 
 import keras
@@ -36,12 +35,14 @@ from autosplit.keras_hooks.checks import check_trainable
 from autosplit.keras_hooks.custom_step import has_custom_step
 from autosplit.step.compiled import Compilation, FunctionCache
 from autosplit.step.loop import Pull, pull
+from autosplit.step.mixing import loss_over_whole_batch
 from autosplit.step.model_state import model_state, step_key
 from autosplit.step.reduction import check_reduction
-from autosplit.step.replicas import without_replica_axis
+from autosplit.step.replicas import row_count, without_replica_axis
 from autosplit.step.update import LargeBatchUpdate
+from autosplit.step.whole_batch import WholeBatchStep
 
-__all__ = ["TrainStep", "build_for", "row_count", "step_for"]
+__all__ = ["Step", "TrainStep", "build_for", "step_for"]
 
 
 _INPUT = Ends("input")
@@ -51,13 +52,6 @@ def _until(ends: Ends) -> Literal["input", "marker"]:
     """Where a loop that may end early stops (``Pull.ends``): at a marker, or at the
     input's end."""
     return "marker" if ends.stop == "marker" else "input"
-
-
-def row_count(total: float) -> float:
-    """The agreement's sum as a count of rows: each local replica adds rows / replicas,
-    which float32 rounds (6 x float32(500 / 3) = 1000.0001); -inf (a worker gave up) as
-    it is."""
-    return float(round(total) if math.isfinite(total) else total)
 
 
 class TrainStep:
@@ -270,8 +264,11 @@ class TrainStep:
         self.update.stash.pending.assign(False)
 
 
+Step = TrainStep | WholeBatchStep  # a model's compiled large-batch step, of either kind
+
+
 def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | None = None,
-             run_eagerly: bool | None = None, batch_norm: str = "pooled") -> TrainStep:
+             run_eagerly: bool | None = None, batch_norm: str = "pooled") -> Step:
     """The model's ``TrainStep`` for ``pipeline``'s micro-batches, built once and reused.
 
     Builds the model for the pipeline's elements first (:func:`build_for`). As Keras
@@ -284,7 +281,7 @@ def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | 
     compilation = Compilation.of(model, jit_compile, run_eagerly)
     state = model_state(model)
     key = step_key(pipeline.batch_size, compilation, batch_norm)
-    step = state.steps.get(key)
+    step: Step | None = state.steps.get(key)
     # keras-io's Switch Transformer reshapes to a fixed batch_size * tokens.
     with refusing(
             "a model whose call() takes batches of any number of rows",
@@ -295,15 +292,22 @@ def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | 
             "tokens) cannot be split: take such sizes from the input "
             "(keras.ops.shape(x)[0]), or train with model.fit."):
         build_for(model, spec, pipeline.local_replicas)
+        whole = loss_over_whole_batch(model, pipeline.adapter, without_replica_axis(spec)
+                                      if pipeline.local_replicas > 1 else spec)
         if step is None:
             if state.steps:
                 # An older batch size: free its sums before allocating new ones (its
                 # compiled functions hold it in a reference cycle).
                 state.steps.clear()
                 gc.collect()
-            step = TrainStep(model, pipeline.batch_size, spec, compilation=compilation,
-                             batch_norm=batch_norm, all_real=pipeline.all_real(),
-                             rows=pipeline.rows)
+            if whole is not None:  # outputs first, the loss over the batch, then gradients
+                step = WholeBatchStep(model, pipeline.batch_size, spec, compilation=compilation,
+                                      why=whole, all_real=pipeline.all_real(),
+                                      rows=pipeline.rows)
+            else:
+                step = TrainStep(model, pipeline.batch_size, spec, compilation=compilation,
+                                 batch_norm=batch_norm, all_real=pipeline.all_real(),
+                                 rows=pipeline.rows)
             state.steps[key] = step
         else:
             step.rebind(spec, all_real=pipeline.all_real(), rows=pipeline.rows)

@@ -29,7 +29,7 @@ from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import flat_logs, metrics_or_last
 from autosplit.step.evaluate import Evaluator, validation_input
 from autosplit.step.model_state import model_state
-from autosplit.step.train_step import TrainStep
+from autosplit.step.train_step import Step
 from autosplit.training.arguments import Args, check_input, split_off_validation, validate_fit
 from autosplit.training.epochs import Epochs, iteration_of, publish
 from autosplit.training.plan import Plan, plan_run
@@ -288,7 +288,7 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: Plan,
     return history
 
 
-def _epoch_logs(step: TrainStep, last: dict[str, Any]) -> dict[str, Any]:
+def _epoch_logs(step: Step, last: dict[str, Any]) -> dict[str, Any]:
     """The logs of an epoch, as ``model.fit`` picks them (:func:`metrics_or_last`)."""
     if step.update.plan.custom is None:
         return flat_logs(step.model.get_metrics_result())

@@ -26,7 +26,7 @@ from autosplit.search.isolation import (
 )
 from autosplit.step.compiled import Compilation
 from autosplit.step.cut_choice import choose_cut
-from autosplit.step.train_step import TrainStep, step_for
+from autosplit.step.train_step import Step, step_for
 from autosplit.training.arguments import Args, warn_if_inexact
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class Plan:
     split: Split  # of this replica's share B / R
     layout: Layout
     pipeline: MicroBatches
-    step: TrainStep
+    step: Step
     probe: ProbeResult | None
     reason: str
     shuffle_seed: int | None = None  # every epoch's order (arrays); the same on every worker
@@ -137,7 +137,7 @@ def _given_size(model: keras.Model, adapter: InputAdapter, args: Args, where: La
     return given, "given"
 
 
-def _shuffle_seed(step: TrainStep, where: Layout, adapter: InputAdapter) -> int | None:
+def _shuffle_seed(step: Step, where: Layout, adapter: InputAdapter) -> int | None:
     """The seed of every epoch's shuffle of arrays (epoch e ordered by (seed, e) alone),
     drawn once from TensorFlow's random state, so that ``set_random_seed`` makes a run
     reproducible, a recovered run keeps its orders, and every worker uses worker 0's

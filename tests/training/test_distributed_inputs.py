@@ -13,7 +13,7 @@ from common import relative_error
 
 import autosplit
 from autosplit.errors import DatasetError
-from autosplit.step.train_step import row_count
+from autosplit.step.replicas import row_count
 
 
 def data(n=20):

@@ -1,0 +1,135 @@
+"""Whether a model's loss must be computed over the whole batch (:func:`whole_batch_reason`):
+a loss for a row that depends on the batch's other rows, which no sum of micro-batches
+gives.
+
+Found before the first update, on evidence, never on a guess:
+
+- a compiled ``keras.losses.Loss`` that computes its value in a ``__call__`` of its own
+  (keras-io's ``SupervisedContrastiveLoss``): its value is its own, not one its
+  per-example values add up to;
+- a compiled loss that returns one value per batch which the trace does not read as a
+  plain mean over the rows (``LossPlan.per_batch_ratios``: a chi-square between
+  histograms of the batch, a ratio);
+- a compiled loss whose per-example values move with the other rows of the batch, on
+  the sample's real rows: each half's values computed alone, and the rows' values in
+  reverse order, differ from the whole batch's (in-batch negatives: each row's softmax
+  over every row of the batch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from autosplit.data.adapter import InputAdapter
+from autosplit.data.structure import empty_to_none
+from autosplit.keras_hooks import internals as _keras
+from autosplit.step.forward import align_targets
+from autosplit.step.loss_plan import LossPlan, step_plan
+from autosplit.step.model_state import model_state
+from autosplit.step.reduction import own_call
+
+__all__ = ["loss_over_whole_batch", "whole_batch_reason"]
+
+_ROWS = 32  # the sample's rows the per-example values are compared on
+_TOLERANCE = 1e-4  # of the largest value: a row's own value moves ~1e-7 with the batch
+
+
+def loss_over_whole_batch(model: keras.Model, adapter: InputAdapter, element_spec: Any
+                          ) -> str | None:
+    """:func:`whole_batch_reason` for the micro-batches of ``element_spec`` (a
+    pipeline's ``(x, y, w_or_(), valid)``; with several local replicas, a replica's),
+    read on a sample of ``adapter``'s rows once per compile state."""
+    x, y, w = (empty_to_none(part) for part in element_spec[:3])
+    specs = tuple(None if part is None else tf.nest.map_structure(
+        lambda s: tf.TensorSpec([_ROWS, *s.shape[1:]], s.dtype), part) for part in (x, y, w))
+    key = ("whole batch", repr(specs))
+    cache = model_state(model).plans
+    if key not in cache:
+        plan = step_plan(model, specs)
+        cache[key] = (None if plan.custom is not None
+                      else whole_batch_reason(model, plan, adapter.sample(_ROWS)))
+    return cache[key]
+
+
+def whole_batch_reason(model: keras.Model, plan: LossPlan, sample: tuple) -> str | None:
+    """Why ``model``'s loss is computed over the whole batch, or None: a sum over its
+    rows, which micro-batches add up exactly (see the module's docstring).
+
+    Args:
+        model: a compiled model, built.
+        plan: its loss plan (``loss_plan.step_plan``).
+        sample: ``(x, y, sample_weight)`` of a few real rows (``InputAdapter.sample``).
+    """
+    if plan.custom is not None:
+        return None
+    flat = _keras.flat_losses(model)
+    for loss in flat:
+        if own_call(loss.loss):
+            return (f"its loss {_named(loss)} overrides __call__: its value is its own, "
+                    "not a sum over examples")
+    if plan.per_batch_ratios:
+        return ("a loss of it returns one value per batch that is not a mean over the "
+                "batch's rows")
+    x, y, _ = sample
+    if y is None or not flat:
+        return None
+    rows = int(tf.shape(tf.nest.flatten(x)[0])[0])
+    if rows < 2:
+        return None
+    n = min(rows, _ROWS)
+    x, y = tf.nest.map_structure(lambda t: t[:n], (x, y))
+    y_pred = model(x, training=False) if _keras.call_has_training_arg(model) else model(x)
+    y = align_targets(model, y, y_pred)
+    for loss in flat:
+        moved = _moved(loss.loss, _keras.resolve_path(loss.path, y),
+                       _keras.resolve_path(loss.path, y_pred), n)
+        if moved is not None:
+            return (f"the per-example values of its loss {_named(loss)} move with the "
+                    f"batch's other rows (by {moved:.1e} of the largest on {n} rows of the "
+                    "data): each row's loss depends on every row of the batch")
+    return None
+
+
+def _named(flat: Any) -> str:
+    name = getattr(flat.loss, "name", None) or type(flat.loss).__name__
+    return f"`{name}`"
+
+
+def _values(loss: keras.losses.Loss, y_true: Any, y_pred: Any) -> np.ndarray | None:
+    """Per row, the loss's per-example values (summed over any axes after the rows), or
+    None for a value per batch (the plan reads those)."""
+    dtype = loss.dtype
+    y_true, y_pred = (keras.tree.map_structure(
+        lambda t: keras.ops.convert_to_tensor(t, dtype=dtype), part) for part in (y_true, y_pred))
+    values = keras.ops.convert_to_tensor(loss.call(y_true, y_pred), dtype=dtype)
+    if values.shape.rank == 0:
+        return None
+    per_row = tf.reduce_sum(tf.reshape(values, [tf.shape(values)[0], -1]), axis=1)
+    return np.asarray(per_row, np.float64)
+
+
+def _moved(loss: keras.losses.Loss, y_true: Any, y_pred: Any, n: int) -> float | None:
+    """How far the per-example values of ``loss`` move when the rows come in two halves
+    or in reverse order, over the largest value; None where they do not."""
+    def rows(index):
+        return tuple(tf.nest.map_structure(lambda t: tf.gather(t, index), part)
+                     for part in (y_true, y_pred))
+
+    whole = _values(loss, y_true, y_pred)
+    if whole is None:
+        return None
+    half = n // 2
+    parts = [np.arange(half), np.arange(half, n), np.arange(n)[::-1]]
+    found = [np.zeros(0)] * 3
+    for k, index in enumerate(parts):
+        values = _values(loss, *rows(tf.constant(index)))
+        found[k] = np.zeros(0) if values is None else values
+    again = np.concatenate([found[0], found[1]])
+    reverse = found[2][::-1]
+    scale = max(float(np.max(np.abs(whole))), 1e-12)
+    moved = max(float(np.max(np.abs(again - whole))), float(np.max(np.abs(reverse - whole))))
+    return moved / scale if moved > _TOLERANCE * scale + 1e-7 else None
