@@ -25,8 +25,10 @@ import numpy as np
 import tensorflow as tf
 
 from autosplit.data.adapter import InputAdapter
+from autosplit.data.sequences.length_factor import inputs_of
 from autosplit.data.structure import empty_to_none
 from autosplit.keras_hooks import internals as _keras
+from autosplit.keras_hooks.custom_step import has_custom_step
 from autosplit.step.forward import align_targets
 from autosplit.step.loss_plan import LossPlan, step_plan
 from autosplit.step.model_state import model_state
@@ -43,15 +45,17 @@ def loss_over_whole_batch(model: keras.Model, adapter: InputAdapter, element_spe
     """:func:`whole_batch_reason` for the micro-batches of ``element_spec`` (a
     pipeline's ``(x, y, w_or_(), valid)``; with several local replicas, a replica's),
     read on a sample of ``adapter``'s rows once per compile state."""
+    if has_custom_step(model):  # its own step reads its own loss (keras_hooks.custom_step)
+        return None
     x, y, w = (empty_to_none(part) for part in element_spec[:3])
+    x = inputs_of(x)  # a micro-batch cut by length: its inputs
+    rows = tf.nest.flatten(x)[0].shape[0] or _ROWS  # the plan the step reads, if static
     specs = tuple(None if part is None else tf.nest.map_structure(
-        lambda s: tf.TensorSpec([_ROWS, *s.shape[1:]], s.dtype), part) for part in (x, y, w))
+        lambda s: tf.TensorSpec([rows, *s.shape[1:]], s.dtype), part) for part in (x, y, w))
     key = ("whole batch", repr(specs))
     cache = model_state(model).plans
     if key not in cache:
-        plan = step_plan(model, specs)
-        cache[key] = (None if plan.custom is not None
-                      else whole_batch_reason(model, plan, adapter.sample(_ROWS)))
+        cache[key] = whole_batch_reason(model, step_plan(model, specs), adapter.sample(_ROWS))
     return cache[key]
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "own_call",
     "row_weight",
     "weight_regularization",
+    "whole_batch_loss",
 ]
 
 # What a loss's denominator counts: autosplit's kinds, not Keras's reduction strings
@@ -226,3 +227,25 @@ def weight_regularization(model: keras.Model) -> tf.Tensor:
     losses = [tf.cast(v.regularizer(v), tf.float32) for v in model.trainable_variables
               if getattr(v, "regularizer", None) is not None]
     return tf.add_n(losses) if losses else tf.constant(0.0, tf.float32)
+
+
+def whole_batch_loss(model: keras.Model, y: Any, y_pred: Any, sample_weight: Any
+                     ) -> tuple[tf.Tensor, list]:
+    """The compiled loss of one whole batch and each output's unweighted value, as
+    Keras's ``CompileLoss`` computes them (each loss's own ``__call__``, times its
+    ``loss_weights``), undoing the ``1 / replicas`` Keras's reduction puts on a value
+    computed inside a strategy's replica: every replica computes the global batch's.
+    ``y`` has ``y_pred``'s structure (``forward.align_targets``)."""
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    total, per_output = tf.constant(0.0), []
+    for flat in _keras.flat_losses(model):
+        y_t, y_p = _keras.resolve_path(flat.path, y), _keras.resolve_path(flat.path, y_pred)
+        s_w = sample_weight
+        if sample_weight is not None and keras.tree.is_nested(sample_weight):
+            s_w = _keras.resolve_path(flat.path, sample_weight)
+        value = tf.cast(flat.loss(y_t, y_p, s_w), tf.float32)
+        if replicas > 1 and not own_call(flat.loss):
+            value = value * float(replicas)
+        per_output.append(value)
+        total += value * (1.0 if flat.weight is None else float(flat.weight))
+    return total, per_output

@@ -32,7 +32,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from autosplit.data.markers import Ends, is_end_marker
+from autosplit.data.markers import Ends
 from autosplit.data.structure import empty_to_none, map_present
 from autosplit.errors import UnsupportedModelError
 from autosplit.graph import HOST, after
@@ -42,34 +42,13 @@ from autosplit.step.forward import align_targets, forward_parts, in_call_losses
 from autosplit.step.loss_plan import loss_plan
 from autosplit.step.metrics import update_loss_trackers, update_metrics
 from autosplit.step.overflow import overflowed, poisoned
-from autosplit.step.reduction import own_call, weight_regularization
+from autosplit.step.reduction import weight_regularization, whole_batch_loss
 from autosplit.step.replicas import Replicas, row_count, without_replica_axis
+from autosplit.step.store import Store
 
 __all__ = ["WholeBatchStep", "whole_batch_loss"]
 
 _INPUT = Ends("input")
-
-
-def whole_batch_loss(model: keras.Model, y: Any, y_pred: Any, sample_weight: Any
-                     ) -> tuple[tf.Tensor, list]:
-    """The compiled loss of one whole batch and each output's unweighted value, as
-    Keras's ``CompileLoss`` computes them (each loss's own ``__call__``, times its
-    ``loss_weights``), undoing the ``1 / replicas`` Keras's reduction puts on a value
-    computed inside a strategy's replica: every replica computes the global batch's."""
-    y = align_targets(model, y, y_pred)
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    total, per_output = tf.constant(0.0), []
-    for flat in _keras.flat_losses(model):
-        y_t, y_p = _keras.resolve_path(flat.path, y), _keras.resolve_path(flat.path, y_pred)
-        s_w = sample_weight
-        if sample_weight is not None and keras.tree.is_nested(sample_weight):
-            s_w = _keras.resolve_path(flat.path, sample_weight)
-        value = tf.cast(flat.loss(y_t, y_p, s_w), tf.float32)
-        if replicas > 1 and not own_call(flat.loss):
-            value = value * float(replicas)
-        per_output.append(value)
-        total += value * (1.0 if flat.weight is None else float(flat.weight))
-    return total, per_output
 
 
 class _Facts:
@@ -109,12 +88,7 @@ class WholeBatchStep:
         self._functions = FunctionCache()
         self._slices = 1
         self._ended: bool | None = False
-        self._store: list | None = None
-        with tf.device(HOST):
-            self._count = tf.Variable(0, dtype=tf.int32, trainable=False)
-            self._pulled = tf.Variable(0, dtype=tf.int32, trainable=False)
-            self._exhausted = tf.Variable(False, trainable=False)
-            self._real = tf.Variable(0.0, trainable=False)
+        self._store: Store | None = None
         self.rebind(element_spec, all_real=all_real, rows=rows)
 
     # ------------------------------------------------------------ binding
@@ -135,14 +109,15 @@ class WholeBatchStep:
             s, tf.TensorSpec) else s for s in (x, empty_to_none(y), empty_to_none(w)))
         self.plan = loss_plan(self.model, specs)
         self.update = _Facts(self.plan)
-        flat = tf.nest.flatten(element_spec)
-        if self._store is None or len(self._store) != len(flat) or any(
-                v.dtype != s.dtype for v, s in zip(self._store, flat, strict=True)):
+        if self._store is None or not self._store.fits(element_spec):
             self._functions.clear()
-            with tf.device(HOST):
-                self._store = [tf.Variable(tf.zeros([0, *[d or 1 for d in s.shape]], s.dtype),
-                                           trainable=False, shape=tf.TensorShape(None))
-                               for s in flat]
+            self._store = Store(element_spec)
+        self._store.spec = element_spec
+
+    @property
+    def _held(self) -> Store:
+        assert self._store is not None
+        return self._store
 
     def _function(self, name: str, fn: Any, **static: Any) -> Any:
         spec = "" if name in self._SHARED else repr(self.element_spec)
@@ -179,7 +154,7 @@ class WholeBatchStep:
         batch so far, with ``resume``); :meth:`finish` trains on them in ``slices``."""
         self._slices = slices
         self._ended = None
-        return int(self._function("gather", self._gather, until=_until(ends),
+        return int(self._function("gather", self._held.pull, until=_until(ends),
                                   append=resume)(iterator, tf.constant(count, tf.int32)))
 
     def finish(self) -> dict:
@@ -200,92 +175,43 @@ class WholeBatchStep:
 
     def local_rows(self) -> float:
         """Real rows in the store."""
-        return float(self._real.numpy())
+        return float(self._held.real.numpy())
 
     def progress(self) -> tuple[int, bool, bool]:
         """(elements the last call pulled, False: nothing is half done, input ended)."""
-        return int(self._pulled.numpy()), False, bool(self._exhausted.numpy())
+        store = self._held
+        return int(store.pulled.numpy()), False, bool(store.exhausted.numpy())
 
     def input_ended(self) -> bool:
         if self._ended is None:
-            self._ended = bool(self._exhausted.numpy())
+            self._ended = bool(self._held.exhausted.numpy())
         return self._ended
 
     def discard(self) -> None:
         """Forget the stored large batch."""
-        self._count.assign(0)
-        self._real.assign(0.0)
+        self._held.forget()
         self._slices = 1
 
     # ------------------------------------------------------------ graph code
 
     def _fused(self, iterator: Any, count: tf.Tensor, *, until: str) -> Any:
-        pulled = self._gather(iterator, count, until=until)
+        pulled = self._held.pull(iterator, count, until=until)
         with tf.control_dependencies([pulled]):
             return self._large_batch(slices=1)
 
     def _fused_if_any(self, iterator: Any, count: tf.Tensor, *, until: str) -> Any:
-        pulled = self._gather(iterator, count, until=until)
+        pulled = self._held.pull(iterator, count, until=until)
         with tf.control_dependencies([pulled]):
-            ended = self._exhausted.read_value()
-            any_rows = self._real.read_value() > 0
+            ended = self._held.exhausted.read_value()
+            any_rows = self._held.real.read_value() > 0
         applied, logs = tf.cond(any_rows, lambda: (tf.constant(True), self._large_batch(1)),
                                 lambda: (tf.constant(False), self.model.get_metrics_result()))
         return applied, ended, logs
 
-    def _gather(self, iterator: Any, count: tf.Tensor, *, until: str,
-                append: bool = False) -> tf.Tensor:
-        """Pull up to ``count`` elements into the store, on the host (after the large
-        batch's so far with ``append``): the number pulled."""
-        assert self._store is not None
-        store = self._store
-        flat_spec = tf.nest.flatten(iterator.element_spec)
-        with tf.device(HOST):
-            arrays = [tf.TensorArray(s.dtype, size=0, dynamic_size=True,
-                                     element_shape=s.shape) for s in flat_spec]
-
-            def body(i, stop, *arrays):
-                optional = iterator.get_next_as_optional()
-                has = optional.has_value()
-                if until == "marker":
-                    has = tf.cond(has, lambda: tf.logical_not(is_end_marker(
-                        optional.get_value())), lambda: tf.constant(False))
-
-                def one():
-                    leaves = tf.nest.flatten(optional.get_value())
-                    return (i + 1, tf.constant(False),
-                            *[a.write(i, t) for a, t in zip(arrays, leaves, strict=True)])
-
-                return tf.cond(has, one, lambda: (i, tf.constant(True), *arrays))
-
-            n, stopped, *arrays = tf.while_loop(
-                lambda i, stop, *_: tf.logical_and(i < count, tf.logical_not(stop)), body,
-                (tf.constant(0), tf.constant(False), *arrays), parallel_iterations=1)
-
-            def stored():
-                new = [a.stack() for a in arrays]
-                if append:
-                    new = [tf.concat([v.read_value(), t], 0) for v, t in zip(store, new,
-                                                                             strict=True)]
-                real = tf.reduce_sum(tf.cast(new[-1] > 0, tf.float32))
-                return after([v.assign(t) for v, t in zip(store, new, strict=True)]
-                             + [self._real.assign(real)])
-
-            done = tf.cond(n > 0, stored, lambda: tf.constant(True))
-            with tf.control_dependencies([done]):
-                marks = [self._count.assign(self._count + n if append else n),
-                         self._pulled.assign(n), self._exhausted.assign(stopped)]
-            with tf.control_dependencies(marks):
-                return tf.identity(n)
-
     def _large_batch(self, slices: int) -> Any:
         """Both passes over the stored large batch, each element in ``slices`` parts, the
         loss over the whole of it, one apply; the logs."""
-        assert self._store is not None
-        with tf.device(HOST):
-            n = self._count.read_value()
-            stored = [tf.ensure_shape(v.read_value(), [None, *s.shape]) for v, s in zip(
-                self._store, tf.nest.flatten(self.element_spec), strict=True)]
+        n, stored = self._held.read()
         if self._replicas.count == 1:
             done = after([self._replica(n, slices, *stored)])
         else:
@@ -293,7 +219,7 @@ class WholeBatchStep:
             done = self._replicas.done(self._replicas.run(
                 lambda *flat: self._replica(n, slices, *flat), *per_replica))
         with tf.control_dependencies([done]):
-            zeroed = after([self._count.assign(0), self._real.assign(0.0)])
+            zeroed = self._held.forget()
         with tf.control_dependencies([zeroed]):
             return self.model.get_metrics_result()
 
@@ -388,7 +314,8 @@ class WholeBatchStep:
         scale = tf.cast(model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         with tf.GradientTape() as tape:
             tape.watch(tf.nest.flatten(real[0]))
-            loss, per_output = whole_batch_loss(model, real[1], real[0], real[2])
+            loss, per_output = whole_batch_loss(
+                model, align_targets(model, real[1], real[0]), real[0], real[2])
             scaled = loss * scale
         gradient = tape.gradient(scaled, real[0])
         gradient = tf.nest.map_structure(

@@ -30,6 +30,7 @@ from autosplit.keras_hooks.custom_step import flat_logs, metrics_or_last
 from autosplit.step.evaluate import Evaluator, validation_input
 from autosplit.step.model_state import model_state
 from autosplit.step.train_step import Step
+from autosplit.step.whole_batch import WholeBatchStep
 from autosplit.training.arguments import Args, check_input, split_off_validation, validate_fit
 from autosplit.training.epochs import Epochs, iteration_of, publish
 from autosplit.training.plan import Plan, plan_run
@@ -337,6 +338,9 @@ def _report(plan: Plan, adapter: InputAdapter, args: Args, recovery: Recovery,
         tokens=plan.pipeline.tokens,
         programs=None if plan.pipeline.shapes is None else plan.pipeline.shapes.count(),
         cut=cut_stats(plan.pipeline) if plan.pipeline.cut.by != "rows" else None,
+        **({} if not isinstance(plan.step, WholeBatchStep) else {"step": (
+            f"outputs first, the loss over the whole batch, then the gradients: "
+            f"{plan.step.why}")}),
     )
 
 

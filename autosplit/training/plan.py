@@ -27,6 +27,7 @@ from autosplit.search.isolation import (
 from autosplit.step.compiled import Compilation
 from autosplit.step.cut_choice import choose_cut
 from autosplit.step.train_step import Step, step_for
+from autosplit.step.whole_batch import WholeBatchStep
 from autosplit.training.arguments import Args, warn_if_inexact
 
 if TYPE_CHECKING:
@@ -114,7 +115,9 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
     warn_if_inexact(model, accumulation_steps=steps, rows=step.rows,
                     batch_size=args.batch_size, pooled=bool(step.update.pool),
                     adds_losses=step.update.plan.forward_losses,
-                    per_batch_losses=step.update.plan.per_batch_ratios,
+                    # the whole-batch step computes such a loss on the whole batch
+                    per_batch_losses=(step.update.plan.per_batch_ratios
+                                      and not isinstance(step, WholeBatchStep)),
                     sparse_gradients=step.update.plan.sparse_gradients,
                     batch_norm_in_training=any(
                         calls for _, calls in step.update.plan.batch_norm_calls))

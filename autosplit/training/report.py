@@ -82,6 +82,11 @@ class FitReport:
     longest row: micro-batches per large batch, the share of padding fed and the real
     tokens, read from the first 4 large batches of an epoch in the input's order (None
     for an input read once). None for rows of one shape."""
+    step: str = "summed: each micro-batch's gradients added up, applied once"
+    """Which step trained, and why: ``"summed: ..."`` (the loss a sum over the rows, each
+    micro-batch's gradients added up) or ``"outputs first, the loss over the whole batch,
+    then the gradients: ..."`` with what makes the loss the whole batch's
+    (``autosplit.step.whole_batch``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values: lists for tuples, dicts for records (the probe's too)."""
