@@ -26,6 +26,7 @@ from autosplit.errors import DatasetError, UnsupportedModelError
 from autosplit.keras_hooks.batchnorm import pooled_layers
 from autosplit.keras_hooks.custom_step import has_custom_step
 from autosplit.step.loss_plan import step_plan
+from autosplit.step.mixing import loss_over_whole_batch
 from autosplit.step.padding import PaddingCheck, check_padding
 from autosplit.step.replicas import without_replica_axis
 from autosplit.step.train_step import build_for
@@ -158,6 +159,9 @@ def _by_length(model: keras.Model, adapter: InputAdapter, batch_size: int, eleme
     if lengths.uncut:
         return f"its inputs cannot be cut by length ({'; '.join(lengths.uncut)})", None
     build_for(model, element)  # the compiled loss and metrics, as the step builds them
+    whole = loss_over_whole_batch(model, adapter, element)
+    if whole is not None:  # the whole-batch step keeps a large batch's rows as they come
+        return f"the loss is computed over the whole batch ({whole})", None
     spec = _length_spec(element[:3], lengths)
     sample = adapter.sample(min(batch_size, _SAMPLE))
     pre = padded is not None and padded.pre

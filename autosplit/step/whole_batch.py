@@ -108,6 +108,7 @@ class WholeBatchStep:
         specs = tuple(tf.TensorSpec([self._rows, *s.shape[1:]], s.dtype) if isinstance(
             s, tf.TensorSpec) else s for s in (x, empty_to_none(y), empty_to_none(w)))
         self.plan = loss_plan(self.model, specs)
+        _refuse_batch_norm(self.plan, self.why)
         self.update = _Facts(self.plan)
         if self._store is None or not self._store.fits(element_spec):
             self._functions.clear()
@@ -259,7 +260,7 @@ class WholeBatchStep:
             return x, empty_to_none(y), empty_to_none(w)
 
         seeds = _keras.seed_states(model)
-        kept = [tf.identity(s.read_value()) for s in seeds]
+        kept = [tf.identity(tf.convert_to_tensor(s)) for s in seeds]
         outputs = self._pass_one(part, count)
         with tf.device(HOST):
             rows_of = tf.nest.map_structure(lambda t: tf.reshape(t, tf.concat(
@@ -431,6 +432,21 @@ class WholeBatchStep:
 
 def _call(model: keras.Model, x: Any) -> Any:
     return model(x, training=True) if _keras.call_has_training_arg(model) else model(x)
+
+
+def _refuse_batch_norm(plan: Any, why: str) -> None:
+    """Refuse BatchNormalization in training mode: each micro-batch would normalise with
+    its own statistics, not the batch's, and a loss that compares rows learns from that
+    leak (SimCLR's global BatchNormalization is there for it)."""
+    layers = [layer.name for layer, calls in plan.batch_norm_calls if calls]
+    if layers:
+        raise UnsupportedModelError(
+            "Expected a model whose forward pass treats each row on its own, for a loss "
+            f"computed over the whole batch ({why}). Received: BatchNormalization in "
+            f"training mode ({', '.join(layers)}), which normalises each micro-batch with "
+            "its own statistics where model.fit uses the batch's, and a loss that "
+            "compares the rows learns from that difference. Freeze those layers "
+            "(layer.trainable = False), use LayerNormalization, or train with model.fit.")
 
 
 def _until(ends: Ends) -> str:
