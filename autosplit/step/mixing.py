@@ -18,6 +18,7 @@ Found before the first update, on evidence, never on a guess:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import keras
@@ -92,9 +93,11 @@ def whole_batch_reason(model: keras.Model, plan: LossPlan, sample: tuple) -> str
         moved = _moved(loss.loss, _keras.resolve_path(loss.path, y),
                        _keras.resolve_path(loss.path, y_pred), n)
         if moved is not None:
+            by = ("it fails on a part of them" if math.isinf(moved)
+                  else f"by {moved:.1e} of the largest")
             return (f"the per-example values of its loss {_named(loss)} move with the "
-                    f"batch's other rows (by {moved:.1e} of the largest on {n} rows of the "
-                    "data): each row's loss depends on every row of the batch")
+                    f"batch's other rows ({by}, on {n} rows of the data): each row's loss "
+                    "depends on other rows of the batch")
     return None
 
 
@@ -117,8 +120,9 @@ def _values(loss: keras.losses.Loss, y_true: Any, y_pred: Any) -> np.ndarray | N
 
 
 def _moved(loss: keras.losses.Loss, y_true: Any, y_pred: Any, n: int) -> float | None:
-    """How far the per-example values of ``loss`` move when the rows come in two halves
-    or in reverse order, over the largest value; None where they do not."""
+    """How far the per-example values of ``loss`` move when the rows come in two parts
+    (cut at an odd row: pairs of rows part), in reverse order or rolled by a row, over
+    the largest value; None where they do not."""
     def rows(index):
         return tuple(tf.nest.map_structure(lambda t: tf.gather(t, index), part)
                      for part in (y_true, y_pred))
@@ -126,14 +130,16 @@ def _moved(loss: keras.losses.Loss, y_true: Any, y_pred: Any, n: int) -> float |
     whole = _values(loss, y_true, y_pred)
     if whole is None:
         return None
-    half = n // 2
-    parts = [np.arange(half), np.arange(half, n), np.arange(n)[::-1]]
-    found = [np.zeros(0)] * 3
-    for k, index in enumerate(parts):
-        values = _values(loss, *rows(tf.constant(index)))
-        found[k] = np.zeros(0) if values is None else values
-    again = np.concatenate([found[0], found[1]])
-    reverse = found[2][::-1]
+    cut = n // 2 if (n // 2) % 2 else max(n // 2 - 1, 1)
+    orders = [np.arange(cut), np.arange(cut, n), np.arange(n)[::-1], np.roll(np.arange(n), 1)]
+    found = []
+    for index in orders:
+        try:
+            values = _values(loss, *rows(tf.constant(index)))
+        except (ValueError, TypeError, tf.errors.OpError):
+            return math.inf  # it cannot be computed on a part of the batch at all
+        found.append(np.zeros(len(index)) if values is None else values)
+    seen = [np.concatenate([found[0], found[1]]), found[2][::-1], np.roll(found[3], -1)]
     scale = max(float(np.max(np.abs(whole))), 1e-12)
-    moved = max(float(np.max(np.abs(again - whole))), float(np.max(np.abs(reverse - whole))))
+    moved = max(float(np.max(np.abs(values - whole))) for values in seen)
     return moved / scale if moved > _TOLERANCE * scale + 1e-7 else None

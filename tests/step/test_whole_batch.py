@@ -1,0 +1,135 @@
+"""The whole-batch step against model.fit on the full batch: in-batch negatives,
+supervised contrastive learning as keras-io publishes it, a statistic of the batch, a
+multi-output model with one such loss; under XLA and mixed_float16; Dropout replayed;
+what cannot be exact refused before anything changes."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from _whole_batch import (
+    B,
+    M,
+    N,
+    SupervisedContrastiveLoss,
+    chi_square,
+    dual_encoder,
+    labelled,
+    pairs,
+    projection,
+    trains_as_model_fit,
+)
+from common import relative_error
+
+import autosplit
+from autosplit.errors import UnsupportedModelError
+
+pytestmark = pytest.mark.slow  # every test trains twins (2-6 s on 2 cores)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_in_batch_negatives_train_as_model_fit(optimizer):
+    # Summed per micro-batch, each query saw its micro-batch's 8 documents, not the
+    # batch's 32: 3.5e-1 (SGD) and 1.1 (Adam) from model.fit, with no warning.
+    x, y = pairs()
+    got, _, _ = trains_as_model_fit(lambda: dual_encoder(optimizer, metrics=["mae"]), x, y,
+                                    rtol=1e-5 if optimizer == "sgd" else 1e-4)
+    assert "move with the batch's other rows" in got.autosplit.step
+    assert got.autosplit.micro_batch_size == M and got.autosplit.accumulation_steps == 4
+
+
+def test_supervised_contrastive_learning_as_published_trains_as_model_fit():
+    # keras-io's loss overrides __call__: it crashed with a bare NotImplementedError.
+    x, y = labelled()
+    got, _, _ = trains_as_model_fit(lambda: projection(SupervisedContrastiveLoss(0.1)), x, y,
+                                    rtol=1e-4)
+    assert "overrides __call__" in got.autosplit.step
+
+
+def test_a_statistic_of_the_whole_batch_trains_as_model_fit():
+    # A chi-square between histograms of the batch: 18x off model.fit when weighed by rows.
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(N, 6)).astype("float32")
+    y = (x[:, :1] * 0.5 + rng.normal(size=(N, 1)) * 0.5).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.1), chi_square)
+        return model
+
+    got, _, _ = trains_as_model_fit(make, x, y)
+    assert "one value per batch" in got.autosplit.step
+
+
+def test_a_model_with_one_loss_over_the_batch_and_one_per_row_trains_as_model_fit():
+    x, labels = labelled()
+    targets = x[:, :1].copy()
+    got, _, _ = trains_as_model_fit(
+        lambda: projection([SupervisedContrastiveLoss(0.1), "mse"], outputs=2), x,
+        (labels, targets), rtol=1e-4)
+    assert set(got.history) == {"loss", "head_loss", "value_loss"}  # model.fit's logs
+
+
+def test_under_xla_the_passes_compile_and_train_as_model_fit():
+    x, y = pairs()
+    got, _, _ = trains_as_model_fit(lambda: dual_encoder(jit_compile=True), x, y)
+    assert got.autosplit.traces <= 4  # the fused call, its two XLA pieces, once each
+
+
+def test_under_mixed_float16_the_scale_and_the_skips_are_model_fit_s():
+    # The loss is scaled before its gradient with respect to the outputs: the weights'
+    # come scaled, the optimizer unscales them and skips an overflow once per large
+    # batch, as model.fit's; weights within the mixed tolerance (float16's sums round
+    # apart between the micro-batches and the full batch).
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = pairs()
+        _, reference, model = trains_as_model_fit(dual_encoder, x, y, rtol=3e-2)
+        assert float(model.optimizer.dynamic_scale.numpy()) == float(
+            reference.optimizer.dynamic_scale.numpy())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_dropout_draws_the_same_in_both_passes():
+    # In one micro-batch of the whole batch the two passes draw from the random states
+    # model.fit's step draws from: bitwise its weights. Without the replay the second
+    # pass's masks differ from the first's: 2.0 relative off.
+    x, y = pairs()
+    _, reference, model = trains_as_model_fit(lambda: dual_encoder(dropout=0.5), x, y,
+                                              micro_batch_size=B)
+    assert relative_error(reference.get_weights(), model.get_weights()) == 0.0
+
+
+def test_batch_normalization_in_training_mode_is_refused_before_anything_changes():
+    keras.utils.set_random_seed(0)
+    xq, xd = keras.Input((6,)), keras.Input((6,))
+    towers = [keras.layers.Dense(8)(keras.layers.BatchNormalization()(keras.layers.Dense(8)(t)))
+              for t in (xq, xd)]
+    model = keras.Model([xq, xd], keras.layers.Concatenate()(towers))
+    from _whole_batch import in_batch_softmax
+
+    model.compile("sgd", in_batch_softmax)
+    x, y = pairs()
+    model.build([(None, 6), (None, 6)])
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(UnsupportedModelError, match=r"BatchNormalization in training mode"):
+        autosplit.fit_large_batch(model, x, y, batch_size=B, micro_batch_size=M, verbose=0)
+    assert int(model.optimizer.iterations) == 0
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
+def test_a_loss_that_is_a_sum_over_rows_keeps_the_summed_step():
+    x, y = labelled()
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    got = autosplit.fit_large_batch(make(), x, y, batch_size=B, micro_batch_size=M, verbose=0)
+    assert got.autosplit.step.startswith("summed")
