@@ -46,8 +46,10 @@ from autosplit.step.compiled import FunctionCache
 from autosplit.step.forward import forward, forward_parts, forward_totals
 from autosplit.step.loss_plan import LossPlan, loss_plan
 from autosplit.step.metrics import update_loss_trackers, update_metrics, without_padding
+from autosplit.step.mixing import loss_over_whole_batch
 from autosplit.step.reduction import COUNT, combined_loss, weight_regularization
 from autosplit.step.totals import Totals, added, sum_loop, zero_totals
+from autosplit.step.whole_batch_validation import validate_whole_batches
 
 __all__ = ["Evaluator"]
 
@@ -111,6 +113,8 @@ class Evaluator:
             return self._own_steps(pipeline, steps, callbacks)
         model, adapter = self.model, pipeline.adapter
         spec = pipeline.element_spec()
+        if loss_over_whole_batch(model, adapter, spec) is not None:
+            return self._whole_batches(pipeline, steps, callbacks)
         fn, plan = self._function(spec), self._plan(spec)
         known, steps, hooks = _limits(pipeline, steps, callbacks)
         limit = None if steps is None else sum(pipeline.elements(s) for s in range(steps))
@@ -158,6 +162,23 @@ class Evaluator:
             callbacks.on_test_end(logs)
         return logs
 
+    def _whole_batches(self, pipeline: MicroBatches, steps: int | None,
+                       callbacks: keras.callbacks.CallbackList | None) -> dict[str, float]:
+        """Validation of a loss over the whole batch, each validation batch's computed
+        whole (``autosplit.step.whole_batch_validation``)."""
+        model = self.model
+        known, steps, _ = _limits(pipeline, steps, callbacks)
+        model.reset_metrics()
+        if callbacks is not None:
+            callbacks.on_test_begin()
+        pipeline.adapter.on_epoch_begin()
+        validate_whole_batches(model, self._functions, pipeline, steps, known)
+        pipeline.adapter.on_epoch_end()
+        logs = {name: float(value) for name, value in model.get_metrics_result().items()}
+        if callbacks is not None:
+            callbacks.on_test_end(logs)
+        return logs
+
     def takes_each_batch(self, pipeline: MicroBatches,
                          callbacks: keras.callbacks.CallbackList | None = None) -> bool:
         """Whether the validation batches' boundaries change the logs: where a batch's
@@ -165,6 +186,8 @@ class Evaluator:
         weights, :func:`_pools`) its loss is taken alone, as ``model.fit`` takes it; a
         model's own ``test_step`` runs per batch; a callback may hear each batch."""
         if runs_own_test_step(self.model) or _limits(pipeline, None, callbacks)[2]:
+            return True
+        if loss_over_whole_batch(self.model, pipeline.adapter, pipeline.element_spec()):
             return True
         return not _pools(self._plan(pipeline.element_spec()))
 

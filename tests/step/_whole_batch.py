@@ -119,8 +119,10 @@ def trains_as_model_fit(make, x, y, *, rtol=1e-5, epochs=2, strategy=None, batch
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         model = make()
     model.set_weights(reference.get_weights())
+    validation = {k: options[k] for k in ("validation_data", "validation_batch_size")
+                  if k in options}
     expected = reference.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
-                             verbose=0)
+                             verbose=0, **validation)
     options.setdefault("micro_batch_size", M)
     got = autosplit.fit_large_batch(model, x, y, batch_size=batch_size, epochs=epochs,
                                     shuffle=False, verbose=0, **options)
