@@ -68,7 +68,7 @@ class Store:
             def stored():
                 new = [a.stack() for a in arrays]
                 if append:
-                    new = [tf.concat([v.read_value(), t], 0)
+                    new = [tf.concat([v.read_value()[:self.count.read_value()], t], 0)
                            for v, t in zip(self.values, new, strict=True)]
                 real = tf.reduce_sum(tf.cast(new[-1] > 0, tf.float32))
                 return after([v.assign(t) for v, t in zip(self.values, new, strict=True)]

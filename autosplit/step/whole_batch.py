@@ -51,14 +51,6 @@ __all__ = ["WholeBatchStep", "whole_batch_loss"]
 _INPUT = Ends("input")
 
 
-class _Facts:
-    """What the rest of the library reads of a step's plan (``fit``'s warnings)."""
-
-    def __init__(self, plan: Any) -> None:
-        self.plan = plan
-        self.pool: list = []
-
-
 class WholeBatchStep:
     """Exact large-batch updates of a loss over the whole batch, from an iterator of
     micro-batches (see the module's docstring): the surface of ``TrainStep`` that the
@@ -109,7 +101,8 @@ class WholeBatchStep:
             s, tf.TensorSpec) else s for s in (x, empty_to_none(y), empty_to_none(w)))
         self.plan = loss_plan(self.model, specs)
         _refuse_batch_norm(self.plan, self.why)
-        self.update = _Facts(self.plan)
+        self.update = self  # what fit's warnings read of it: .plan, .pool
+        self.pool: list = []
         if self._store is None or not self._store.fits(element_spec):
             self._functions.clear()
             self._store = Store(element_spec)
@@ -265,16 +258,24 @@ class WholeBatchStep:
         with tf.device(HOST):
             rows_of = tf.nest.map_structure(lambda t: tf.reshape(t, tf.concat(
                 [[-1], tf.shape(t)[2:]], 0)), tf.nest.pack_sequence_as(structure, leaves))
-        valid_all = tf.reshape(valid, [-1])
-        loss, outputs_gradient, rows = self._loss(
-            outputs, empty_to_none(rows_of[1]), empty_to_none(rows_of[2]), valid_all,
-            per_element=slices * size)
+        y, w, valid_all = empty_to_none(rows_of[1]), empty_to_none(rows_of[2]), tf.reshape(
+            valid, [-1])
+        loss, per_output, outputs_gradient, rows = self._loss(outputs, y, w, valid_all,
+                                                              per_element=slices * size)
         with tf.control_dependencies(tf.nest.flatten(outputs_gradient)):
             restored = after([s.assign(k) for s, k in zip(seeds, kept, strict=True)])
         with tf.control_dependencies([restored]):
             gradients, added = self._pass_two(part, count, size, outputs_gradient, valid,
                                               rows)
-        return self._apply(loss + added, gradients)
+        # The metrics and trackers once both passes are through: an out-of-memory error
+        # before them redoes the large batch, counted once.
+        with tf.control_dependencies([after(gradients)]):
+            update_metrics(model, align_targets(model, y, outputs), outputs, w, valid_all)
+            local_rows = tf.reduce_sum(tf.cast(valid_all > 0, tf.float32))
+            updates = update_loss_trackers(model, loss + added + weight_regularization(model),
+                                           per_output, local_rows)
+        with tf.control_dependencies(updates):
+            return self._apply(loss + added, gradients)
 
     def _pass_one(self, part: Any, count: tf.Tensor) -> Any:
         """Every part forward without a tape: the outputs, ``[count * size, ...]`` per
@@ -298,12 +299,11 @@ class WholeBatchStep:
             for a, t in zip(arrays, flat, strict=True)])
 
     def _loss(self, outputs: Any, y: Any, w: Any, valid: tf.Tensor, *, per_element: int
-              ) -> tuple[tf.Tensor, Any, tf.Tensor]:
+              ) -> tuple[tf.Tensor, list, Any, tf.Tensor]:
         """The loss over the whole large batch (every replica's rows gathered, in the
-        large batch's order), the metrics updated with this replica's rows; the loss,
-        its scaled gradient with respect to this replica's ``outputs``, the batch's rows."""
+        large batch's order): the loss, each output's, its scaled gradient with respect
+        to this replica's ``outputs``, the batch's real rows."""
         model = self.model
-        update_metrics(model, align_targets(model, y, outputs), outputs, w, valid)
         local = (outputs, y, w, valid)
         context = tf.distribute.get_replica_context() if self.replicas > 1 else None
         whole = local if context is None else map_present(
@@ -325,11 +325,7 @@ class WholeBatchStep:
         if context is not None:  # this replica's rows of it
             gradient = tf.nest.map_structure(
                 lambda g: self._replica_rows(g, context, per_element), gradient)
-        local_rows = tf.reduce_sum(tf.cast(valid > 0, tf.float32))
-        total = loss + weight_regularization(model)
-        updates = update_loss_trackers(model, total, per_output, local_rows)
-        with tf.control_dependencies(updates):
-            return tf.identity(loss), gradient, rows
+        return loss, per_output, gradient, rows
 
     def _in_batch_order(self, gathered: tf.Tensor, per_element: int) -> tf.Tensor:
         """Every replica's rows (``all_gather``: replica after replica) in the large

@@ -5,6 +5,12 @@ what cannot be exact refused before anything changes."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import keras
 import numpy as np
 import pytest
@@ -20,7 +26,7 @@ from _whole_batch import (
     projection,
     trains_as_model_fit,
 )
-from common import relative_error
+from common import child_env, relative_error
 
 import autosplit
 from autosplit.errors import UnsupportedModelError
@@ -37,6 +43,11 @@ def test_in_batch_negatives_train_as_model_fit(optimizer):
                                     rtol=1e-5 if optimizer == "sgd" else 1e-4)
     assert "move with the batch's other rows" in got.autosplit.step
     assert got.autosplit.micro_batch_size == M and got.autosplit.accumulation_steps == 4
+
+
+def test_weight_penalties_count_once_and_losses_added_in_call_per_row():
+    x, y = pairs()
+    trains_as_model_fit(lambda: dual_encoder(penalties=True), x, y)
 
 
 def test_supervised_contrastive_learning_as_published_trains_as_model_fit():
@@ -145,3 +156,20 @@ def test_validation_computes_each_batch_s_loss_over_the_whole_batch(validation_b
                                     validation_data=validation,
                                     validation_batch_size=validation_batch_size)
     assert "val_loss" in got.history and "val_mae" in got.history
+
+
+def test_on_two_replicas_negatives_come_from_the_global_batch_as_model_fit_s_full_batch():
+    # model.fit under MirroredStrategy computes the loss per replica, over its own rows:
+    # the whole-batch step gathers every replica's outputs, so each case trains as one device's model.fit on the full
+    # batch (the child asserts it), with a short last batch and validation too.
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("whole_batch_child.py"))],
+                         env=child_env(PYTHONPATH=os.pathsep.join(
+                             [child_env()["PYTHONPATH"], str(Path(__file__).parent)])),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(found) == {"sgd", "adam", "validation", "short_last_batch",
+                          "supervised_contrastive"}
+    for case in found.values():
+        assert case["replicas"] == 2
+        assert case["step"].startswith("outputs first, the loss over the whole batch")
