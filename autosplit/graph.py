@@ -1,11 +1,12 @@
-"""Graph helpers every layer shares: where the host's work is pinned (:data:`HOST`) and
-one token that orders many ops after many others (:func:`after`)."""
+"""Graph helpers every layer shares: where the host's work is pinned (:data:`HOST`), one
+token that orders many ops after many others (:func:`after`), and zeros no constant
+folding can materialise (:func:`zeros_from`)."""
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["HOST", "after"]
+__all__ = ["HOST", "after", "zeros_from"]
 
 # The host CPU: the input pipeline, the stash of the element in flight and every
 # variable of the data's own (an epoch's number, the shapes counted) live here, so the
@@ -32,3 +33,13 @@ def after(ops: list) -> tf.Tensor:
     """
     with tf.control_dependencies(ops):
         return tf.constant(True)
+
+
+def zeros_from(value: tf.Tensor, zero: tf.Tensor | None = None) -> tf.Tensor:
+    """Zeros computed from a variable's value (0 even where it holds inf or NaN): unlike
+    ``tf.zeros_like``, nothing constant folding could turn into a weight-sized constant:
+    under a tight cap that constant's allocation fails inside the folding pass, which a
+    process does not survive. ``zero``: a float32 zero to multiply by (one per call)."""
+    if zero is None:
+        zero = tf.constant(0.0, value.dtype)
+    return tf.math.multiply_no_nan(value, zero)

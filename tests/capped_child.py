@@ -244,9 +244,50 @@ def tokens_under_the_cap(folder, jit_compile=False):
                   "iterations": int(model.optimizer.iterations), "peaks": peaks})
 
 
+def dual_encoder(optimizer):
+    """Two towers of 1024 units whose embeddings meet in an in-batch softmax."""
+    keras.utils.set_random_seed(0)
+    inputs = [keras.Input((128,)), keras.Input((128,))]
+    towers = [keras.layers.Dense(32)(keras.layers.Dense(1024, activation="relu")(t))
+              for t in inputs]
+    model = keras.Model(inputs, keras.layers.Concatenate()(towers))
+
+    def in_batch_softmax(y_true, y_pred):  # on cosines: no weight's gradient cancels
+        a, b = (tf.math.l2_normalize(t, axis=1) for t in (y_pred[:, :32], y_pred[:, 32:]))
+        logits = tf.matmul(a, b, transpose_b=True) * 10.0
+        return keras.losses.sparse_categorical_crossentropy(
+            tf.range(tf.shape(logits)[0]), logits, from_logits=True)
+
+    model.compile(optimizer=optimizer, loss=in_batch_softmax)
+    return model
+
+
+def pairs(n):
+    x, _ = labelled(n, 128, 10)
+    return [x, x[::-1].copy()], np.zeros((n, 1), "float32")
+
+
+def whole_batch_under_the_cap(folder, micro_batch_size="auto"):
+    """A loss over the whole batch under the cap: the probe's trials run its whole
+    large batch (``"auto"``), or a micro-batch too large recovers (an int)."""
+    x, y = pairs(2048)
+    model = dual_encoder(keras.optimizers.SGD(0.05))
+    history = autosplit.fit_large_batch(model, x, y, batch_size=1024,
+                                        micro_batch_size=micro_batch_size, epochs=1,
+                                        shuffle=False, verbose=0, cache=False)
+    np.savez(os.path.join(folder, "weights.npz"), *model.get_weights())
+    write_result({"autosplit": history.autosplit.to_dict(), "loss": history.history["loss"],
+                  "iterations": int(model.optimizer.iterations)})
+
+
 if __name__ == "__main__":
     scenarios = {"probe": probe_then_check, "recover": recover_from_real_oom,
                  "nothing": nothing_fits, "kinds": input_kinds, "cnn": cnn_under_the_cap,
                  "tokens": tokens_under_the_cap,
-                 "tokens_xla": functools.partial(tokens_under_the_cap, jit_compile=True)}
+                 "tokens_xla": functools.partial(tokens_under_the_cap, jit_compile=True),
+                 "whole_batch": whole_batch_under_the_cap,
+                 "whole_batch_recover": functools.partial(whole_batch_under_the_cap,
+                                                          micro_batch_size=1024),
+                 "whole_batch_reference": functools.partial(whole_batch_under_the_cap,
+                                                            micro_batch_size=256)}
     scenarios[sys.argv[1]](sys.argv[2] if len(sys.argv) > 2 else ".")

@@ -33,6 +33,7 @@ from autosplit.memory.peak_meter import PeakMeter
 from autosplit.search.policy import Trial, search
 from autosplit.step.snapshot import Snapshot
 from autosplit.step.train_step import Step, build_for, step_for
+from autosplit.step.whole_batch import WholeBatchStep
 
 __all__ = ["TRIAL_SHUFFLE_SEED", "TrialRunner", "child_trials", "trial_dataset"]
 
@@ -131,7 +132,10 @@ class TrialRunner:
                 # As training at this size will run: whole elements where none is padded.
                 self.step.rebind(data.element_spec, all_real=cut.all_real(), rows=cut.rows)
                 iterator = iter(data)
-                count = min(_TRIAL_MICRO_BATCHES, cut.per_batch)
+                # The whole-batch step's peak is a whole large batch's: its outputs kept
+                # for every row and the loss over all of them.
+                count = (cut.per_batch if isinstance(self.step, WholeBatchStep)
+                         else min(_TRIAL_MICRO_BATCHES, cut.per_batch))
             # The first step traces and makes one-time allocations (kernel caches,
             # scratch buffers) that stay; the steady-state peak is what training sees.
             steps = 0  # measured

@@ -38,6 +38,13 @@ def _bounds(values: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return tf.reduce_max(gathered, axis=0), tf.reduce_min(gathered, axis=0)
 
 
+def row_count(total: float) -> float:
+    """The agreement's sum as a count of rows: each local replica adds rows / replicas,
+    which float32 rounds (6 x float32(500 / 3) = 1000.0001); -inf (a worker gave up) as
+    it is."""
+    return float(round(total) if math.isfinite(total) else total)
+
+
 class Replicas:
     """The replicas of a model's strategy, as its graph code runs on them.
 
@@ -86,9 +93,23 @@ class Replicas:
         replica (one all-gather: a collective all-reduce takes sums and means only)."""
         return self.results(self.run(_bounds, values))[0]
 
+    def in_batch_order(self, gathered: tf.Tensor, per_element: int) -> tf.Tensor:
+        """Every replica's rows (an ``all_gather``'s: replica after replica, each its
+        elements of ``per_element`` rows in turn) in the large batch's order: worker after
+        worker, each worker's elements in turn, each element's replicas side by side."""
+        workers, local = self.count // self.local, self.local
+        rest = tf.shape(gathered)[1:]
+        shaped = tf.reshape(gathered, tf.concat([[workers, local, -1, per_element], rest], 0))
+        order = [0, 2, 1, 3, *range(4, gathered.shape.rank + 3)]
+        return tf.reshape(tf.transpose(shaped, order), tf.concat([[-1], rest], 0))
 
-def row_count(total: float) -> float:
-    """The agreement's sum as a count of rows: each local replica adds rows / replicas,
-    which float32 rounds (6 x float32(500 / 3) = 1000.0001); -inf (a worker gave up) as
-    it is."""
-    return float(round(total) if math.isfinite(total) else total)
+    def rows_of_this(self, whole: tf.Tensor, context: Any, per_element: int) -> tf.Tensor:
+        """This replica's rows (``context``'s) of a tensor in the large batch's order
+        (undoes :meth:`in_batch_order`)."""
+        workers, local = self.count // self.local, self.local
+        rest = tf.shape(whole)[1:]
+        shaped = tf.reshape(whole, tf.concat([[workers, -1, local, per_element], rest], 0))
+        order = [0, 2, 1, 3, *range(4, whole.shape.rank + 3)]
+        mine = tf.reshape(tf.transpose(shaped, order), tf.concat(
+            [[workers * local, -1], rest], 0))[context.replica_id_in_sync_group]
+        return tf.reshape(mine, tf.concat([[-1], rest], 0))

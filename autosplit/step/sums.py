@@ -16,7 +16,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from autosplit.graph import HOST, after
+from autosplit.graph import HOST, after, zeros_from
 from autosplit.keras_hooks.batchnorm import Pool
 from autosplit.step.contribution import Contribution
 from autosplit.step.loss_plan import LossPlan
@@ -25,19 +25,13 @@ from autosplit.step.totals import Totals
 __all__ = ["Stash", "Sums"]
 
 
-def _zero_from(value: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
-    """Zeros computed from a variable's value (0 even where it holds inf or NaN): unlike
-    ``tf.zeros_like``, nothing constant folding could turn into a weight-sized constant."""
-    return tf.math.multiply_no_nan(value, zero)
-
-
 class Sums:
     """Per-replica sums of the micro-batches committed since the last apply.
 
     Every commit adds (one ``assign_add`` a sum, no branch); the apply zeroes the sums
     once the optimizer has written the weights (:meth:`zero`; ``autosplit.step.update``
     orders it), with zeros computed from each sum's own value
-    (:func:`_zero_from`): a zeroing constant of a variable's shape is one TensorFlow's
+    (``graph.zeros_from``): a zeroing constant of a variable's shape is one TensorFlow's
     constant folding materialises when it instantiates the function, and under a tight
     cap that allocation can fail inside the folding pass, which does not survive it.
 
@@ -107,7 +101,7 @@ class Sums:
         for sums, read_sums in zip(self.gradients, read.gradients, strict=True):
             for s, value in zip(sums, read_sums, strict=True):
                 if s is not None:
-                    s.assign(_zero_from(value, zero))
+                    s.assign(zeros_from(value, zero))
         for v in [*self.numerators, *self.denominators, self.in_call, self.rows]:
             v.assign(tf.zeros_like(v))
         if self.pool is not None:

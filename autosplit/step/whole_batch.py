@@ -35,7 +35,7 @@ import tensorflow as tf
 from autosplit.data.markers import Ends
 from autosplit.data.structure import empty_to_none, map_present
 from autosplit.errors import UnsupportedModelError
-from autosplit.graph import HOST, after
+from autosplit.graph import HOST, after, zeros_from
 from autosplit.keras_hooks import internals as _keras
 from autosplit.step.compiled import Compilation, FunctionCache
 from autosplit.step.forward import align_targets, forward_parts, in_call_losses
@@ -81,6 +81,8 @@ class WholeBatchStep:
         self._slices = 1
         self._ended: bool | None = False
         self._store: Store | None = None
+        self._trained: tuple[dict, float] | None = None  # (logs, rows) not yet finished
+        self._multi_worker = self._replicas.count > self._replicas.local
         self.rebind(element_spec, all_real=all_real, rows=rows)
 
     # ------------------------------------------------------------ binding
@@ -145,15 +147,27 @@ class WholeBatchStep:
     def run_local(self, iterator: Any, count: int, *, resume: bool = False, slices: int = 1,
                   ends: Ends = _INPUT) -> int:
         """Pull up to ``count`` more elements into the store (after those of the large
-        batch so far, with ``resume``); :meth:`finish` trains on them in ``slices``."""
+        batch so far, with ``resume``) and, in one process, train on it in ``slices``
+        parts per element: an out-of-memory error in either pass comes out of this call,
+        which the recovery redoes in smaller parts. Several workers train on it in
+        :meth:`finish`, after their agreement (it runs collectives). The elements pulled."""
         self._slices = slices
         self._ended = None
-        return int(self._function("gather", self._held.pull, until=_until(ends),
-                                  append=resume)(iterator, tf.constant(count, tf.int32)))
+        pulled = int(self._function("gather", self._held.pull, until=_until(ends),
+                                    append=resume)(iterator, tf.constant(count, tf.int32)))
+        if not self._multi_worker and self.local_rows():
+            rows = self.local_rows()
+            self._trained = (self._function("large_batch", self._large_batch,
+                                            slices=slices)(), rows)
+        return pulled
 
     def finish(self) -> dict:
-        """Train once on the stored large batch; the logs."""
-        return self._function("finish", self._large_batch, slices=self._slices)()
+        """Train once on the stored large batch (what :meth:`run_local` trained on, in
+        one process); the logs."""
+        if self._trained is not None:
+            logs, self._trained = self._trained[0], None
+            return logs
+        return self._function("large_batch", self._large_batch, slices=self._slices)()
 
     def agree(self, ok: bool, rows: float) -> tuple[bool, float]:
         """Every worker's verdict on this attempt (collective): all ok, and the rows."""
@@ -168,8 +182,9 @@ class WholeBatchStep:
             "longest row.")
 
     def local_rows(self) -> float:
-        """Real rows in the store."""
-        return float(self._held.real.numpy())
+        """Real rows of the large batch in flight: in the store, or trained on already."""
+        return self._trained[1] if self._trained is not None else float(
+            self._held.real.numpy())
 
     def progress(self) -> tuple[int, bool, bool]:
         """(elements the last call pulled, False: nothing is half done, input ended)."""
@@ -184,6 +199,7 @@ class WholeBatchStep:
     def discard(self) -> None:
         """Forget the stored large batch."""
         self._held.forget()
+        self._trained = None
         self._slices = 1
 
     # ------------------------------------------------------------ graph code
@@ -307,7 +323,8 @@ class WholeBatchStep:
         local = (outputs, y, w, valid)
         context = tf.distribute.get_replica_context() if self.replicas > 1 else None
         whole = local if context is None else map_present(
-            lambda t: self._in_batch_order(context.all_gather(t, axis=0), per_element), local)
+            lambda t: self._replicas.in_batch_order(context.all_gather(t, axis=0),
+                                                    per_element), local)
         outputs_all, y_all, w_all, valid_all = whole
         keep = tf.where(valid_all > 0)[:, 0]
         real = map_present(lambda t: tf.gather(t, keep), (outputs_all, y_all, w_all))
@@ -324,29 +341,8 @@ class WholeBatchStep:
             gradient, outputs_all)
         if context is not None:  # this replica's rows of it
             gradient = tf.nest.map_structure(
-                lambda g: self._replica_rows(g, context, per_element), gradient)
+                lambda g: self._replicas.rows_of_this(g, context, per_element), gradient)
         return loss, per_output, gradient, rows
-
-    def _in_batch_order(self, gathered: tf.Tensor, per_element: int) -> tf.Tensor:
-        """Every replica's rows (``all_gather``: replica after replica) in the large
-        batch's order: worker after worker, each worker's elements in turn, each
-        element's replicas side by side."""
-        workers, local = self.replicas // self._replicas.local, self._replicas.local
-        rest = tf.shape(gathered)[1:]
-        shaped = tf.reshape(gathered, tf.concat([[workers, local, -1, per_element], rest], 0))
-        order = [0, 2, 1, 3, *range(4, gathered.shape.rank + 3)]
-        return tf.reshape(tf.transpose(shaped, order), tf.concat([[-1], rest], 0))
-
-    def _replica_rows(self, whole: tf.Tensor, context: Any, per_element: int) -> tf.Tensor:
-        """This replica's rows of a tensor in the large batch's order (undoes
-        :meth:`_in_batch_order`)."""
-        workers, local = self.replicas // self._replicas.local, self._replicas.local
-        rest = tf.shape(whole)[1:]
-        shaped = tf.reshape(whole, tf.concat([[workers, -1, local, per_element], rest], 0))
-        order = [0, 2, 1, 3, *range(4, whole.shape.rank + 3)]
-        mine = tf.reshape(tf.transpose(shaped, order), tf.concat(
-            [[workers * local, -1], rest], 0))[context.replica_id_in_sync_group]
-        return tf.reshape(mine, tf.concat([[-1], rest], 0))
 
     def _pass_two(self, part: Any, count: tf.Tensor, size: int, outputs_gradient: Any,
                   valid: tf.Tensor, rows: tf.Tensor) -> tuple[list, tf.Tensor]:
@@ -370,7 +366,7 @@ class WholeBatchStep:
                 added = means * tf.reduce_sum(mask) / tf.maximum(rows, 1.0) + sums
                 objective = surrogate + added * scale
             found = tape.gradient(objective, variables)
-            return [tf.zeros(v.shape, tf.float32) if g is None else
+            return [zeros_from(tf.cast(v, tf.float32)) if g is None else
                     tf.cast(tf.convert_to_tensor(g), tf.float32)
                     for g, v in zip(found, variables, strict=True)], added
 
@@ -387,7 +383,9 @@ class WholeBatchStep:
             found, added = step(x, gradient, mask)
             return (p + 1, total + added, *[s + g for s, g in zip(sums, found, strict=True)])
 
-        zeros = [tf.zeros(v.shape, tf.float32) for v in variables]
+        # zeros from each weight's value: a weight-sized constant, folded when the
+        # function first runs, could fail to allocate there under a cap and end the process
+        zeros = [zeros_from(tf.cast(v, tf.float32)) for v in variables]
         _, added, *sums = tf.while_loop(lambda p, *_: p < count, body,
                                         (tf.constant(0), tf.constant(0.0), *zeros),
                                         parallel_iterations=1)

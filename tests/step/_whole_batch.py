@@ -36,17 +36,17 @@ def in_batch_softmax(y_true, y_pred):
 
 
 def dual_encoder(optimizer="sgd", dropout=0.0, jit_compile=False, metrics=(),
-                 penalties=False):
+                 penalties=False, learning_rate=0.5, activation="relu"):
     """Two towers, their embeddings side by side: compile(loss=in_batch_softmax);
     ``penalties``: a weight penalty and an activity regularizer (a loss added in call())."""
     keras.utils.set_random_seed(1)
     xq, xd = keras.Input((6,)), keras.Input((6,))
-    hidden = keras.layers.Dense(16, activation="relu", **(
+    hidden = keras.layers.Dense(16, activation=activation, **(
         {"kernel_regularizer": "l2", "activity_regularizer": "l1"} if penalties else {}))(xq)
     tower_q = keras.layers.Dense(D)(keras.layers.Dropout(dropout)(hidden))
-    tower_d = keras.layers.Dense(D)(keras.layers.Dense(16, activation="relu")(xd))
+    tower_d = keras.layers.Dense(D)(keras.layers.Dense(16, activation=activation)(xd))
     model = keras.Model([xq, xd], keras.layers.Concatenate(dtype="float32")([tower_q, tower_d]))
-    model.compile(keras.optimizers.SGD(0.5) if optimizer == "sgd"
+    model.compile(keras.optimizers.SGD(learning_rate) if optimizer == "sgd"
                   else keras.optimizers.Adam(1e-2), in_batch_softmax, metrics=list(metrics),
                   jit_compile=jit_compile)
     return model
