@@ -22,7 +22,7 @@ from autosplit.keras_hooks.custom_step import (
 )
 from autosplit.keras_hooks.traced import repeats_rows, row_reduction, summed_in_float16
 from autosplit.keras_hooks.traced import trace as trace_once
-from autosplit.step.forward import forward
+from autosplit.step.forward import forward, in_call_losses
 from autosplit.step.model_state import model_state
 from autosplit.step.reduction import COUNT, SUM, WEIGHT
 
@@ -31,6 +31,7 @@ __all__ = [
     "SUM_GROUP",
     "LossPlan",
     "loss_plan",
+    "own_loss_plan",
     "step_plan",
 ]
 
@@ -198,4 +199,34 @@ def step_plan(model: keras.Model, specs: tuple) -> LossPlan:
                               weights=(1.0,) * ratios, custom=facts,
                               sparse_gradients=facts.sparse_gradients,
                               batch_norm_calls=facts.batch_norm_calls)
+    return cache[key]
+
+
+@tf.autograph.experimental.do_not_convert
+def own_loss_plan(model: keras.Model, specs: tuple) -> LossPlan:
+    """The plan of a model whose ``compute_loss`` is its own, for the whole-batch step
+    (``autosplit.step.whole_batch``), which calls it once on the whole batch: which
+    weights it reaches and which of their gradients are float16 sums, and whether the
+    forward pass adds losses in call(); traced once on ``specs``, nothing runs."""
+    key = ("own compute_loss", repr(specs))
+    cache = model_state(model).plans
+    if key in cache:
+        return cache[key]
+    facts: dict[str, Any] = {}
+
+    def trace(x, y, sample_weight):
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            facts["forward"] = bool(in_call_losses(model))
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                      training=True)
+        grads = tape.gradient(loss, model.trainable_variables)
+        facts.update(has_grad=tuple(g is not None for g in grads),
+                     half=tuple(summed_in_float16(g) for g in grads))
+        return loss
+
+    trace_once(trace, *specs)
+    cache[key] = LossPlan(kinds=(), per_row=(), folded=(), forward_losses=facts["forward"],
+                          has_grad=facts["has_grad"], groups=(), weights=(),
+                          half=facts["half"])
     return cache[key]

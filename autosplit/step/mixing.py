@@ -28,8 +28,9 @@ import tensorflow as tf
 from autosplit.data.adapter import InputAdapter
 from autosplit.data.sequences.length_factor import inputs_of
 from autosplit.data.structure import empty_to_none
+from autosplit.errors import UnsupportedModelError
 from autosplit.keras_hooks import internals as _keras
-from autosplit.keras_hooks.custom_step import has_custom_step
+from autosplit.keras_hooks.custom_step import overridden_steps
 from autosplit.step.forward import align_targets
 from autosplit.step.loss_plan import LossPlan, step_plan
 from autosplit.step.model_state import model_state
@@ -46,7 +47,8 @@ def loss_over_whole_batch(model: keras.Model, adapter: InputAdapter, element_spe
     """:func:`whole_batch_reason` for the micro-batches of ``element_spec`` (a
     pipeline's ``(x, y, w_or_(), valid)``; with several local replicas, a replica's),
     read on a sample of ``adapter``'s rows once per compile state."""
-    if has_custom_step(model):  # its own step reads its own loss (keras_hooks.custom_step)
+    steps = overridden_steps(model)
+    if "train_step" in steps:  # its own step reads its own loss (keras_hooks.custom_step)
         return None
     x, y, w = (empty_to_none(part) for part in element_spec[:3])
     x = inputs_of(x)  # a micro-batch cut by length: its inputs
@@ -56,8 +58,23 @@ def loss_over_whole_batch(model: keras.Model, adapter: InputAdapter, element_spe
     key = ("whole batch", repr(specs))
     cache = model_state(model).plans
     if key not in cache:
-        cache[key] = whole_batch_reason(model, step_plan(model, specs), adapter.sample(_ROWS))
+        if steps:  # compute_loss: read term by term, or, where that refuses, the batch's
+            try:
+                step_plan(model, specs)
+                cache[key] = None
+            except UnsupportedModelError as error:
+                cache[key] = f"its compute_loss is not a sum over the rows ({_first(error)})"
+        else:
+            cache[key] = whole_batch_reason(model, step_plan(model, specs),
+                                            adapter.sample(_ROWS))
     return cache[key]
+
+
+def _first(error: Exception) -> str:
+    """The first sentence of what ``error`` received: the op the reading stopped at."""
+    text = str(error)
+    found = text.split("Received: ", 1)[-1]
+    return found.split(". ", 1)[0]
 
 
 def whole_batch_reason(model: keras.Model, plan: LossPlan, sample: tuple) -> str | None:

@@ -5,6 +5,7 @@ reading nothing twice from the input."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import tensorflow as tf
@@ -12,7 +13,7 @@ import tensorflow as tf
 from autosplit.data.markers import is_end_marker
 from autosplit.graph import HOST, after
 
-__all__ = ["Store"]
+__all__ = ["Store", "parts_of"]
 
 
 class Store:
@@ -91,3 +92,23 @@ class Store:
     def forget(self) -> tf.Tensor:
         """Start the next large batch (graph code, or eagerly)."""
         return after([self.count.assign(0), self.real.assign(0.0)])
+
+
+def parts_of(stored: list, n: tf.Tensor, slices: int, rows: int
+             ) -> tuple[list, tf.Tensor, int]:
+    """Graph code: the ``n`` stored elements (leaves ``[n, rows, ...]``, ``valid`` last)
+    cut into ``slices`` parts each, ``[n * slices, size, ...]`` per leaf, their
+    ``valid`` (a part's last rows are copies of its element's last, which weigh
+    nothing), and the parts' ``size``."""
+    if slices == 1:
+        return stored[:-1], stored[-1], rows
+    size = math.ceil(rows / slices)
+    index = tf.range(slices * size)
+    clipped = tf.minimum(index, rows - 1)
+    with tf.device(HOST):
+        parts = [tf.reshape(tf.gather(t, clipped, axis=1),
+                            tf.concat([[n * slices, size], tf.shape(t)[2:]], 0))
+                 for t in stored]
+        inside = tf.tile(tf.cast(index < rows, tf.float32)[None, :], [n, 1])
+        valid = parts[-1] * tf.reshape(inside, [n * slices, size])
+    return parts[:-1], valid, size

@@ -26,7 +26,6 @@ an overflow once per large batch (``autosplit.step.overflow``).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import keras
@@ -37,14 +36,15 @@ from autosplit.data.structure import empty_to_none, map_present
 from autosplit.errors import UnsupportedModelError
 from autosplit.graph import HOST, after, zeros_from
 from autosplit.keras_hooks import internals as _keras
+from autosplit.keras_hooks.custom_step import overridden_steps
 from autosplit.step.compiled import Compilation, FunctionCache
 from autosplit.step.forward import align_targets, forward_parts, in_call_losses
-from autosplit.step.loss_plan import loss_plan
+from autosplit.step.loss_plan import loss_plan, own_loss_plan
 from autosplit.step.metrics import update_loss_trackers, update_metrics
 from autosplit.step.overflow import overflowed, poisoned
 from autosplit.step.reduction import weight_regularization, whole_batch_loss
 from autosplit.step.replicas import Replicas, row_count, without_replica_axis
-from autosplit.step.store import Store
+from autosplit.step.store import Store, parts_of
 
 __all__ = ["WholeBatchStep", "whole_batch_loss"]
 
@@ -101,8 +101,10 @@ class WholeBatchStep:
         self._rows = int(valid.shape[0] or rows or 1)
         specs = tuple(tf.TensorSpec([self._rows, *s.shape[1:]], s.dtype) if isinstance(
             s, tf.TensorSpec) else s for s in (x, empty_to_none(y), empty_to_none(w)))
-        self.plan = loss_plan(self.model, specs)
-        _refuse_batch_norm(self.plan, self.why)
+        self._own_loss = "compute_loss" in overridden_steps(self.model)
+        self.plan = own_loss_plan(self.model, specs) if self._own_loss else loss_plan(
+            self.model, specs)
+        _refuse(self.plan, self.why, self._own_loss, self.replicas)
         self.update = self  # what fit's warnings read of it: .plan, .pool
         self.pool: list = []
         if self._store is None or not self._store.fits(element_spec):
@@ -235,28 +237,10 @@ class WholeBatchStep:
 
     # ------------------------------------------------------------ one replica
 
-    def _parts(self, n: tf.Tensor, slices: int, stored: list) -> tuple[list, tf.Tensor, int]:
-        """The stored elements cut into ``slices`` parts each, ``[n * slices, size, ...]``
-        per leaf, their ``valid`` (a part's last rows are copies of its element's last,
-        which weigh nothing), and the parts' ``size``."""
-        rows = self._rows
-        if slices == 1:
-            return stored[:-1], stored[-1], rows
-        size = math.ceil(rows / slices)
-        index = tf.range(slices * size)
-        clipped = tf.minimum(index, rows - 1)
-        with tf.device(HOST):
-            parts = [tf.reshape(tf.gather(t, clipped, axis=1),
-                                tf.concat([[n * slices, size], tf.shape(t)[2:]], 0))
-                     for t in stored]
-            inside = tf.tile(tf.cast(index < rows, tf.float32)[None, :], [n, 1])
-            valid = parts[-1] * tf.reshape(inside, [n * slices, size])
-        return parts[:-1], valid, size
-
     def _replica(self, n: tf.Tensor, slices: int, *stored: tf.Tensor) -> tf.Tensor:
         """This replica's part of a large batch (see the module's docstring); its loss."""
         model = self.model
-        leaves, valid, size = self._parts(n, slices, list(stored))
+        leaves, valid, size = parts_of(list(stored), n, slices, self._rows)
         x_spec, y_spec, w_spec, _ = (without_replica_axis(self.element_spec)
                                      if self._replicas.local > 1 else self.element_spec)
         structure = (x_spec, y_spec, w_spec)
@@ -276,8 +260,9 @@ class WholeBatchStep:
                 [[-1], tf.shape(t)[2:]], 0)), tf.nest.pack_sequence_as(structure, leaves))
         y, w, valid_all = empty_to_none(rows_of[1]), empty_to_none(rows_of[2]), tf.reshape(
             valid, [-1])
-        loss, per_output, outputs_gradient, rows = self._loss(outputs, y, w, valid_all,
-                                                              per_element=slices * size)
+        loss, per_output, outputs_gradient, direct, rows = self._loss(
+            outputs, y, w, valid_all, per_element=slices * size,
+            x=rows_of[0] if self._own_loss else None)
         with tf.control_dependencies(tf.nest.flatten(outputs_gradient)):
             restored = after([s.assign(k) for s, k in zip(seeds, kept, strict=True)])
         with tf.control_dependencies([restored]):
@@ -288,10 +273,10 @@ class WholeBatchStep:
         with tf.control_dependencies([after(gradients)]):
             update_metrics(model, align_targets(model, y, outputs), outputs, w, valid_all)
             local_rows = tf.reduce_sum(tf.cast(valid_all > 0, tf.float32))
-            updates = update_loss_trackers(model, loss + added + weight_regularization(model),
-                                           per_output, local_rows)
+            updates = update_loss_trackers(model, loss + added, per_output, local_rows)
         with tf.control_dependencies(updates):
-            return self._apply(loss + added, gradients)
+            return self._apply(loss + added, [g if d is None else g + d for g, d in zip(
+                gradients, direct, strict=True)])
 
     def _pass_one(self, part: Any, count: tf.Tensor) -> Any:
         """Every part forward without a tape: the outputs, ``[count * size, ...]`` per
@@ -314,12 +299,16 @@ class WholeBatchStep:
             tf.reshape(a.stack(), tf.concat([[-1], tf.shape(t)[1:]], 0))
             for a, t in zip(arrays, flat, strict=True)])
 
-    def _loss(self, outputs: Any, y: Any, w: Any, valid: tf.Tensor, *, per_element: int
-              ) -> tuple[tf.Tensor, list, Any, tf.Tensor]:
+    def _loss(self, outputs: Any, y: Any, w: Any, valid: tf.Tensor, *, per_element: int,
+              x: Any = None) -> tuple[tf.Tensor, list, Any, list, tf.Tensor]:
         """The loss over the whole large batch (every replica's rows gathered, in the
-        large batch's order): the loss, each output's, its scaled gradient with respect
-        to this replica's ``outputs``, the batch's real rows."""
+        large batch's order), weight penalties included: the loss, each output's, its
+        scaled gradient with respect to this replica's ``outputs`` and (this replica's
+        share) with respect to the weights directly (the penalties', a ``compute_loss``
+        that reads a weight), the batch's real rows. ``x``: the large batch's inputs, for
+        a ``compute_loss`` of the model's own (one replica)."""
         model = self.model
+        variables = model.trainable_variables
         local = (outputs, y, w, valid)
         context = tf.distribute.get_replica_context() if self.replicas > 1 else None
         whole = local if context is None else map_present(
@@ -332,17 +321,26 @@ class WholeBatchStep:
         scale = tf.cast(model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         with tf.GradientTape() as tape:
             tape.watch(tf.nest.flatten(real[0]))
-            loss, per_output = whole_batch_loss(
-                model, align_targets(model, real[1], real[0]), real[0], real[2])
+            if x is not None:  # the model's own compute_loss, penalties in model.losses
+                per_output: list = []
+                loss = tf.cast(model.compute_loss(
+                    x=map_present(lambda t: tf.gather(t, keep), x), y=real[1], y_pred=real[0],
+                    sample_weight=real[2], training=True), tf.float32)
+            else:
+                loss, per_output = whole_batch_loss(
+                    model, align_targets(model, real[1], real[0]), real[0], real[2])
+                loss += weight_regularization(model)
             scaled = loss * scale
-        gradient = tape.gradient(scaled, real[0])
+        gradient, direct = tape.gradient(scaled, (real[0], variables))
+        direct = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
+                  / float(self.replicas) for g in direct]
         gradient = tf.nest.map_structure(
             lambda g, t: tf.scatter_nd(keep[:, None], g, tf.shape(t, out_type=tf.int64)),
             gradient, outputs_all)
         if context is not None:  # this replica's rows of it
             gradient = tf.nest.map_structure(
                 lambda g: self._replicas.rows_of_this(g, context, per_element), gradient)
-        return loss, per_output, gradient, rows
+        return loss, per_output, gradient, direct, rows
 
     def _pass_two(self, part: Any, count: tf.Tensor, size: int, outputs_gradient: Any,
                   valid: tf.Tensor, rows: tf.Tensor) -> tuple[list, tf.Tensor]:
@@ -394,17 +392,10 @@ class WholeBatchStep:
             added = context.all_reduce(tf.distribute.ReduceOp.SUM, added)
         return list(sums), added
 
-    def _apply(self, loss: tf.Tensor, gradients: list) -> tf.Tensor:
-        """The weight penalties' gradient once (each replica its share), the overflow
-        decided as the full batch's, one apply; the loss."""
+    def _apply(self, loss: tf.Tensor, summed: list) -> tf.Tensor:
+        """The overflow decided as the full batch's, one apply; the loss."""
         model, plan = self.model, self.plan
         variables = model.trainable_variables
-        scale = tf.cast(model.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
-        with tf.GradientTape() as tape:
-            penalty = weight_regularization(model) / float(self.replicas)
-        penalties = tape.gradient(penalty, variables) if variables else []
-        summed = [g if p is None else g + tf.cast(tf.convert_to_tensor(p), tf.float32) * scale
-                  for g, p in zip(gradients, penalties, strict=True)]
         context = tf.distribute.get_replica_context() if self.replicas > 1 else None
         summed = [g if has else None for g, has in zip(summed, plan.has_grad, strict=True)]
         overflow = overflowed(summed, plan.half, context)
@@ -428,10 +419,20 @@ def _call(model: keras.Model, x: Any) -> Any:
     return model(x, training=True) if _keras.call_has_training_arg(model) else model(x)
 
 
-def _refuse_batch_norm(plan: Any, why: str) -> None:
-    """Refuse BatchNormalization in training mode: each micro-batch would normalise with
-    its own statistics, not the batch's, and a loss that compares rows learns from that
-    leak (SimCLR's global BatchNormalization is there for it)."""
+def _refuse(plan: Any, why: str, own_loss: bool, replicas: int) -> None:
+    """Refuse what the whole-batch step cannot make exact: BatchNormalization in training
+    mode (each micro-batch would normalise with its own statistics, not the batch's, and
+    a loss that compares rows learns from that leak: SimCLR's global BatchNormalization
+    is there for it); a ``compute_loss`` of the model's own that would read the losses
+    a micro-batch added in call(), or that runs on several replicas."""
+    if own_loss and (plan.forward_losses or replicas > 1):
+        what = ("adds losses in call(), which its compute_loss would read of one "
+                "micro-batch" if plan.forward_losses else f"runs on {replicas} replicas")
+        raise UnsupportedModelError(
+            f"Expected a model whose compute_loss computes its loss over the whole batch "
+            f"({why}) on one replica, from the batch alone. Received: a model that {what}. "
+            "Compile the loss (model.compile(loss=...)), which the whole-batch step "
+            "computes on every replica's rows, or train with model.fit.")
     layers = [layer.name for layer, calls in plan.batch_norm_calls if calls]
     if layers:
         raise UnsupportedModelError(

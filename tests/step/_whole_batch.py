@@ -137,3 +137,24 @@ def trains_as_model_fit(make, x, y, *, rtol=1e-5, epochs=2, strategy=None, batch
         np.testing.assert_allclose(got.history[name], values, rtol=max(rtol, 1e-5),
                                    err_msg=name)
     return got, reference, model
+
+
+class DualEncoder(keras.Model):
+    """Keras 3's way of writing one's own loss: ``compute_loss`` overridden, in-batch
+    negatives plus a per-row term on the queries, through Keras's own compiled-less step."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        negatives = keras.ops.mean(in_batch_softmax(y, y_pred))
+        norms = keras.ops.mean(keras.ops.square(keras.ops.norm(y_pred[:, :D], axis=1) - 1.0))
+        return negatives + 0.1 * norms + keras.ops.sum(self.losses)
+
+
+def own_loss_encoder(regularized=False):
+    keras.utils.set_random_seed(1)
+    xq, xd = keras.Input((6,)), keras.Input((6,))
+    dense = {"kernel_regularizer": "l2"} if regularized else {}
+    towers = [keras.layers.Dense(D, **dense)(keras.layers.Dense(16, activation="relu")(t))
+              for t in (xq, xd)]
+    model = DualEncoder([xq, xd], keras.layers.Concatenate()(towers))
+    model.compile(keras.optimizers.SGD(0.5))
+    return model

@@ -75,6 +75,18 @@ def test_a_statistic_of_the_whole_batch_trains_as_model_fit():
     assert "one value per batch" in got.autosplit.step
 
 
+@pytest.mark.parametrize("regularized", [False, True])
+def test_a_compute_loss_of_the_model_s_own_trains_as_model_fit(regularized):
+    # Keras 3's way of writing one's own loss: in-batch negatives and a per-row term in
+    # compute_loss. It was refused (the reading found a product over the rows); now its
+    # value is computed once on the whole batch, its weight penalties with it.
+    from _whole_batch import own_loss_encoder
+
+    x, y = pairs()
+    got, _, _ = trains_as_model_fit(lambda: own_loss_encoder(regularized), x, y)
+    assert "its compute_loss is not a sum over the rows" in got.autosplit.step
+
+
 def test_a_model_with_one_loss_over_the_batch_and_one_per_row_trains_as_model_fit():
     x, labels = labelled()
     targets = x[:, :1].copy()
