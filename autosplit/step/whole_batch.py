@@ -224,6 +224,13 @@ class WholeBatchStep:
         """Both passes over the stored large batch, each element in ``slices`` parts, the
         loss over the whole of it, one apply; the logs."""
         n, stored = self._held.read()
+        if self._multi_worker:  # shares of other sizes: all as many, the rest weightless
+            most, _ = self._replicas.bounds(tf.cast(n, tf.float32)[None])
+            target = tf.cast(most[0], tf.int32)
+            with tf.device(HOST):
+                stored = [tf.pad(t, [[0, target - n]] + [[0, 0]] * (t.shape.rank - 1))
+                          for t in stored]
+            n = target
         if self._replicas.count == 1:
             done = after([self._replica(n, slices, *stored)])
         else:

@@ -175,9 +175,10 @@ def test_validation_computes_each_batch_s_loss_over_the_whole_batch(validation_b
 
 
 def test_on_two_replicas_negatives_come_from_the_global_batch_as_model_fit_s_full_batch():
-    # model.fit under MirroredStrategy computes the loss per replica, over its own rows:
-    # the whole-batch step gathers every replica's outputs, so each case trains as one
-    # device's model.fit on the full batch (the child asserts it), with a short last batch and validation too.
+    # model.fit under MirroredStrategy computes the loss per replica, over its own rows: the
+    # whole-batch step gathers every replica's outputs, so each case trains as one device's
+    # model.fit on the full batch (the child asserts it), with a short last batch and
+    # validation too.
     run = subprocess.run([sys.executable, str(Path(__file__).with_name("whole_batch_child.py"))],
                          env=child_env(PYTHONPATH=os.pathsep.join(
                              [child_env()["PYTHONPATH"], str(Path(__file__).parent)])),
@@ -227,3 +228,21 @@ def test_under_a_real_cap_the_probe_and_the_recovery_run_both_passes(tmp_path, s
     expected, reference = child("whole_batch_reference", 2048, tmp_path / "reference")
     assert relative_error(reference, weights) <= 1e-5
     np.testing.assert_allclose(result["loss"], expected["loss"], rtol=1e-5)
+
+
+def test_on_two_workers_negatives_come_from_the_global_batch(tmp_path):
+    # MultiWorkerMirroredStrategy on localhost: each worker keeps its share of every
+    # large batch, and every worker's outputs are gathered before the loss, so each run
+    # trains as single-device model.fit on the full batch (the child asserts it).
+    from common import local_workers
+
+    codes = local_workers(lambda index: [str(TESTS / "step" / "whole_batch_workers_child.py"),
+                                         str(tmp_path / f"worker{index}")], tmp_path)
+    assert codes == [0, 0], [(tmp_path / f"worker{i}.stderr").read_text()[-3000:]
+                             for i in range(2)]
+    for index in range(2):
+        found = json.loads((tmp_path / f"worker{index}.json").read_text())
+        assert set(found) == {"arrays", "sharded", "supervised_contrastive"}
+        for case in found.values():
+            assert case["workers"] == 2
+            assert case["step"].startswith("outputs first, the loss over the whole batch")
