@@ -90,6 +90,10 @@ class CheckReport:
     # loss scale on this batch (where a full batch and a split could decide an overflow
     # apart); None where none comes that close
     float16: str | None = None
+    # a loss over the whole batch (in-batch negatives, a statistic of the batch):
+    # fit_large_batch trains it exactly with the whole-batch step, outputs first, which
+    # this split (its gradients summed over micro-batches) is not; None for a sum over rows
+    step: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -106,6 +110,8 @@ class CheckReport:
             return "n/a" if value is None else f"{value:.3g}"
 
         verdict = "exact" if self.exact else "NOT exact"
+        if self.step and not self.exact:
+            verdict += " summed; fit_large_batch's whole-batch step is exact"
         lines = [
             f"split       batch {self.batch_size} = {self.accumulation_steps} micro-batch(es) "
             f"of {self.micro_batch_size}",
@@ -129,6 +135,8 @@ class CheckReport:
         if ranked and not self.exact:
             lines.append("largest differences")
             lines += [f"  {v.relative_difference:9.2e}  {v.path}" for v in ranked]
+        if self.step:
+            lines.append(f"step        {self.step}")
         if self.padding:
             lines.append(f"padding     {self.padding}")
         if self.float16:

@@ -37,6 +37,8 @@ from autosplit.culprits import (
     static_culprits,
     unreduced_culprits,
 )
+from autosplit.data.inputs import get_input
+from autosplit.data.pipeline import MicroBatches
 from autosplit.data.sequences.lengths import group_lengths, padded_lengths
 from autosplit.data.split import Split, split_batch
 from autosplit.data.structure import map_present
@@ -48,6 +50,7 @@ from autosplit.step.accumulation import split_loss
 from autosplit.step.compiled import run_once
 from autosplit.step.forward import align_targets
 from autosplit.step.loss_plan import loss_plan, step_plan
+from autosplit.step.mixing import loss_over_whole_batch
 from autosplit.step.overflow import HALF_OVERFLOW
 from autosplit.step.padding import check_padding
 from autosplit.step.snapshot import Snapshot
@@ -140,7 +143,19 @@ def check(
         loss_split=None if own else float(split_loss), decomposes=decomposes,
         loss_decomposition_difference=decomposition, per_variable=tuple(per_variable),
         culprits=tuple(culprits), hint=None if exact or explains else HINT,
-        padding=_padding(model, x, y, sample_weight), float16=_near_overflow(model, full))
+        padding=_padding(model, x, y, sample_weight), float16=_near_overflow(model, full),
+        step=_whole_batch(model, x, y, sample_weight, split))
+
+
+def _whole_batch(model: keras.Model, x: Any, y: Any, sample_weight: Any, split: Split
+                 ) -> str | None:
+    """Where the loss is the whole batch's (``autosplit.step.mixing``), the step
+    ``fit_large_batch`` trains it with, and why; None for a sum over the rows."""
+    adapter = get_input(x, y, sample_weight, shuffle=False, model=model)
+    spec = MicroBatches(adapter, split.batch_size, split.micro_batch_size).element_spec()
+    why = loss_over_whole_batch(model, adapter, spec)
+    return None if why is None else (
+        f"outputs first, the loss over the whole batch, then the gradients: {why}")
 
 
 FLOAT16 = ("float16 rounding: the full batch's gradient of a float16 layer is one float16 "

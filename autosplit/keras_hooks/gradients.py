@@ -150,7 +150,10 @@ def _refusal(model: keras.Model, error: Unreadable) -> UnsupportedModelError:
         "which add up exactly over micro-batches. Received: "
         f"{error}. That part of the loss depends on the whole large batch at once, so no "
         "split into micro-batches computes it: write the loss as a mean or sum over rows "
-        "(or a sum over a count of tokens), or train the model with model.fit.")
+        "(or a sum over a count of tokens); for a loss over the whole batch (in-batch "
+        "negatives), compute it in compute_loss and leave train_step to Keras, or compile "
+        "it (model.compile(loss=...)): fit_large_batch computes those over the whole "
+        "batch, outputs first. Or train the model with model.fit.")
 
 
 def _read_call(split: Split, targets: list) -> list[tuple[list[Term], tuple]]:

@@ -36,7 +36,7 @@ from autosplit.step.loss_plan import LossPlan, step_plan
 from autosplit.step.model_state import model_state
 from autosplit.step.reduction import own_call
 
-__all__ = ["loss_over_whole_batch", "whole_batch_reason"]
+__all__ = ["loss_over_whole_batch", "refuse_what_is_not_exact", "whole_batch_reason"]
 
 _ROWS = 32  # the sample's rows the per-example values are compared on
 _TOLERANCE = 1e-4  # of the largest value: a row's own value moves ~1e-7 with the batch
@@ -160,3 +160,28 @@ def _moved(loss: keras.losses.Loss, y_true: Any, y_pred: Any, n: int) -> float |
     scale = max(float(np.max(np.abs(whole))), 1e-12)
     moved = max(float(np.max(np.abs(values - whole))) for values in seen)
     return moved / scale if moved > _TOLERANCE * scale + 1e-7 else None
+
+
+def refuse_what_is_not_exact(plan: Any, why: str, own_loss: bool, replicas: int) -> None:
+    """Refuse what the whole-batch step cannot make exact: BatchNormalization in training
+    mode (each micro-batch would normalise with its own statistics, not the batch's, and
+    a loss that compares rows learns from that leak: SimCLR's global BatchNormalization
+    is there for it); a ``compute_loss`` of the model's own that would read the losses
+    a micro-batch added in call(), or that runs on several replicas."""
+    if own_loss and (plan.forward_losses or replicas > 1):
+        what = ("adds losses in call(), which its compute_loss would read of one "
+                "micro-batch" if plan.forward_losses else f"runs on {replicas} replicas")
+        raise UnsupportedModelError(
+            f"Expected a model whose compute_loss computes its loss over the whole batch "
+            f"({why}) on one replica, from the batch alone. Received: a model that {what}. "
+            "Compile the loss (model.compile(loss=...)), which the whole-batch step "
+            "computes on every replica's rows, or train with model.fit.")
+    layers = [layer.name for layer, calls in plan.batch_norm_calls if calls]
+    if layers:
+        raise UnsupportedModelError(
+            "Expected a model whose forward pass treats each row on its own, for a loss "
+            f"computed over the whole batch ({why}). Received: BatchNormalization in "
+            f"training mode ({', '.join(layers)}), which normalises each micro-batch with "
+            "its own statistics where model.fit uses the batch's, and a loss that "
+            "compares the rows learns from that difference. Freeze those layers "
+            "(layer.trainable = False), use LayerNormalization, or train with model.fit.")

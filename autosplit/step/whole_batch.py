@@ -41,6 +41,7 @@ from autosplit.step.compiled import Compilation, FunctionCache
 from autosplit.step.forward import align_targets, forward_parts, in_call_losses
 from autosplit.step.loss_plan import loss_plan, own_loss_plan
 from autosplit.step.metrics import update_loss_trackers, update_metrics
+from autosplit.step.mixing import refuse_what_is_not_exact
 from autosplit.step.overflow import overflowed, poisoned
 from autosplit.step.reduction import weight_regularization, whole_batch_loss
 from autosplit.step.replicas import Replicas, row_count, without_replica_axis
@@ -104,7 +105,7 @@ class WholeBatchStep:
         self._own_loss = "compute_loss" in overridden_steps(self.model)
         self.plan = own_loss_plan(self.model, specs) if self._own_loss else loss_plan(
             self.model, specs)
-        _refuse(self.plan, self.why, self._own_loss, self.replicas)
+        refuse_what_is_not_exact(self.plan, self.why, self._own_loss, self.replicas)
         self.update = self  # what fit's warnings read of it: .plan, .pool
         self.pool: list = []
         if self._store is None or not self._store.fits(element_spec):
@@ -424,31 +425,6 @@ class WholeBatchStep:
 
 def _call(model: keras.Model, x: Any) -> Any:
     return model(x, training=True) if _keras.call_has_training_arg(model) else model(x)
-
-
-def _refuse(plan: Any, why: str, own_loss: bool, replicas: int) -> None:
-    """Refuse what the whole-batch step cannot make exact: BatchNormalization in training
-    mode (each micro-batch would normalise with its own statistics, not the batch's, and
-    a loss that compares rows learns from that leak: SimCLR's global BatchNormalization
-    is there for it); a ``compute_loss`` of the model's own that would read the losses
-    a micro-batch added in call(), or that runs on several replicas."""
-    if own_loss and (plan.forward_losses or replicas > 1):
-        what = ("adds losses in call(), which its compute_loss would read of one "
-                "micro-batch" if plan.forward_losses else f"runs on {replicas} replicas")
-        raise UnsupportedModelError(
-            f"Expected a model whose compute_loss computes its loss over the whole batch "
-            f"({why}) on one replica, from the batch alone. Received: a model that {what}. "
-            "Compile the loss (model.compile(loss=...)), which the whole-batch step "
-            "computes on every replica's rows, or train with model.fit.")
-    layers = [layer.name for layer, calls in plan.batch_norm_calls if calls]
-    if layers:
-        raise UnsupportedModelError(
-            "Expected a model whose forward pass treats each row on its own, for a loss "
-            f"computed over the whole batch ({why}). Received: BatchNormalization in "
-            f"training mode ({', '.join(layers)}), which normalises each micro-batch with "
-            "its own statistics where model.fit uses the batch's, and a loss that "
-            "compares the rows learns from that difference. Freeze those layers "
-            "(layer.trainable = False), use LayerNormalization, or train with model.fit.")
 
 
 def _until(ends: Ends) -> str:

@@ -254,3 +254,16 @@ def test_errors_are_typed():
 def test_check_report_is_reexported():
     assert "check" in autosplit.__all__ and "CheckReport" in autosplit.__all__
     assert CheckReport is autosplit.CheckReport
+
+
+def test_check_says_a_loss_over_the_whole_batch_trains_exactly_in_fit_large_batch():
+    # The summed split of in-batch negatives is not the batch's; the report says so, and
+    # that fit_large_batch takes the whole-batch step for it, which is exact.
+    from _whole_batch import dual_encoder, pairs
+
+    x, y = pairs(64)
+    report = autosplit.check(dual_encoder(), x, y, micro_batch_size=16)
+    assert not report.exact
+    assert report.step.startswith("outputs first, the loss over the whole batch")
+    assert "fit_large_batch's whole-batch step is exact" in report.format()
+    assert report.to_dict()["step"] == report.step
