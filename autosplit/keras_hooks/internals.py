@@ -38,6 +38,7 @@ __all__ = [
     "global_seed_generator_kept",
     "gpu_pci_bus_id",
     "has_compiled_loss",
+    "keras_loss_function",
     "loss_tracker",
     "metric_lists",
     "onednn_enabled",
@@ -194,6 +195,17 @@ def flat_losses(model: keras.Model) -> list[FlatLoss]:
             f"({keras.__version__}): `model._compile_loss` has no `_flat_losses`."
         )
     return [FlatLoss(tuple(entry[0]), entry[1], entry[2]) for entry in flat]
+
+
+def keras_loss_function(loss: Any) -> tuple[Any, dict] | None:
+    """``(fn, fn_kwargs)`` of a loss that is Keras's own wrapper of a function (``"mse"``,
+    ``keras.losses.MeanSquaredError()``), or None (a class of the user's, which may
+    compute anything)."""
+    from keras.src.losses.losses import LossFunctionWrapper
+
+    if not (isinstance(loss, LossFunctionWrapper) and type(loss).__module__.startswith("keras.")):
+        return None
+    return loss.fn, dict(loss._fn_kwargs)
 
 
 def output_loss_trackers(model: keras.Model) -> list:

@@ -14,11 +14,19 @@ Found before the first update, on evidence, never on a guess:
   the sample's real rows: each half's values computed alone, and the rows' values in
   reverse order, differ from the whole batch's (in-batch negatives: each row's softmax
   over every row of the batch).
+
+Keras's own per-example losses (``"mse"``, ``SparseCategoricalCrossentropy()``, ... on
+their last axis: :data:`KERAS_PER_ROW`) read their row alone by definition, so a model
+compiled with those alone is told without a sample: a sample is an iterator more over
+the input, which moves a seeded ``shuffle`` on (the first epoch would not be
+``model.fit``'s), runs a generator once more and reads a worker's files twice.
+``tests/step/test_mixing.py`` checks every one of them on real rows.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -36,10 +44,23 @@ from autosplit.step.loss_plan import LossPlan, step_plan
 from autosplit.step.model_state import model_state
 from autosplit.step.reduction import own_call
 
-__all__ = ["loss_over_whole_batch", "refuse_what_is_not_exact", "whole_batch_reason"]
+__all__ = [
+    "KERAS_PER_ROW", "loss_over_whole_batch", "refuse_what_is_not_exact", "whole_batch_reason",
+]
 
 _ROWS = 32  # the sample's rows the per-example values are compared on
 _TOLERANCE = 1e-4  # of the largest value: a row's own value moves ~1e-7 with the batch
+
+#: Keras's loss functions whose value for a row is computed from that row alone (on
+#: their last axis); not ``dice``/``tversky`` (one value per batch by default) nor
+#: ``circle`` (each row against the batch's others).
+KERAS_PER_ROW = frozenset(getattr(keras.losses, name) for name in (
+    "binary_crossentropy", "binary_focal_crossentropy", "categorical_crossentropy",
+    "categorical_focal_crossentropy", "categorical_generalized_cross_entropy",
+    "categorical_hinge", "cosine_similarity", "ctc", "hinge", "huber", "kl_divergence",
+    "log_cosh", "mean_absolute_error", "mean_absolute_percentage_error",
+    "mean_squared_error", "mean_squared_logarithmic_error", "poisson",
+    "sparse_categorical_crossentropy", "squared_hinge") if hasattr(keras.losses, name))
 
 
 def loss_over_whole_batch(model: keras.Model, adapter: InputAdapter, element_spec: Any
@@ -66,7 +87,7 @@ def loss_over_whole_batch(model: keras.Model, adapter: InputAdapter, element_spe
                 cache[key] = f"its compute_loss is not a sum over the rows ({_first(error)})"
         else:
             cache[key] = whole_batch_reason(model, step_plan(model, specs),
-                                            adapter.sample(_ROWS))
+                                            lambda: adapter.sample(_ROWS))
     return cache[key]
 
 
@@ -77,14 +98,17 @@ def _first(error: Exception) -> str:
     return found.split(". ", 1)[0]
 
 
-def whole_batch_reason(model: keras.Model, plan: LossPlan, sample: tuple) -> str | None:
+def whole_batch_reason(model: keras.Model, plan: LossPlan, sample: Callable[[], tuple]
+                       ) -> str | None:
     """Why ``model``'s loss is computed over the whole batch, or None: a sum over its
     rows, which micro-batches add up exactly (see the module's docstring).
 
     Args:
         model: a compiled model, built.
         plan: its loss plan (``loss_plan.step_plan``).
-        sample: ``(x, y, sample_weight)`` of a few real rows (``InputAdapter.sample``).
+        sample: returns ``(x, y, sample_weight)`` of a few real rows
+            (``InputAdapter.sample``); called only where a loss is not Keras's own
+            per-example one.
     """
     if plan.custom is not None:
         return None
@@ -96,8 +120,10 @@ def whole_batch_reason(model: keras.Model, plan: LossPlan, sample: tuple) -> str
     if plan.per_batch_ratios:
         return ("a loss of it returns one value per batch that is not a mean over the "
                 "batch's rows")
-    x, y, _ = sample
-    if y is None or not flat:
+    if not flat or all(_keras_per_row(loss.loss) for loss in flat):
+        return None
+    x, y, _ = sample()
+    if y is None:
         return None
     rows = int(tf.shape(tf.nest.flatten(x)[0])[0])
     if rows < 2:
@@ -116,6 +142,13 @@ def whole_batch_reason(model: keras.Model, plan: LossPlan, sample: tuple) -> str
                     f"batch's other rows ({by}, on {n} rows of the data): each row's loss "
                     "depends on other rows of the batch")
     return None
+
+
+def _keras_per_row(loss: Any) -> bool:
+    """Whether ``loss`` is Keras's own wrapper of a :data:`KERAS_PER_ROW` function on
+    its last axis (a subclass of the user's may compute anything)."""
+    found = _keras.keras_loss_function(loss)
+    return found is not None and found[0] in KERAS_PER_ROW and found[1].get("axis", -1) == -1
 
 
 def _named(flat: Any) -> str:
