@@ -232,3 +232,25 @@ def test_overflow_check_quick_run_restores_the_library(tmp_path):
     results = read(tmp_path, "overflow_check")["results"]
     assert results["same_weights"] and results["skipped"] == 0
     assert set(results["seconds_per_large_batch"]) == set(overflow_check.METHODS)
+
+
+@pytest.mark.slow
+def test_whole_batch_quick_run_in_capped_children(tmp_path):
+    from benchmarks import whole_batch
+
+    assert whole_batch.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = read(tmp_path, "whole_batch")
+    cost, recall = report["results"]["cost"], report["results"]["recall"]
+    assert "summed" in cost["steps"]["summed"] and "whole batch" in cost["steps"]["whole_batch"]
+    assert cost["weights_relative_difference"] < 1e-4 and cost["ratio"] > 0
+    ours = recall["autosplit"]
+    assert ours["status"] == "ok" and "whole batch" in ours["step"]
+    assert ours["applies"] == 2 * (1024 // 256)  # one apply per large batch, 2 epochs
+    for key in whole_batch.RECALL_METHODS:
+        assert 0.0 <= recall[key]["recall_at_1"] <= 1.0
+    memory = report["results"]["memory"]
+    assert [p["status"] for p in memory["autosplit"] + memory["keras"]] == ["ok"] * 4
+    checks = {c["id"]: c["status"] for c in report["checks"]}
+    assert checks["steps"] == checks["same-weights"] == "PASS"
+    assert set(checks) == {"steps", "same-weights", "cost", "trains-under-cap", "recall"}
+    assert (tmp_path / "whole_batch.png").read_bytes()[:8] == PNG
