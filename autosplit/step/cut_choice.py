@@ -10,6 +10,7 @@ the :class:`~autosplit.data.sequences.cut.Cut` it returns.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import keras
@@ -159,13 +160,14 @@ def _by_length(model: keras.Model, adapter: InputAdapter, batch_size: int, eleme
     if lengths.uncut:
         return f"its inputs cannot be cut by length ({'; '.join(lengths.uncut)})", None
     build_for(model, element)  # the compiled loss and metrics, as the step builds them
-    whole = loss_over_whole_batch(model, adapter, element)
+    # One read of the input for both checks: each read is an iterator more over it.
+    sample = functools.cache(lambda: adapter.sample(min(batch_size, _SAMPLE)))
+    whole = loss_over_whole_batch(model, adapter, element, sample)
     if whole is not None:  # the whole-batch step keeps a large batch's rows as they come
         return f"the loss is computed over the whole batch ({whole})", None
     spec = _length_spec(element[:3], lengths)
-    sample = adapter.sample(min(batch_size, _SAMPLE))
     pre = padded is not None and padded.pre
-    found = check_padding(model, sample, spec, lengths, pre=pre)
+    found = check_padding(model, sample(), spec, lengths, pre=pre)
     if not found.ignores_padding:
         return _not_ignored(found), None
     return "", Cut("length", lengths, buckets=jit, arrays=padded,

@@ -63,11 +63,13 @@ KERAS_PER_ROW = frozenset(getattr(keras.losses, name) for name in (
     "sparse_categorical_crossentropy", "squared_hinge") if hasattr(keras.losses, name))
 
 
-def loss_over_whole_batch(model: keras.Model, adapter: InputAdapter, element_spec: Any
-                          ) -> str | None:
+def loss_over_whole_batch(model: keras.Model, adapter: InputAdapter, element_spec: Any,
+                          sample: Callable[[], tuple] | None = None) -> str | None:
     """:func:`whole_batch_reason` for the micro-batches of ``element_spec`` (a
     pipeline's ``(x, y, w_or_(), valid)``; with several local replicas, a replica's),
-    read on a sample of ``adapter``'s rows once per compile state."""
+    read on a sample of ``adapter``'s rows once per compile state: ``sample``'s, where
+    the caller reads one of its own (each read is an iterator more over the input), or
+    one of 32 rows read here."""
     steps = overridden_steps(model)
     if "train_step" in steps:  # its own step reads its own loss (keras_hooks.custom_step)
         return None
@@ -87,7 +89,7 @@ def loss_over_whole_batch(model: keras.Model, adapter: InputAdapter, element_spe
                 cache[key] = f"its compute_loss is not a sum over the rows ({_first(error)})"
         else:
             cache[key] = whole_batch_reason(model, step_plan(model, specs),
-                                            lambda: adapter.sample(_ROWS))
+                                            sample or (lambda: adapter.sample(_ROWS)))
     return cache[key]
 
 
