@@ -246,3 +246,56 @@ def test_on_two_workers_negatives_come_from_the_global_batch(tmp_path):
         for case in found.values():
             assert case["workers"] == 2
             assert case["step"].startswith("outputs first, the loss over the whole batch")
+
+
+def _counted(dataset, reads):
+    """``dataset``, one entry in ``reads`` per iterator made over it."""
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensors(0).map(
+        lambda _: tf.py_function(lambda: reads.append(1) or 0, [], tf.int32)
+    ).flat_map(lambda _: dataset)
+
+
+def _masked_gru(loss):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None, 3)), keras.layers.Masking(),
+                              keras.layers.GRU(8),
+                              # no bias: a shift a centred loss cannot see has a gradient
+                              # of float32 noise (1e-9), not of the loss
+                              keras.layers.Dense(4, use_bias=False)])
+    model.compile(keras.optimizers.SGD(0.1), loss)
+    return model
+
+
+@pytest.mark.parametrize("centred", [True, False])
+def test_sequences_of_varying_length_keep_their_large_batch_s_padding_as_model_fit(centred):
+    # Cut by length, each micro-batch would be padded to its own longest row; the loss
+    # over the whole batch (each row's output centred on the batch's mean) takes the
+    # whole-batch step, which keeps a large batch's rows as model.fit's padded_batch pads
+    # them, and the report says why. A loss of the user's own over each row is cut by
+    # length; its check and the check of padding read one sample of the input between
+    # them: before training, the look at its lengths and that sample, no more.
+    import tensorflow as tf
+    from _sequences import features, sequences
+
+    def loss(y_true, y_pred):
+        shift = tf.reduce_mean(y_pred, axis=0) if centred else 0.0
+        return tf.reduce_sum(tf.square(y_pred - shift), axis=1)
+
+    reference, model = _masked_gru(loss), _masked_gru(loss)
+    expected = reference.fit(features(sequences()).padded_batch(B), epochs=1, verbose=0)
+    reads = []
+    before = keras.callbacks.LambdaCallback(
+        on_train_begin=lambda logs: reads.append("training begins"))
+    got = autosplit.fit_large_batch(
+        model, _counted(features(sequences()).padded_batch(B), reads), batch_size=B,
+        micro_batch_size=M, verbose=0, callbacks=[before])
+    assert reads.index("training begins") == 2
+    if centred:
+        assert got.autosplit.step.startswith("outputs first, the loss over the whole batch")
+        assert "the loss is computed over the whole batch" in got.autosplit.padding
+    else:
+        assert got.autosplit.step.startswith("summed")
+    assert relative_error(reference.get_weights(), model.get_weights()) <= 1e-5
+    np.testing.assert_allclose(got.history["loss"], expected.history["loss"], rtol=1e-5)
