@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -185,24 +184,21 @@ def _targets(rows: int) -> Any:
 
 def cost_run(step: str, s: Settings) -> dict[str, Any]:
     """One timed training by the summed or the whole-batch step: a warm-up epoch, then
-    the rest timed."""
-    import keras
-
+    the rest timed (``workloads.EpochMeter``)."""
     import autosplit
+    from benchmarks.workloads import EpochMeter
 
     loss = alignment(s.embed)
     model = dual_encoder(s, loss if step == "summed" else own_call(loss))
     a, b = pairs(s, s.rows, seed=0)
-    seconds: list[float] = []
-    timer = keras.callbacks.LambdaCallback(
-        on_epoch_begin=lambda epoch, logs: seconds.append(-time.perf_counter()),
-        on_epoch_end=lambda epoch, logs: seconds.__setitem__(-1, seconds[-1] + time.perf_counter()))
+    timer = EpochMeter(None, samples_per_epoch=s.rows)
     history = autosplit.fit_large_batch(
         model, [a, b], _targets(s.rows), batch_size=s.batch_size,
         micro_batch_size=s.cost_micro_batch_size, epochs=3, shuffle=False, verbose=0,
         callbacks=[timer])
-    steps = 2 * (s.rows // s.batch_size)
-    return {"seconds": sum(seconds[1:]), "samples": steps * s.batch_size, "large_batches": steps,
+    return {"seconds": sum(r["seconds"] for r in timer.records),
+            "samples": sum(r["samples"] for r in timer.records),
+            "large_batches": sum(r["applies"] for r in timer.records),
             "step": history.autosplit.step, "weights": model.get_weights()}
 
 
