@@ -29,6 +29,7 @@ _EXPORTS = {
     "UnsupportedModelError": "autosplit.errors",
     "WorkerLostError": "autosplit.errors",
     "FitReport": "autosplit.training.report",
+    "GradientNoiseScale": "autosplit.training.noise_report",
     "fit_large_batch": "autosplit.training.fit",
     "OomRecovery": "autosplit.training.recovery",
     "ProbeResult": "autosplit.search.probe",
@@ -55,6 +56,7 @@ __all__ = [
     "CheckReport",
     "DatasetError",
     "FitReport",
+    "GradientNoiseScale",
     "MemoryLimitError",
     "ModelNotReadyError",
     "NothingFitsError",
@@ -109,5 +111,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from autosplit.search.policy import Trial
     from autosplit.search.probe import ProbeResult, probe
     from autosplit.training.fit import fit_large_batch
+    from autosplit.training.noise_report import GradientNoiseScale
     from autosplit.training.recovery import OomRecovery
     from autosplit.training.report import FitReport

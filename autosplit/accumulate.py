@@ -29,11 +29,27 @@ from autosplit.step.accumulation import (
 __all__ = ["Accumulated", "accumulate_gradients", "accumulate_iterator", "own_steps_accumulated"]
 
 
-class Accumulated(NamedTuple):
-    """What ``accumulate_gradients`` returns."""
-
+class _Fields(NamedTuple):
     loss: tf.Tensor  # shape=(), float32: the full-batch loss Keras would report
     gradients: list[tf.Tensor | None]  # per model.trainable_variables entry; None: unconnected
+
+
+class Accumulated(_Fields):
+    """What ``accumulate_gradients`` returns: ``(loss, gradients)``, and the large batch's
+    gradient noise estimate as the attribute ``noise``.
+
+    ``noise`` is an ``autosplit.step.noise_scale.GradientNoise`` of tensors (this
+    replica's, under a strategy): ``noise`` (``tr(Sigma)``), ``signal`` (``|G|^2``),
+    ``batch`` (the large batch's examples) and ``counted`` (1.0 where the estimate
+    exists; 0.0 and zeros with one micro-batch, or where the gradients overflow). Sum
+    ``noise`` and ``signal`` over many large batches and divide, for McCandlish et al.'s
+    ``B_simple`` (a ratio of means: one large batch's ratio is mostly noise). None for a
+    model whose own ``train_step`` runs. An attribute, not a field: ``loss, gradients =
+    ...`` unpacks as ever, and a ``tf.function`` that returns the whole result returns
+    the two fields alone.
+    """
+
+    noise: Any = None
 
 
 @_keras.outside_strategy_scope()
@@ -125,7 +141,13 @@ def _accumulate(model: keras.Model, x: Any, y: Any, sample_weight: Any, *,
     global_batch = batch * replicas_here()[1]
     totals = sum_pieces(model, plan, take, split.accumulation_steps, batch_size=global_batch,
                         scale=scale, update_metrics_too=update_metrics)
-    return Accumulated(*finish(model, plan, totals, global_batch, scale))
+    return _result(*finish(model, plan, totals, global_batch, scale))
+
+
+def _result(loss: tf.Tensor, gradients: list[tf.Tensor | None], noise: Any) -> Accumulated:
+    result = Accumulated(loss, gradients)
+    result.noise = noise
+    return result
 
 
 @_keras.outside_strategy_scope()
@@ -185,4 +207,4 @@ def accumulate_iterator(
     scale = as_scale(loss_scale)
     totals = sum_pieces(model, plan, take, steps, batch_size=batch_size, scale=scale,
                         update_metrics_too=update_metrics)
-    return Accumulated(*finish(model, plan, totals, batch_size, scale))
+    return _result(*finish(model, plan, totals, batch_size, scale))

@@ -19,6 +19,7 @@ from autosplit.step.contribution import combine, compute_contribution
 from autosplit.step.forward import forward_totals
 from autosplit.step.loss_plan import LossPlan, loss_plan, step_plan
 from autosplit.step.metrics import update_metrics, without_padding
+from autosplit.step.noise_scale import GradientNoise, estimate, noise_slots
 from autosplit.step.reduction import combined_loss, output_terms
 from autosplit.step.totals import Totals, added, sum_loop, zero_totals
 
@@ -48,14 +49,17 @@ def piece_rows(split: Split) -> tuple[np.ndarray, np.ndarray]:
 def sum_pieces(model: keras.Model, plan: LossPlan, take: Callable[[tf.Tensor], tuple[Any, ...]],
                 count: int | tf.Tensor, *, batch_size: int, scale: tf.Tensor,
                 update_metrics_too: bool) -> Totals:
-    """Sum ``count`` micro-batches in a while loop; ``take(i) -> (x, y, w, valid)``."""
+    """Sum ``count`` micro-batches in a while loop; ``take(i) -> (x, y, w, valid)``; with
+    the gradient noise scale's numbers where the plan sums a compiled loss's gradients
+    (:func:`finish` reads them)."""
     variables = model.trainable_variables
+    noise = plan.custom is None and bool(plan.groups)
 
     def step(i: tf.Tensor, totals: Totals) -> tuple[Totals, tf.Tensor]:
         x, y, w, valid = take(i)
         x, y, w, valid = without_padding(plan.real_rows_only, x, y, empty_to_none(w), valid)
         contribution = compute_contribution(model, plan, x, y, w, valid, batch_size=batch_size,
-                                            scale=scale)
+                                            scale=scale, noise=noise)
         totals = added(totals, contribution)
         if update_metrics_too:
             with tf.control_dependencies([after(tf.nest.flatten(totals.gradients))]):
@@ -65,7 +69,8 @@ def sum_pieces(model: keras.Model, plan: LossPlan, take: Callable[[tf.Tensor], t
     # A while loop carries no None: a variable without a gradient sums a scalar zero.
     zeros = [[tf.zeros(v.shape if has else [], tf.float32)
               for v, has in zip(variables, plan.has_grad, strict=True)] for _ in plan.groups]
-    totals, _ = sum_loop(step, count, zero_totals(len(plan.kinds), zeros))
+    totals, _ = sum_loop(step, count, zero_totals(len(plan.kinds), zeros,
+                                                  noise_slots(plan) if noise else 0))
     return totals._replace(gradients=[
         [g if has else None for g, has in zip(sums, plan.has_grad, strict=True)]
         for sums in totals.gradients])
@@ -77,15 +82,19 @@ def replicas_here() -> tuple[Any, int]:
 
 
 def finish(model: keras.Model, plan: LossPlan, totals: Totals, batch_size: int,
-           scale: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor | None]]:
-    """The large batch's (loss, gradients): the scalar sums all-reduced across replicas
-    (one call), then combined."""
+           scale: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor | None], GradientNoise | None]:
+    """The large batch's (loss, gradients, gradient noise estimate or None): the scalar
+    sums all-reduced across replicas (one call), then combined."""
     context, replicas = replicas_here()
+    local = totals
     if replicas > 1:
         totals = totals.summed_over_replicas(context)
-    loss, gradients, _ = combine(model, plan, totals, batch_size=batch_size, scale=scale,
-                                 replicas=replicas)
-    return loss, gradients
+    combined = combine(model, plan, totals, batch_size=batch_size, scale=scale,
+                       replicas=replicas)
+    noise = None if local.noise is None else estimate(
+        plan, local, totals, combined.gradients, combined.regularization,
+        combined.correction, scale=scale, replicas=replicas)
+    return combined.loss, combined.gradients, noise
 
 
 def as_scale(loss_scale: tf.Tensor | float | None) -> tf.Tensor:

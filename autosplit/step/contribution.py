@@ -34,12 +34,13 @@ from autosplit.keras_hooks.interception import intercept
 from autosplit.keras_hooks.target import log_parts, replayed
 from autosplit.step.forward import forward, forward_parts, forward_totals
 from autosplit.step.loss_plan import COUNT_GROUP, SUM_GROUP, LossPlan
+from autosplit.step.noise_scale import micro_terms
 from autosplit.step.overflow import overflowed, poisoned
 from autosplit.step.reduction import COUNT, SUM, combined_loss, weight_regularization
 from autosplit.step.totals import Totals
 from autosplit.warn import warn_user
 
-__all__ = ["Contribution", "combine", "compute_contribution"]
+__all__ = ["Combined", "Contribution", "combine", "compute_contribution"]
 
 class Contribution(NamedTuple):
     """One micro-batch's contribution (per replica)."""
@@ -65,6 +66,8 @@ class Contribution(NamedTuple):
     # a micro-batch cut by length: per output (y_pred's structure), its length factor
     # (length_factor.Shortened), a scalar or None
     length_factor: Any = None
+    # its numbers for the gradient noise scale (noise_scale.micro_terms), or None
+    noise: Any = None
 
 
 def _dense_f32(g) -> tf.Tensor | None:
@@ -74,9 +77,11 @@ def _dense_f32(g) -> tf.Tensor | None:
 
 
 def compute_contribution(model, plan: LossPlan, x, y, sample_weight, valid, *,
-                         batch_size: int, scale, pool: list | tuple = ()) -> Contribution:
+                         batch_size: int, scale, pool: list | tuple = (),
+                         noise: bool = False) -> Contribution:
     """Forward and backward of one micro-batch; changes no variable but the model's own
-    (BatchNormalization statistics, seed generators; a custom step's metric trackers)."""
+    (BatchNormalization statistics, seed generators; a custom step's metric trackers).
+    ``noise``: with the gradient noise scale's numbers (``noise_scale.micro_terms``)."""
     length_factor = x.length_factor[0] if isinstance(x, Shortened) else None
     x = inputs_of(x)
     if plan.custom is not None:
@@ -119,10 +124,12 @@ def compute_contribution(model, plan: LossPlan, x, y, sample_weight, valid, *,
                  for objective, d in zip(objectives, divisors, strict=True)]
     del tape
     masks = keras.tree.map_structure(_keras.get_keras_mask, y_pred)
-    return Contribution(gradients, [t.numerator for t in terms], [t.denominator for t in terms],
+    denominators = [t.denominator for t in terms]
+    return Contribution(gradients, [t.numerator for t in terms], denominators,
                  forward_totals(in_call_mean, in_call_sum, rows), rows, y, y_pred, masks, None,
                  _moments(pool, records), sample_weight, valid,
-                 length_factor=output_length_factors(length_factor, y_pred))
+                 length_factor=output_length_factors(length_factor, y_pred),
+                 noise=micro_terms(plan, gradients, rows, denominators) if noise else None)
 
 
 def _moments(pool, records) -> list | None:
@@ -182,9 +189,20 @@ def _untracked(what: str) -> None:
         "from the step instead (logs combine ratios, maxima and minima exactly).")
 
 
+class Combined(NamedTuple):
+    """What :func:`combine` gives: the large batch's loss and gradients (per replica)."""
+
+    loss: tf.Tensor  # shape=(), float32
+    gradients: list  # per trainable variable, in its dtype (None: no gradient)
+    per_output: list  # per compiled loss, its unweighted value
+    regularization: list  # this replica's share of the weight regularisers' gradients
+    correction: tf.Tensor  # shape=(): B over the real rows, the rows' group's factor
+
+
 def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
-            replicas: int = 1, context: Any = None) -> tuple[tf.Tensor, list, list]:
-    """(loss, gradients, per-output losses) of the large batch from its sums.
+            replicas: int = 1, context: Any = None) -> Combined:
+    """The large batch's :class:`Combined` loss, gradients and per-output losses, from
+    its sums.
 
     ``totals`` numerators, denominators, forward and rows must already be summed over
     replicas; the gradients are this replica's (the optimizer all-reduces them).
@@ -203,8 +221,9 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
     overflow = overflowed(_combined_gradients(variables, plan, totals, correction,
                                               only=plan.half), plan.half, context)
     if plan.custom is not None:  # the step's own loss, regularisation included
-        return tf.constant(0.0), poisoned(
-            _combined_gradients(variables, plan, totals, correction), overflow), []
+        return Combined(tf.constant(0.0), poisoned(
+            _combined_gradients(variables, plan, totals, correction), overflow), [], [],
+            correction)
     with tf.GradientTape() as tape:
         # Counted once per large batch: each replica adds its 1/replicas share.
         regularization = weight_regularization(model) / replicas
@@ -214,7 +233,7 @@ def combine(model, plan: LossPlan, totals: Totals, *, batch_size: int, scale,
         weights=plan.weights, regularization=regularization * replicas)
     regs = [None if g is None else _dense_f32(g) * scale for g in reg_grads]
     gradients = _combined_gradients(variables, plan, totals, correction, regs or None)
-    return loss, poisoned(gradients, overflow), per_output
+    return Combined(loss, poisoned(gradients, overflow), per_output, regs, correction)
 
 
 def _combined_gradients(variables, plan: LossPlan, totals: Totals, correction,

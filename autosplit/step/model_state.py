@@ -79,10 +79,11 @@ class ModelState:
     checked: dict = field(default_factory=dict)
 
 
-def step_key(batch_size: int, compilation: Compilation, batch_norm: str = "pooled"
-             ) -> tuple[int, bool, bool, str]:
+def step_key(batch_size: int, compilation: Compilation, batch_norm: str = "pooled",
+             noise_scale: bool = True) -> tuple[int, bool, bool, str, bool]:
     """A train step's key within a state."""
-    return (batch_size, compilation.jit_compile, compilation.run_eagerly, batch_norm)
+    return (batch_size, compilation.jit_compile, compilation.run_eagerly, batch_norm,
+            noise_scale)
 
 
 def model_state(model: keras.Model) -> ModelState:

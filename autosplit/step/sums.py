@@ -20,6 +20,7 @@ from autosplit.graph import HOST, after, zeros_from
 from autosplit.keras_hooks.batchnorm import Pool
 from autosplit.step.contribution import Contribution
 from autosplit.step.loss_plan import LossPlan
+from autosplit.step.noise_scale import noise_slots
 from autosplit.step.totals import Totals
 
 __all__ = ["Stash", "Sums"]
@@ -40,8 +41,8 @@ class Sums:
     every micro-batch.
     """
 
-    def __init__(self, model: keras.Model, plan: LossPlan, strategy, pool: list | tuple = ()
-                 ) -> None:
+    def __init__(self, model: keras.Model, plan: LossPlan, strategy, pool: list | tuple = (),
+                 noise: bool = False) -> None:
         replicated = strategy.num_replicas_in_sync > 1
         kwargs = dict(synchronization=tf.VariableSynchronization.ON_READ,
                       aggregation=tf.VariableAggregation.SUM) if replicated else {}
@@ -60,6 +61,8 @@ class Sums:
             self.denominators = [var([], "denominator") for _ in plan.kinds]
             self.in_call = var([2], "in_call")  # contribution.Contribution.forward
             self.rows = var([], "rows")
+            # The gradient noise scale's per-micro-batch numbers (step.noise_scale).
+            self.noise = var([noise_slots(plan)], "noise") if noise else None
             # BatchNormalization statistics pooled over the large batch (keras_hooks/batchnorm.py).
             calls = {id(layer): n for layer, n in plan.batch_norm_calls}
             self.pool = Pool(list(pool), [calls[id(layer)] for layer in pool],
@@ -74,6 +77,8 @@ class Sums:
         ops += [v.assign_add(t) for v, t in
                 zip(self.denominators, c.denominators, strict=True)]
         ops += [self.in_call.assign_add(c.forward), self.rows.assign_add(c.rows)]
+        if self.noise is not None:
+            ops.append(self.noise.assign_add(c.noise))
         if self.pool is not None:
             ops += self.pool.add(c.moments)
         return after(ops)
@@ -85,7 +90,8 @@ class Sums:
                        for sums in self.gradients],
                       [v.read_value() for v in self.numerators],
                       [v.read_value() for v in self.denominators],
-                      self.in_call.read_value(), self.rows.read_value())
+                      self.in_call.read_value(), self.rows.read_value(),
+                      None if self.noise is None else self.noise.read_value())
 
     def zero(self, read: Totals | None = None) -> None:
         """Per replica: start the next large batch (in a graph, ordered by the caller: after
@@ -102,7 +108,8 @@ class Sums:
             for s, value in zip(sums, read_sums, strict=True):
                 if s is not None:
                     s.assign(zeros_from(value, zero))
-        for v in [*self.numerators, *self.denominators, self.in_call, self.rows]:
+        for v in [*self.numerators, *self.denominators, self.in_call, self.rows,
+                  *([] if self.noise is None else [self.noise])]:
             v.assign(tf.zeros_like(v))
         if self.pool is not None:
             self.pool.zero()

@@ -24,6 +24,7 @@ class Totals(NamedTuple):
     denominators: list
     forward: tf.Tensor
     rows: tf.Tensor
+    noise: Any = None  # the gradient noise scale's sums (noise_scale.micro_terms), or None
 
     def summed_over_replicas(self, context) -> Totals:
         """The scalar sums added up over every replica in one all-reduce; the gradients
@@ -31,21 +32,23 @@ class Totals(NamedTuple):
         numerators, denominators, forward, rows = context.all_reduce(
             tf.distribute.ReduceOp.SUM, (self.numerators, self.denominators, self.forward,
                                          self.rows))
-        return Totals(self.gradients, numerators, denominators, forward, rows)
+        return Totals(self.gradients, numerators, denominators, forward, rows, self.noise)
 
 
 def added(totals: Totals, c: Any) -> Totals:
     """``totals`` plus the sums of ``c``, a micro-batch's ``Contribution`` (or another
     :class:`Totals`); a gradient of None adds nothing."""
-    part = Totals(c.gradients, c.numerators, c.denominators, c.forward, c.rows)
+    part = Totals(c.gradients, c.numerators, c.denominators, c.forward, c.rows,
+                  getattr(c, "noise", None))
     return tf.nest.map_structure(lambda a, b: a if b is None else a + b, totals, part)
 
 
-def zero_totals(terms: int, gradients: list[Any] | None = None) -> Totals:
-    """Float32 zeros for ``terms`` compiled losses; ``gradients`` the zero gradient sums."""
+def zero_totals(terms: int, gradients: list[Any] | None = None, noise: int = 0) -> Totals:
+    """Float32 zeros for ``terms`` compiled losses; ``gradients`` the zero gradient sums;
+    ``noise``: the gradient noise scale's sums (``noise_scale.noise_slots``), 0: none."""
     zeros = [tf.constant(0.0)] * terms
     return Totals([] if gradients is None else gradients, zeros, zeros, forward_totals(),
-                  tf.constant(0.0))
+                  tf.constant(0.0), tf.zeros([noise]) if noise else None)
 
 
 def sum_loop(step: Callable[[tf.Tensor, Totals], tuple[Totals, tf.Tensor]],
@@ -61,9 +64,12 @@ def sum_loop(step: Callable[[tf.Tensor, Totals], tuple[Totals, tf.Tensor]],
         totals, stop = step(i, totals)
         return i + 1, totals, stop
 
+    noise, totals = start.noise is not None, start
+    if not noise:  # a loop carries no None
+        totals = totals._replace(noise=tf.zeros([0]))
     # parallel_iterations=1: micro-batches run one after another, so the peak memory
     # is one micro-batch's, not several in flight.
     _, totals, stop = tf.while_loop(
         lambda i, _, stop: tf.logical_and(i < count, tf.logical_not(stop)), body,
-        (tf.constant(0), start, tf.constant(False)), parallel_iterations=1)
-    return totals, stop
+        (tf.constant(0), totals, tf.constant(False)), parallel_iterations=1)
+    return (totals if noise else totals._replace(noise=None)), stop

@@ -37,6 +37,7 @@ from autosplit.step.compiled import Compilation, FunctionCache
 from autosplit.step.loop import Pull, pull
 from autosplit.step.mixing import loss_over_whole_batch
 from autosplit.step.model_state import model_state, step_key
+from autosplit.step.noise_scale import NoiseEpoch
 from autosplit.step.reduction import check_reduction
 from autosplit.step.replicas import row_count, without_replica_axis
 from autosplit.step.update import LargeBatchUpdate
@@ -69,6 +70,8 @@ class TrainStep:
         batch_norm: ``"pooled"``: BatchNormalization's moving statistics are updated
             once per large batch with the pooled statistics of its micro-batches
             (``autosplit.keras_hooks.batchnorm``); ``"micro"``: once per micro-batch.
+        noise_scale: estimate the gradient noise scale from the micro-batches' gradients
+            (``autosplit.step.noise_scale``), into :attr:`noise` (changes no weight).
 
     Variables are created once and reused for every split of the same element
     structure; call :meth:`rebind` to use another micro-batch size.
@@ -84,7 +87,8 @@ class TrainStep:
 
     def __init__(self, model: keras.Model, batch_size: int, element_spec: Any, *,
                  compilation: Compilation | None = None, batch_norm: str = "pooled",
-                 all_real: bool = False, rows: int | None = None) -> None:
+                 all_real: bool = False, rows: int | None = None,
+                 noise_scale: bool = True) -> None:
         self.model = model
         self.batch_size = batch_size
         self.strategy = model.distribute_strategy
@@ -95,11 +99,18 @@ class TrainStep:
         self.update = LargeBatchUpdate(
             model, batch_size, pooled=batch_norm == "pooled",
             functions=self._functions,
-            jit=self.compilation.jit_compile and not self.compilation.run_eagerly)
+            jit=self.compilation.jit_compile and not self.compilation.run_eagerly,
+            noise=noise_scale)
         self.replicas = self.update.replicas.count
         self._dirty = False  # the sums may hold a partial large batch
         self._ended: bool | None = False  # the last call reached the end (None: not read)
         self.rebind(element_spec, all_real=all_real, rows=rows)
+
+    @property
+    def noise(self) -> NoiseEpoch | None:
+        """The epoch's gradient noise scale estimates (None: not estimated: turned off,
+        or a custom ``train_step``'s gradients)."""
+        return self.update.noise_epoch
 
     @property
     def rows(self) -> int:
@@ -268,7 +279,8 @@ Step = TrainStep | WholeBatchStep  # a model's compiled large-batch step, of eit
 
 
 def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | None = None,
-             run_eagerly: bool | None = None, batch_norm: str = "pooled") -> Step:
+             run_eagerly: bool | None = None, batch_norm: str = "pooled",
+             noise_scale: bool = True) -> Step:
     """The model's ``TrainStep`` for ``pipeline``'s micro-batches, built once and reused.
 
     Builds the model for the pipeline's elements first (:func:`build_for`). As Keras
@@ -280,7 +292,7 @@ def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | 
     spec = pipeline.element_spec()
     compilation = Compilation.of(model, jit_compile, run_eagerly)
     state = model_state(model)
-    key = step_key(pipeline.batch_size, compilation, batch_norm)
+    key = step_key(pipeline.batch_size, compilation, batch_norm, noise_scale)
     step: Step | None = state.steps.get(key)
     # keras-io's Switch Transformer reshapes to a fixed batch_size * tokens.
     with refusing(
@@ -307,7 +319,7 @@ def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | 
             else:
                 step = TrainStep(model, pipeline.batch_size, spec, compilation=compilation,
                                  batch_norm=batch_norm, all_real=pipeline.all_real(),
-                                 rows=pipeline.rows)
+                                 rows=pipeline.rows, noise_scale=noise_scale)
             state.steps[key] = step
         else:
             step.rebind(spec, all_real=pipeline.all_real(), rows=pipeline.rows)

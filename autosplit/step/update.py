@@ -38,6 +38,7 @@ from autosplit.step.contribution import Contribution, combine, compute_contribut
 from autosplit.step.custom_logs import CustomLogs
 from autosplit.step.loss_plan import LossPlan, step_plan
 from autosplit.step.metrics import update_loss_trackers, update_metrics, without_padding
+from autosplit.step.noise_scale import NoiseEpoch, estimate
 from autosplit.step.replicas import Replicas, without_replica_axis
 from autosplit.step.sums import Stash, Sums
 
@@ -55,6 +56,9 @@ class LargeBatchUpdate:
             the loss plan's trace found them); False: updated per micro-batch.
         functions: the train step's compiled functions; the XLA-compiled contribution joins them.
         jit: compile each micro-batch's computation with XLA.
+        noise: estimate the gradient noise scale from the micro-batches
+            (``autosplit.step.noise_scale``): into :attr:`noise_epoch`, where the step
+            sums a compiled loss's gradients (not a custom ``train_step``'s).
 
     :meth:`bind` creates the variables, and keeps them for every split of the same
     element structure.
@@ -66,7 +70,7 @@ class LargeBatchUpdate:
     stash: Stash  # the element in flight, on the host
 
     def __init__(self, model: keras.Model, batch_size: int, *, pooled: bool,
-                 functions: FunctionCache, jit: bool) -> None:
+                 functions: FunctionCache, jit: bool, noise: bool = True) -> None:
         self.model = model
         self.batch_size = batch_size
         self.pooled = pooled
@@ -82,6 +86,8 @@ class LargeBatchUpdate:
         # Per model output, the large batch's length over this worker's share's, which
         # each micro-batch cut by length is scaled by (agree_lengths); ones but there.
         self.share_factor = ShareFactor()
+        self._noise = noise
+        self.noise_epoch: NoiseEpoch | None = None  # the epoch's estimates, once bound
 
     def bind(self, element_spec: Any) -> None:
         """Use elements of ``element_spec`` (another micro-batch size) from now on."""
@@ -108,12 +114,16 @@ class LargeBatchUpdate:
                 "device only (yet).")
         if self.plan.custom is not None and self.custom_logs is None:
             self.custom_logs = CustomLogs(model, self.plan.custom)
+        if self._noise and self.plan.custom is None and self.plan.groups \
+                and self.noise_epoch is None:
+            self.noise_epoch = NoiseEpoch(replicas.strategy)
         # Another input structure (sample weights or not) can change the loss groups,
         # or what is stashed; compiled functions captured the old variables.
         sums: Sums | None = getattr(self, "sums", None)  # None before the first bind
         if sums is None or sums.groups != self.plan.groups:
             self._functions.clear()
-            self.sums = Sums(model, self.plan, replicas.strategy, self.pool)
+            self.sums = Sums(model, self.plan, replicas.strategy, self.pool,
+                             noise=self.noise_epoch is not None)
         stash: Stash | None = getattr(self, "stash", None)
         if stash is None or not stash.fits(element_spec):
             self._functions.clear()
@@ -130,7 +140,8 @@ class LargeBatchUpdate:
         computation XLA compiles on its own."""
         contribution = compute_contribution(self.model, self.plan, x, y, w, valid,
                                             batch_size=self.batch_size,
-                                            scale=self.loss_scale(), pool=self.pool)
+                                            scale=self.loss_scale(), pool=self.pool,
+                                            noise=self.noise_epoch is not None)
         flat = tf.nest.flatten(contribution)
         self._template = (contribution, [t is not None for t in flat])
         return [t for t in flat if t is not None]
@@ -238,10 +249,16 @@ class LargeBatchUpdate:
         local_rows = totals.rows
         if self.replicas.count > 1:
             totals = totals.summed_over_replicas(tf.distribute.get_replica_context())
-        loss, gradients, per_output = combine(
-            model, self.plan, totals, batch_size=self.batch_size, scale=self.loss_scale(),
+        scale = self.loss_scale()
+        combined = combine(
+            model, self.plan, totals, batch_size=self.batch_size, scale=scale,
             replicas=self.replicas.count,
             context=tf.distribute.get_replica_context() if self.replicas.count > 1 else None)
+        loss, gradients, per_output = combined.loss, combined.gradients, combined.per_output
+        # Read from the gradients before they are applied; it writes no weight.
+        noted = [] if self.noise_epoch is None else [self.noise_epoch.add(estimate(
+            self.plan, read, totals, gradients, combined.regularization, combined.correction,
+            scale=scale, replicas=self.replicas.count))]
         pairs = [(g, v) for g, v in zip(gradients, model.trainable_variables, strict=True)
                  if g is not None]
         norms = [] if self.custom_logs is None else self.custom_logs.gradient_norms(gradients)
@@ -260,7 +277,7 @@ class LargeBatchUpdate:
         # so that those zeros never share the apply's peak with the optimizer's own
         # temporaries.
         applied = after([tf.convert_to_tensor(v) for _, v in pairs])
-        with tf.control_dependencies([after([summed, applied, *updates, *pooled])]):
+        with tf.control_dependencies([after([summed, applied, *updates, *pooled, *noted])]):
             self.sums.zero(read)
         with tf.control_dependencies(norms):
             return tf.identity(loss)

@@ -108,6 +108,9 @@ class WholeBatchStep:
         refuse_what_is_not_exact(self.plan, self.why, self._own_loss, self.replicas)
         self.update = self  # what fit's warnings read of it: .plan, .pool
         self.pool: list = []
+        # No gradient noise scale: its micro-batches' gradients are parts of one loss
+        # over the whole batch, none an estimate of the large batch's on its own.
+        self.noise = None
         if self._store is None or not self._store.fits(element_spec):
             self._functions.clear()
             self._store = Store(element_spec)

@@ -229,6 +229,7 @@ class Args:
     batch_norm: str
     by_length: bool | None = None  # None: "auto"
     micro_batch_tokens: int | str | None = "auto"  # an int, "auto" or None
+    noise_scale: bool = True  # estimate the gradient noise scale
 
 
 def validate_fit(model: Any, given: dict[str, Any]) -> Args:
@@ -242,6 +243,7 @@ def validate_fit(model: Any, given: dict[str, Any]) -> Args:
     check_choice("batch_norm", given["batch_norm"], MODES)
     check_choice("objective", given["objective"], OBJECTIVES)
     check_choice("by_length", given["by_length"], ("auto", True, False))
+    check_choice("noise_scale", given["noise_scale"], (True, False))
     tokens = given["micro_batch_tokens"]
     if not (tokens is None or (isinstance(tokens, str) and tokens == "auto")
             or (type(tokens) is int and tokens >= 1)):
@@ -272,6 +274,7 @@ def validate_fit(model: Any, given: dict[str, Any]) -> Args:
         batch_norm=given["batch_norm"],
         by_length=None if given["by_length"] == "auto" else given["by_length"],
         micro_batch_tokens=tokens,
+        noise_scale=given["noise_scale"],
     )
     check_headroom(given["headroom"])
     if given["jit_compile"] not in (None, True, False):

@@ -20,6 +20,7 @@ from autosplit.warn import warn_user
 
 if TYPE_CHECKING:
     from autosplit.training.arguments import Args
+    from autosplit.training.noise_report import NoiseLogs
     from autosplit.training.plan import Plan
 
 __all__ = ["Epochs", "Iteration", "iteration_of", "publish", "rebuild"]
@@ -70,9 +71,10 @@ class Epochs:
 
     def __init__(self, model: keras.Model, adapter: InputAdapter, plan: Plan, args: Args,
                  callback_list: keras.callbacks.CallbackList, recovery: Recovery,
-                 mode: Iteration) -> None:
+                 mode: Iteration, noise: NoiseLogs | None = None) -> None:
         self.model, self.adapter, self.plan, self.args = model, adapter, plan, args
         self.callback_list, self.recovery, self.mode = callback_list, recovery, mode
+        self.noise = noise  # the gradient noise scale, into each large batch's logs
         self.steps = args.steps_per_epoch or plan.pipeline.steps()  # None: not known yet
         self.iterator: Any = None
         self.seen = 0  # large batches read from the iterator in use
@@ -109,6 +111,8 @@ class Epochs:
                 ended = True
                 break
             self.logs = flat_logs(result)
+            if self.noise is not None:
+                self.logs.update(self.noise.logs())
             callback_list.on_train_batch_end(index, self.logs)
             self.global_step += 1
             self.seen += 1

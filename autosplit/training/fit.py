@@ -29,10 +29,12 @@ from autosplit.keras_hooks import internals as _keras
 from autosplit.keras_hooks.custom_step import flat_logs, metrics_or_last
 from autosplit.step.evaluate import Evaluator, validation_input
 from autosplit.step.model_state import model_state
+from autosplit.step.noise_scale import unit_name
 from autosplit.step.train_step import Step
 from autosplit.step.whole_batch import WholeBatchStep
 from autosplit.training.arguments import Args, check_input, split_off_validation, validate_fit
 from autosplit.training.epochs import Epochs, iteration_of, publish
+from autosplit.training.noise_report import GradientNoiseScale, NoiseLogs
 from autosplit.training.plan import Plan, plan_run
 from autosplit.training.recovery import Recovery
 from autosplit.training.report import FitReport
@@ -69,6 +71,7 @@ def fit_large_batch(
     objective: Literal["memory", "speed"] = "memory",
     by_length: bool | Literal["auto"] = "auto",
     micro_batch_tokens: int | Literal["auto"] | None = "auto",
+    noise_scale: bool = True,
 ) -> keras.callbacks.History:
     """Train ``model`` like ``model.fit``, with an effective batch of exactly ``batch_size``.
 
@@ -158,6 +161,13 @@ def fit_large_batch(
             ``train_step``, a loss from ``add_loss``, BatchNormalization) is refused
             tokens: ``"auto"`` cuts by rows, an int raises.
             ``history.autosplit.tokens`` is the budget in use.
+        noise_scale: estimate McCandlish et al.'s gradient noise scale from the
+            micro-batches' gradients and the large batch's (no extra forward or
+            backward pass; no weight changes): ``gradient_noise_scale`` in the logs
+            and ``history.history`` (each epoch's), and
+            ``history.autosplit.gradient_noise_scale`` with what their model says of
+            B against it, printed (unless ``verbose=0``) where B is 4x or more from it
+            either way. Absent with one micro-batch per large batch.
 
     Returns:
         The ``keras.callbacks.History``; ``history.autosplit``, a :class:`FitReport`,
@@ -253,7 +263,8 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: Plan,
         epochs=args.epochs, steps=args.steps_per_epoch or plan.pipeline.steps(), model=model)
     mode = iteration_of(adapter, plan, args)
     recovery = _recovery(plan, adapter, args, callback_list, mode.ends)
-    loop = Epochs(model, adapter, plan, args, callback_list, recovery, mode)
+    noise = _noise_logs(plan, args)
+    loop = Epochs(model, adapter, plan, args, callback_list, recovery, mode, noise)
     traces_before = plan.step.tracing_count()
     model.stop_training = False
     callback_list.on_train_begin()
@@ -264,12 +275,13 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: Plan,
     sizes: list[int] = []
     for epoch in range(first_epoch, args.epochs):
         model.reset_metrics()
+        noise.begin_epoch()
         adapter.on_epoch_begin()
         callback_list.on_epoch_begin(epoch)
         if loop.epoch(epoch) == 0:
             adapter.on_epoch_end()
             break  # no epoch to report: a 0.0 loss would mislead EarlyStopping and co.
-        epoch_logs = _epoch_logs(plan.step, loop.logs)
+        epoch_logs = {**_epoch_logs(plan.step, loop.logs), **noise.end_epoch()}
         if validation is not None and (epoch + 1) % args.validation_freq == 0:
             epoch_logs.update(validation(model, loop.plan.validation_rows(recovery.rows),
                                          callback_list))
@@ -285,8 +297,34 @@ def _train(model: keras.Model, adapter: InputAdapter, plan: Plan,
     recovery.on_shrink = None  # it closes over the recovery itself: no cycle to keep
     history = model.history
     history.autosplit = _report(loop.plan, adapter, args, recovery, sizes,
-                                plan.step.tracing_count() - traces_before)
+                                plan.step.tracing_count() - traces_before,
+                                noise.report(args.batch_size))
+    said = history.autosplit.gradient_noise_scale
+    if args.verbose != 0 and said is not None and said.far:
+        print(f"autosplit: {said.advice}", flush=True)
     return history
+
+
+def _noise_logs(plan: Plan, args: Args) -> NoiseLogs:
+    """The call's gradient noise scale, or why it has none (decided once: the logs keep
+    their keys over every epoch)."""
+    step = plan.step
+    noise = step.noise
+    unit = unit_name(step.update.plan) if noise is not None else "rows"
+    if not args.noise_scale:
+        why = "turned off (noise_scale=False)"
+    elif isinstance(step, WholeBatchStep):
+        why = ("the loss is over the whole batch, so no micro-batch's gradient estimates "
+               "the large batch's on its own")
+    elif noise is None:
+        why = ("the model's own train_step computes the gradients, and what each "
+               "micro-batch's loss is a mean over is its own")
+    elif plan.split.accumulation_steps < 2 and plan.pipeline.cut.by != "tokens":
+        why = ("one micro-batch per large batch (per replica): there is no second batch "
+               "size to compare its gradient with")
+    else:
+        why = None
+    return NoiseLogs(noise, unit, why)
 
 
 def _epoch_logs(step: Step, last: dict[str, Any]) -> dict[str, Any]:
@@ -317,7 +355,7 @@ def _recovery(plan: Plan, adapter: InputAdapter, args: Args,
 
 
 def _report(plan: Plan, adapter: InputAdapter, args: Args, recovery: Recovery,
-            sizes: list[int], traces: int) -> FitReport:
+            sizes: list[int], traces: int, noise: GradientNoiseScale) -> FitReport:
     """``history.autosplit``: the split in use at the end, and how the run got there."""
     split = split_batch(plan.split.batch_size, recovery.rows)
     return FitReport(
@@ -338,6 +376,7 @@ def _report(plan: Plan, adapter: InputAdapter, args: Args, recovery: Recovery,
         tokens=plan.pipeline.tokens,
         programs=None if plan.pipeline.shapes is None else plan.pipeline.shapes.count(),
         cut=cut_stats(plan.pipeline) if plan.pipeline.cut.by != "rows" else None,
+        gradient_noise_scale=noise,
         **({} if not isinstance(plan.step, WholeBatchStep) else {"step": (
             f"outputs first, the loss over the whole batch, then the gradients: "
             f"{plan.step.why}")}),

@@ -109,7 +109,8 @@ def plan_run(model: keras.Model, adapter: InputAdapter, args: Args, *, jit_compi
         adapter = sharded
         cut = cut.shared(where.workers)
     pipeline = MicroBatches(adapter, args.batch_size, split.micro_batch_size, where, cut=cut)
-    step = step_for(model, pipeline, jit_compile=jit_compile, batch_norm=args.batch_norm)
+    step = step_for(model, pipeline, jit_compile=jit_compile, batch_norm=args.batch_norm,
+                    noise_scale=args.noise_scale)
     # In tokens, a large batch has as many micro-batches as it needs: it may be split.
     steps = max(split.accumulation_steps, 2) if cut.by == "tokens" else split.accumulation_steps
     warn_if_inexact(model, accumulation_steps=steps, rows=step.rows,

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from autosplit.data.sequences.stats import CutStats
+from autosplit.training.noise_report import GradientNoiseScale
 from autosplit.training.recovery import OomRecovery
 from autosplit.warn import warn_user
 
@@ -88,6 +89,12 @@ class FitReport:
     then the gradients: ..."`` with what makes the loss the whole batch's
     (``autosplit.step.whole_batch``)."""
 
+    gradient_noise_scale: GradientNoiseScale | None = None
+    """McCandlish et al.'s gradient noise scale, measured from the micro-batches'
+    gradients (``noise_scale=True``, the default), with what their model says of B
+    against it, or why it is absent (one micro-batch per large batch, a loss over the
+    whole batch, a custom ``train_step``, ``noise_scale=False``)."""
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values: lists for tuples, dicts for records (the probe's too)."""
         data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
@@ -95,6 +102,8 @@ class FitReport:
         data["oom_recoveries"] = [record.to_dict() for record in self.oom_recoveries]
         data["probe"] = None if self.probe is None else self.probe.to_dict()
         data["cut"] = None if self.cut is None else self.cut._asdict()
+        data["gradient_noise_scale"] = (None if self.gradient_noise_scale is None
+                                        else self.gradient_noise_scale.to_dict())
         return data
 
     # history.autosplit was a dict up to 0.2.0: the whole read-only mapping protocol
