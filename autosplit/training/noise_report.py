@@ -58,7 +58,8 @@ class GradientNoiseScale:
         if self.value is None:
             return False
         size = self.batch or 0.0
-        return not math.isfinite(self.value) or not 1 / FAR < size / self.value < FAR
+        return (not math.isfinite(self.value) or self.value <= 0
+                or not 1 / FAR < size / self.value < FAR)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -98,6 +99,10 @@ def advice(batch_size: int, noise_scale: float, unit: str, batch: float | None =
         return (f"{named}: the gradient's squared norm measured no larger than its noise, "
                 f"so the gradient noise scale is far above B; by McCandlish et al.'s model "
                 f"a larger batch would need fewer steps for about as many examples.")
+    if noise_scale <= 0:
+        return (f"{named} is far above {about}: no noise measured, so by McCandlish et "
+                f"al.'s model B = {batch_size // 2} would need as many steps for half the "
+                f"examples.")
     ratio = size / noise_scale
     if ratio >= FAR:
         steps, examples = steps_and_examples(size, noise_scale, size / 2)
