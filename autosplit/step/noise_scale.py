@@ -206,10 +206,15 @@ class NoiseEpoch:
         return tuple(float(t) for t in total)  # type: ignore[return-value]
 
     def scale(self) -> float:
-        """The epoch's noise scale so far, ``B_simple``: NaN before any estimate; ``inf``
-        where the squared gradient's estimate is not positive (the gradient lost in its
-        noise: the noise scale is past what this batch size measures)."""
+        """The epoch's noise scale so far (:func:`ratio`)."""
         noise, signal, _, counted = self.read()
-        if counted == 0:
-            return float("nan")
-        return noise / signal if signal > 0 else float("inf")
+        return ratio(noise, signal, counted)
+
+
+def ratio(noise: float, signal: float, counted: float) -> float:
+    """``B_simple`` from sums of ``counted`` estimates: NaN where none was counted;
+    ``inf`` where the squared gradient's estimate is not positive (the gradient lost in
+    its noise: the noise scale is past what this batch size measures)."""
+    if counted == 0:
+        return float("nan")
+    return noise / signal if signal > 0 else float("inf")

@@ -16,10 +16,14 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["FAR", "GradientNoiseScale", "NoiseLogs", "advice", "steps_and_examples"]
+from autosplit.step.noise_scale import ratio
+
+__all__ = ["FAR", "SMOOTHED", "GradientNoiseScale", "NoiseLogs", "advice",
+           "steps_and_examples"]
 
 KEY = "gradient_noise_scale"  # its name in the logs and in history.history
 FAR = 4.0  # B this many times above or below the noise scale earns a sentence
+SMOOTHED = 5  # the epochs GradientNoiseScale.smoothed pools
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,41 +33,52 @@ class GradientNoiseScale:
 
     Example:
         >>> report = history.autosplit.gradient_noise_scale  # doctest: +SKIP
-        >>> report.value, report.unit  # doctest: +SKIP
+        >>> report.smoothed, report.unit  # doctest: +SKIP
         (812.4, 'rows')
         >>> print(report.advice)  # doctest: +SKIP
-        B = 65536 is 81x the gradient noise scale (about 812 rows): ...
+        B = 65536 is 81x the gradient noise scale (about 810 rows): ...
     """
 
     value: float | None
-    """``B_simple`` of the last epoch that measured it, in :attr:`unit`; None: absent
-    (:attr:`absent` says why); ``inf``: the squared gradient's estimate was not positive
-    (the gradient lost in its noise: the noise scale is past what B measures)."""
+    """``B_simple`` of the last epoch that measured it, in :attr:`unit`, as
+    ``history.history["gradient_noise_scale"]`` ends; None: absent (:attr:`absent` says
+    why); ``inf``: the squared gradient's estimate was not positive (the gradient lost
+    in its noise: the noise scale is past what B measures)."""
     unit: str
     """What it counts: ``"rows"``, ``"tokens"`` (the loss elements a Keras mask keeps)
     or ``"sample weight"`` (a loss over the sum of the sample weights)."""
+    smoothed: float | None = None
+    """The same ratio over the last :data:`SMOOTHED` epochs that measured it (a ratio of
+    their means, weighed by large batches), steadier than one epoch's: what
+    :attr:`advice` reads."""
     by_epoch: tuple[float, ...] = ()
     """Each epoch's figure (NaN: none measured), as ``history.history`` holds them."""
+    noise_by_epoch: tuple[float, ...] = ()
+    """Each epoch's mean estimate of ``tr(Sigma)``, one example's gradient variance (per
+    large batch; NaN: none): pool epochs as you like, with :attr:`signal_by_epoch`."""
+    signal_by_epoch: tuple[float, ...] = ()
+    """Each epoch's mean estimate of ``|G|^2``, the true gradient's squared norm."""
     batch: float | None = None
     """The large batch in :attr:`unit`, on average (B in rows)."""
     advice: str = ""
-    """What McCandlish et al.'s model says of B against :attr:`value`, in a sentence;
+    """What McCandlish et al.'s model says of B against :attr:`smoothed`, in a sentence;
     or why the estimate is absent."""
     absent: str | None = None
     """Why there is no estimate (None: there is one)."""
 
     @property
     def far(self) -> bool:
-        """Whether B is :data:`FAR` times the noise scale or more, either way."""
-        if self.value is None:
+        """Whether B is :data:`FAR` times :attr:`smoothed` or more, either way."""
+        if self.smoothed is None:
             return False
         size = self.batch or 0.0
-        return (not math.isfinite(self.value) or self.value <= 0
-                or not 1 / FAR < size / self.value < FAR)
+        return (not math.isfinite(self.smoothed) or self.smoothed <= 0
+                or not 1 / FAR < size / self.smoothed < FAR)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data["by_epoch"] = list(self.by_epoch)
+        for name in ("by_epoch", "noise_by_epoch", "signal_by_epoch"):
+            data[name] = list(data[name])
         return data
 
 
@@ -139,8 +154,7 @@ class NoiseLogs:
     def __init__(self, noise: Any, unit: str, absent: str | None) -> None:
         self.noise, self.unit = noise, unit
         self.absent = absent if noise is not None or absent else "not estimated"
-        self.by_epoch: list[float] = []
-        self._batch: float | None = None
+        self.epochs: list[tuple[float, float, float, float]] = []  # NoiseEpoch.read()'s
 
     def begin_epoch(self) -> None:
         if self.absent is None:
@@ -151,25 +165,28 @@ class NoiseLogs:
         return {} if self.absent is not None else {KEY: self.noise.scale()}
 
     def end_epoch(self) -> dict[str, float]:
-        """The epoch's figure, kept for the report, as its logs hold it."""
-        logs = self.logs()
-        if logs:
-            self.by_epoch.append(logs[KEY])
-            _, _, batch, counted = self.noise.read()
-            if counted:
-                self._batch = batch / counted
-        return logs
+        """The epoch's figure, as its logs hold it; its sums kept for the report."""
+        if self.absent is None:
+            self.epochs.append(self.noise.read())
+        return self.logs()
 
     def report(self, batch_size: int) -> GradientNoiseScale:
         """What the call measured, with what the model says of B against it."""
-        measured = [v for v in self.by_epoch if not math.isnan(v)]
+        by_epoch = tuple(ratio(noise, signal, counted)
+                         for noise, signal, _, counted in self.epochs)
+        measured = [sums for sums in self.epochs if sums[3]]
         if self.absent is not None or not measured:
             why = self.absent or (
                 "no large batch gave an estimate (each had its gradients overflow, or one "
                 "micro-batch holding every example)")
-            return GradientNoiseScale(None, self.unit, tuple(self.by_epoch), None,
-                                      f"No gradient noise scale: {why}.", why)
-        value = measured[-1]
-        batch = float(batch_size) if self.unit == "rows" else self._batch
-        sentence = advice(batch_size, value, self.unit, batch)
-        return GradientNoiseScale(value, self.unit, tuple(self.by_epoch), batch, sentence)
+            return GradientNoiseScale(None, self.unit, by_epoch=by_epoch,
+                                      advice=f"No gradient noise scale: {why}.", absent=why)
+        recent = [sum(column) for column in zip(*measured[-SMOOTHED:], strict=True)]
+        smoothed = ratio(recent[0], recent[1], recent[3])
+        batch = float(batch_size) if self.unit == "rows" else recent[2] / recent[3]
+        nan, last = float("nan"), measured[-1]
+        return GradientNoiseScale(
+            ratio(last[0], last[1], last[3]), self.unit, smoothed, by_epoch,
+            tuple(n / c if c else nan for n, _, _, c in self.epochs),
+            tuple(s / c if c else nan for _, s, _, c in self.epochs),
+            batch, advice(batch_size, smoothed, self.unit, batch))

@@ -239,6 +239,9 @@ def test_the_report_and_the_sentence_say_what_the_model_predicts(capsys):
     report = history.autosplit.gradient_noise_scale
     assert report.by_epoch == tuple(history.history["gradient_noise_scale"])
     assert report.value == report.by_epoch[-1] and report.unit == "rows" and report.far
+    # the two epochs pooled: the ratio of their means
+    noise, signal = np.mean(report.noise_by_epoch), np.mean(report.signal_by_epoch)
+    np.testing.assert_allclose(report.smoothed, noise / signal, rtol=1e-6)
     assert report.advice.startswith("B = 256 is ") and "B = 128 would need about" in report.advice
     assert f"autosplit: {report.advice}" in capsys.readouterr().out
     assert json.loads(json.dumps(history.autosplit.to_dict()))["gradient_noise_scale"][
