@@ -43,8 +43,9 @@ class Accumulated(_Fields):
     ``batch`` (the large batch's examples) and ``counted`` (1.0 where the estimate
     exists; 0.0 and zeros with one micro-batch, or where the gradients overflow). Sum
     ``noise`` and ``signal`` over many large batches and divide, for McCandlish et al.'s
-    ``B_simple`` (a ratio of means: one large batch's ratio is mostly noise). None for a
-    model whose own ``train_step`` runs. An attribute, not a field: ``loss, gradients =
+    ``B_simple`` (a ratio of means: one large batch's ratio is mostly noise). None
+    unless asked for (``noise_scale=True``), and for a model whose own ``train_step``
+    runs. An attribute, not a field: ``loss, gradients =
     ...`` unpacks as ever, and a ``tf.function`` that returns the whole result returns
     the two fields alone.
     """
@@ -63,6 +64,7 @@ def accumulate_gradients(
     n_valid: tf.Tensor | int | None = None,
     update_metrics: bool = False,
     loss_scale: tf.Tensor | float | None = None,
+    noise_scale: bool = False,
 ) -> Accumulated:
     """Exact gradients and loss of one large batch you hold, computed in micro-batches.
 
@@ -81,6 +83,8 @@ def accumulate_gradients(
         update_metrics: also update the compiled metrics from every micro-batch.
         loss_scale: multiply every micro-batch's loss by this before differentiating
             (mixed precision); the gradients come back scaled, the loss does not.
+        noise_scale: also estimate the gradient noise scale (``Accumulated.noise``:
+            k squared norms more per large batch).
 
     Returns:
         ``Accumulated(loss, gradients)`` aligned with ``model.trainable_variables``;
@@ -96,7 +100,8 @@ def accumulate_gradients(
         ...     return loss
     """
     return _accumulate(model, x, y, sample_weight, micro_batch_size=micro_batch_size,
-                       n_valid=n_valid, update_metrics=update_metrics, loss_scale=loss_scale)
+                       n_valid=n_valid, update_metrics=update_metrics, loss_scale=loss_scale,
+                       noise_scale=noise_scale)
 
 
 @_keras.outside_strategy_scope()
@@ -113,7 +118,7 @@ def own_steps_accumulated(model: keras.Model, x: Any, y: Any, sample_weight: Any
 def _accumulate(model: keras.Model, x: Any, y: Any, sample_weight: Any, *,
                 micro_batch_size: int, n_valid: tf.Tensor | int | None = None,
                 update_metrics: bool = False, loss_scale: tf.Tensor | float | None = None,
-                own_step: bool = False) -> Accumulated:
+                own_step: bool = False, noise_scale: bool = False) -> Accumulated:
     first = tf.nest.flatten(x)[0]
     batch = first.shape[0]
     if batch is None:
@@ -140,7 +145,7 @@ def _accumulate(model: keras.Model, x: Any, y: Any, sample_weight: Any, *,
     # Under a strategy B is this replica's batch; the loss divides by the global one.
     global_batch = batch * replicas_here()[1]
     totals = sum_pieces(model, plan, take, split.accumulation_steps, batch_size=global_batch,
-                        scale=scale, update_metrics_too=update_metrics)
+                        scale=scale, update_metrics_too=update_metrics, noise=noise_scale)
     return _result(*finish(model, plan, totals, global_batch, scale))
 
 
@@ -159,6 +164,7 @@ def accumulate_iterator(
     batch_size: int,
     update_metrics: bool = False,
     loss_scale: tf.Tensor | float | None = None,
+    noise_scale: bool = False,
 ) -> Accumulated:
     """Exact gradients and loss of one large batch pulled as ``steps`` micro-batches.
 
@@ -175,6 +181,7 @@ def accumulate_iterator(
             counted from ``valid``; B only sets the scale inside the loop).
         update_metrics: as for ``accumulate_gradients``.
         loss_scale: as for ``accumulate_gradients``.
+        noise_scale: as for ``accumulate_gradients``.
 
     Example:
         >>> iterator = iter(dataset.batch(64, drop_remainder=True))  # doctest: +SKIP
@@ -206,5 +213,5 @@ def accumulate_iterator(
     plan = prepare(model, (spec[0], spec[1], w_spec))
     scale = as_scale(loss_scale)
     totals = sum_pieces(model, plan, take, steps, batch_size=batch_size, scale=scale,
-                        update_metrics_too=update_metrics)
+                        update_metrics_too=update_metrics, noise=noise_scale)
     return _result(*finish(model, plan, totals, batch_size, scale))

@@ -97,14 +97,6 @@ def dense_reference_step(model, x, y, sample_weight=None):
     return float(loss)
 
 
-NOISE_KEY = "gradient_noise_scale"  # a log fit_large_batch adds to model.fit's
-
-
-def fit_logs(history) -> dict:
-    """``history.history`` of fit_large_batch, less the log model.fit does not have."""
-    return {key: value for key, value in history.history.items() if key != NOISE_KEY}
-
-
 def assert_weights_close(expected, actual, rtol):
     """Every weight tensor equal to ``rtol`` relative to the tensor's largest entry."""
     assert len(expected) == len(actual)

@@ -48,12 +48,12 @@ def piece_rows(split: Split) -> tuple[np.ndarray, np.ndarray]:
 
 def sum_pieces(model: keras.Model, plan: LossPlan, take: Callable[[tf.Tensor], tuple[Any, ...]],
                 count: int | tf.Tensor, *, batch_size: int, scale: tf.Tensor,
-                update_metrics_too: bool) -> Totals:
+                update_metrics_too: bool, noise: bool = False) -> Totals:
     """Sum ``count`` micro-batches in a while loop; ``take(i) -> (x, y, w, valid)``; with
-    the gradient noise scale's numbers where the plan sums a compiled loss's gradients
-    (:func:`finish` reads them)."""
+    ``noise``, the gradient noise scale's numbers too where the plan sums a compiled
+    loss's gradients (:func:`finish` reads them)."""
     variables = model.trainable_variables
-    noise = plan.custom is None and bool(plan.groups)
+    noise = noise and plan.custom is None and bool(plan.groups)
 
     def step(i: tf.Tensor, totals: Totals) -> tuple[Totals, tf.Tensor]:
         x, y, w, valid = take(i)

@@ -80,7 +80,7 @@ class ModelState:
 
 
 def step_key(batch_size: int, compilation: Compilation, batch_norm: str = "pooled",
-             noise_scale: bool = True) -> tuple[int, bool, bool, str, bool]:
+             noise_scale: bool = False) -> tuple[int, bool, bool, str, bool]:
     """A train step's key within a state."""
     return (batch_size, compilation.jit_compile, compilation.run_eagerly, batch_norm,
             noise_scale)

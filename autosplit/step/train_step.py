@@ -88,7 +88,7 @@ class TrainStep:
     def __init__(self, model: keras.Model, batch_size: int, element_spec: Any, *,
                  compilation: Compilation | None = None, batch_norm: str = "pooled",
                  all_real: bool = False, rows: int | None = None,
-                 noise_scale: bool = True) -> None:
+                 noise_scale: bool = False) -> None:
         self.model = model
         self.batch_size = batch_size
         self.strategy = model.distribute_strategy
@@ -280,7 +280,7 @@ Step = TrainStep | WholeBatchStep  # a model's compiled large-batch step, of eit
 
 def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | None = None,
              run_eagerly: bool | None = None, batch_norm: str = "pooled",
-             noise_scale: bool = True) -> Step:
+             noise_scale: bool = False) -> Step:
     """The model's ``TrainStep`` for ``pipeline``'s micro-batches, built once and reused.
 
     Builds the model for the pipeline's elements first (:func:`build_for`). As Keras

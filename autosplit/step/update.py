@@ -70,7 +70,7 @@ class LargeBatchUpdate:
     stash: Stash  # the element in flight, on the host
 
     def __init__(self, model: keras.Model, batch_size: int, *, pooled: bool,
-                 functions: FunctionCache, jit: bool, noise: bool = True) -> None:
+                 functions: FunctionCache, jit: bool, noise: bool = False) -> None:
         self.model = model
         self.batch_size = batch_size
         self.pooled = pooled

@@ -229,7 +229,7 @@ class Args:
     batch_norm: str
     by_length: bool | None = None  # None: "auto"
     micro_batch_tokens: int | str | None = "auto"  # an int, "auto" or None
-    noise_scale: bool = True  # estimate the gradient noise scale
+    noise_scale: bool = False  # estimate the gradient noise scale
 
 
 def validate_fit(model: Any, given: dict[str, Any]) -> Args:

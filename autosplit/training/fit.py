@@ -71,7 +71,7 @@ def fit_large_batch(
     objective: Literal["memory", "speed"] = "memory",
     by_length: bool | Literal["auto"] = "auto",
     micro_batch_tokens: int | Literal["auto"] | None = "auto",
-    noise_scale: bool = True,
+    noise_scale: bool = False,
 ) -> keras.callbacks.History:
     """Train ``model`` like ``model.fit``, with an effective batch of exactly ``batch_size``.
 
@@ -167,7 +167,10 @@ def fit_large_batch(
             and ``history.history`` (each epoch's), and
             ``history.autosplit.gradient_noise_scale`` with what their model says of
             B against it, printed (unless ``verbose=0``) where B is 4x or more from it
-            either way. Absent with one micro-batch per large batch.
+            either way. Absent with one micro-batch per large batch. Off by default:
+            its k squared norms per large batch cost 0.9-1.6% of the step of a wide
+            MLP on a CPU, more than the 1% a default may cost
+            (``benchmarks/noise_scale.py``); turn it on for the runs that choose B.
 
     Returns:
         The ``keras.callbacks.History``; ``history.autosplit``, a :class:`FitReport`,
@@ -312,7 +315,7 @@ def _noise_logs(plan: Plan, args: Args) -> NoiseLogs:
     noise = step.noise
     unit = unit_name(step.update.plan) if noise is not None else "rows"
     if not args.noise_scale:
-        why = "turned off (noise_scale=False)"
+        why = "not asked for (noise_scale=False, the default; pass noise_scale=True)"
     elif isinstance(step, WholeBatchStep):
         why = ("the loss is over the whole batch, so no micro-batch's gradient estimates "
                "the large batch's on its own")

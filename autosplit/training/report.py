@@ -91,7 +91,7 @@ class FitReport:
 
     gradient_noise_scale: GradientNoiseScale | None = None
     """McCandlish et al.'s gradient noise scale, measured from the micro-batches'
-    gradients (``noise_scale=True``, the default), with what their model says of B
+    gradients (with ``noise_scale=True``), with what their model says of B
     against it, or why it is absent (one micro-batch per large batch, a loss over the
     whole batch, a custom ``train_step``, ``noise_scale=False``)."""
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from _inputs import B, Batches, M, N, batches, candidate, data, make, reference_and_initial
-from common import assert_weights_close, fit_logs
+from common import assert_weights_close
 
 import autosplit
 
@@ -141,7 +141,7 @@ def test_the_guarded_apply_of_an_input_of_unknown_length_equals_the_arrays_path(
         micro_batch_size=16, epochs=2, verbose=0)
     assert int(on_batches.optimizer.iterations) == int(on_arrays.optimizer.iterations) == 8
     assert_weights_close(on_arrays.get_weights(), on_batches.get_weights(), 1e-6)
-    assert fit_logs(got).keys() == expected.history.keys()
+    assert got.history.keys() == expected.history.keys()
     for name, values in expected.history.items():
         np.testing.assert_allclose(got.history[name], values, rtol=1e-6)
 

@@ -42,5 +42,5 @@ def fitted_noise_scale(model: keras.Model, x, y, batch_size: int, micro_batch_si
     """The epoch's gradient noise scale, as ``fit_large_batch`` logs it."""
     history = autosplit.fit_large_batch(model, x, y, batch_size=batch_size,
                                         micro_batch_size=micro_batch_size, shuffle=False,
-                                        verbose=0, **options)
+                                        verbose=0, noise_scale=True, **options)
     return history.history["gradient_noise_scale"][-1]

@@ -39,7 +39,7 @@ def test_your_own_loop_gets_the_same_estimate_from_accumulate_gradients():
     x, y, exact = regression(256 * 120, 3.0)
     model = line()
     step = tf.function(lambda x, y: autosplit.accumulate_gradients(
-        model, x, y, micro_batch_size=64).noise)
+        model, x, y, micro_batch_size=64, noise_scale=True).noise)
     parts = np.array([[float(t) for t in step(x[i:i + 256], y[i:i + 256])]
                       for i in range(0, len(x), 256)])
     noise, signal, batch, counted = parts.sum(axis=0)
@@ -60,21 +60,22 @@ def test_identical_rows_have_no_noise():
 def test_one_micro_batch_per_large_batch_has_no_estimate_and_says_why():
     x, y, _ = regression(512, 1.0)
     history = autosplit.fit_large_batch(line(), x, y, batch_size=256, micro_batch_size=256,
-                                        verbose=0)
+                                        verbose=0, noise_scale=True)
     assert "gradient_noise_scale" not in history.history
     report = history.autosplit.gradient_noise_scale
     assert report.value is None and "one micro-batch per large batch" in report.absent
     assert report.advice.startswith("No gradient noise scale: one micro-batch")
-    assert autosplit.accumulate_gradients(line(), x[:256], y[:256],
-                                          micro_batch_size=256).noise.counted == 0
+    assert autosplit.accumulate_gradients(line(), x[:256], y[:256], micro_batch_size=256,
+                                          noise_scale=True).noise.counted == 0
 
 
-def test_turned_off_it_is_absent_and_says_so():
+def test_by_default_it_is_absent_and_says_how_to_ask_for_it():
     x, y, _ = regression(512, 1.0)
     history = autosplit.fit_large_batch(line(), x, y, batch_size=256, micro_batch_size=64,
-                                        verbose=0, noise_scale=False)
+                                        verbose=0)
     assert "gradient_noise_scale" not in history.history
-    assert history.autosplit.gradient_noise_scale.absent == "turned off (noise_scale=False)"
+    assert "pass noise_scale=True" in history.autosplit.gradient_noise_scale.absent
+    assert autosplit.accumulate_gradients(line(), x, y, micro_batch_size=64).noise is None
     with pytest.raises(autosplit.ArgumentError, match="noise_scale"):
         autosplit.fit_large_batch(line(), x, y, batch_size=256, noise_scale=1)
 
@@ -129,7 +130,8 @@ def test_in_rows_it_is_the_estimators_computed_by_hand():
         return tf.reduce_mean(tf.square(model(x) - y))
 
     noise, signal = by_hand(model, mse, parts, sizes)
-    got = autosplit.accumulate_gradients(model, x, y, micro_batch_size=16).noise
+    got = autosplit.accumulate_gradients(model, x, y, micro_batch_size=16,
+                                         noise_scale=True).noise
     assert float(got.counted) == 1 and float(got.batch) == 50
     np.testing.assert_allclose([float(got.noise), float(got.signal)], [noise, signal],
                                rtol=1e-4)
@@ -162,13 +164,14 @@ def test_in_tokens_it_counts_the_tokens_a_mask_keeps():
 
     counts = [int((part[0] > 0).sum()) for part in parts]
     noise, signal = by_hand(model, masked_mean, parts, counts)
-    got = autosplit.accumulate_gradients(model, tokens, targets, micro_batch_size=12).noise
+    got = autosplit.accumulate_gradients(model, tokens, targets, micro_batch_size=12,
+                                         noise_scale=True).noise
     assert float(got.batch) == lengths.sum()
     np.testing.assert_allclose([float(got.noise), float(got.signal)], [noise, signal],
                                rtol=1e-4)
     history = autosplit.fit_large_batch(model, tokens, targets, batch_size=40,
                                         micro_batch_size=12, shuffle=False, verbose=0,
-                                        by_length=False)
+                                        by_length=False, noise_scale=True)
     np.testing.assert_allclose(history.history["gradient_noise_scale"], [noise / signal],
                                rtol=1e-4)
     assert history.autosplit.gradient_noise_scale.unit == "tokens"
@@ -181,13 +184,14 @@ def test_in_tokens_it_counts_the_tokens_a_mask_keeps():
 def test_the_gradients_are_unscaled_by_the_loss_scale():
     x, y, _ = regression(256, 3.0)
     model = line()
-    plain = autosplit.accumulate_gradients(model, x, y, micro_batch_size=64).noise
+    plain = autosplit.accumulate_gradients(model, x, y, micro_batch_size=64,
+                                           noise_scale=True).noise
     scaled = autosplit.accumulate_gradients(model, x, y, micro_batch_size=64,
-                                            loss_scale=1024.0).noise
+                                            loss_scale=1024.0, noise_scale=True).noise
     np.testing.assert_allclose([float(t) for t in scaled], [float(t) for t in plain], rtol=1e-5)
     # Gradients that overflow give no estimate (the step skips the large batch).
     inf = autosplit.accumulate_gradients(model, x, y, micro_batch_size=64,
-                                         loss_scale=float("inf")).noise
+                                         loss_scale=float("inf"), noise_scale=True).noise
     assert [float(t) for t in inf] == [0.0, 0.0, 0.0, 0.0]
 
 
@@ -235,7 +239,7 @@ def test_it_changes_no_weight(jit_compile):
 def test_the_report_and_the_sentence_say_what_the_model_predicts(capsys):
     x, y, _exact = regression(256 * 20, 0.5)  # B_simple about 9.6 rows: B = 256 is far
     history = autosplit.fit_large_batch(line(), x, y, batch_size=256, micro_batch_size=64,
-                                        epochs=2, shuffle=False, verbose=2)
+                                        epochs=2, shuffle=False, verbose=2, noise_scale=True)
     report = history.autosplit.gradient_noise_scale
     assert report.by_epoch == tuple(history.history["gradient_noise_scale"])
     assert report.value == report.by_epoch[-1] and report.unit == "rows" and report.far
@@ -253,7 +257,7 @@ def test_a_loss_over_the_whole_batch_has_no_estimate_and_says_why():
 
     x, y = pairs()
     history = autosplit.fit_large_batch(dual_encoder(), x, y, batch_size=64,
-                                        micro_batch_size=16, verbose=0)
+                                        micro_batch_size=16, verbose=0, noise_scale=True)
     assert "gradient_noise_scale" not in history.history
     assert "the loss is over the whole batch" in history.autosplit.gradient_noise_scale.absent
 
