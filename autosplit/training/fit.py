@@ -168,7 +168,7 @@ def fit_large_batch(
             ``history.autosplit.gradient_noise_scale`` with what their model says of
             B against it, printed (unless ``verbose=0``) where B is 4x or more from it
             either way. Absent with one micro-batch per large batch. Off by default:
-            its k squared norms per large batch cost 0.9-1.6% of the step of a wide
+            its k squared norms per large batch cost 0.9-2.2% of the step of a wide
             MLP on a CPU, more than the 1% a default may cost
             (``benchmarks/noise_scale.py``); turn it on for the runs that choose B.
 

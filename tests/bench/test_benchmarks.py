@@ -317,3 +317,17 @@ def test_probe_choices_checks_answer_time_and_the_speed_rule():
     speed = [{**_probe_run(128, 32, 3.0, [(32, 100.0), (22, 107.0)]), "model": "mlp 32"}]
     checks = {c["id"]: c for c in probe_choices.checks(same, speed, s)}
     assert checks["speed-mlp 32"]["status"] == "MISS"
+
+
+def test_noise_scale_fit_and_rank_correlation_by_hand():
+    from benchmarks import noise_scale
+
+    # Steps exactly S_min (1 + 50 / B) with S_min = 10: the fit finds both.
+    points = [{"batch_size": b, "steps": 10 * (1 + 50 / b)} for b in (12, 50, 200, 800)]
+    fit = noise_scale.fitted(points, 50.0)
+    assert abs(fit["s_min"] - 10) < 1e-9 and max(abs(e) for e in fit["errors"]) < 1e-9
+    assert abs(fit["b_crit"] - 50) < 1e-9
+    assert noise_scale.rank_correlation([3, 2, 1], [1, 2, 3]) == -1.0
+    assert noise_scale.rank_correlation([1, 2, 3, 4], [1, 2, float("inf"), 4]) == 1.0
+    training = {"loss": [2.0, 1.0, 0.5], "noise": [4.0, 6.0, 100.0], "signal": [1.0, 1.0, 1.0]}
+    assert noise_scale.pooled_to(training, 1.0) == (5.0, 2)  # (4 + 6) / (1 + 1), 2 epochs

@@ -254,3 +254,18 @@ def test_whole_batch_quick_run_in_capped_children(tmp_path):
     assert checks["steps"] == checks["same-weights"] == "PASS"
     assert set(checks) == {"steps", "same-weights", "cost", "trains-under-cap", "recall"}
     assert (tmp_path / "whole_batch.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.slow
+def test_noise_scale_quick_run(tmp_path):
+    from benchmarks import noise_scale
+
+    assert noise_scale.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = read(tmp_path, "noise_scale")
+    [case] = report["results"]["overhead"].values()
+    assert case["same_weights"] and case["norms_share_cold"] > 0
+    assert len(report["results"]["training"]["noise_scale"]) == 6  # one per epoch
+    points = report["results"]["prediction"]["points"]
+    assert len(points) == 4 and all(p["batch_size"] >= 1 for p in points)
+    assert [c["id"] for c in report["checks"]] == ["a", "b", "c"]
+    assert (tmp_path / "noise_scale.png").read_bytes()[:8] == PNG
