@@ -91,7 +91,7 @@ def finish(model: keras.Model, plan: LossPlan, totals: Totals, batch_size: int,
         totals = totals.summed_over_replicas(context)
     combined = combine(model, plan, totals, batch_size=batch_size, scale=scale,
                        replicas=replicas)
-    noise = None if local.noise is None else estimate(
+    noise = None if not local.noise.shape[0] else estimate(
         plan, local, totals, combined.gradients, combined.regularization,
         combined.correction, scale=scale, replicas=replicas)
     return combined.loss, combined.gradients, noise

@@ -143,8 +143,7 @@ class Evaluator:
                 chunk = _float64(chunk)
                 means.add(*self._loss(chunk, plan), chunk.rows)
             else:
-                totals = tf.nest.map_structure(
-                    lambda a, b: None if a is None else a + b, totals, _float64(chunk))
+                totals = tf.nest.map_structure(tf.add, totals, _float64(chunk))
             if hooks is not None and float(chunk.rows):
                 running = model.get_metrics_result()
                 running["loss"] = means.loss
@@ -335,9 +334,7 @@ class _RowMeans:
 
 
 def _float64(totals: Totals) -> Totals:
-    # validation's sums carry no gradient noise (Totals.noise None)
-    return tf.nest.map_structure(lambda t: None if t is None else tf.cast(t, tf.float64),
-                                 totals)
+    return tf.nest.map_structure(lambda t: tf.cast(t, tf.float64), totals)
 
 
 def validation_input(data: Any, steps: int | None = None, model: keras.Model | None = None

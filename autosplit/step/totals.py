@@ -24,7 +24,9 @@ class Totals(NamedTuple):
     denominators: list
     forward: tf.Tensor
     rows: tf.Tensor
-    noise: Any = None  # the gradient noise scale's sums (noise_scale.micro_terms), or None
+    # the gradient noise scale's sums (noise_scale.micro_terms); none: empty, or None
+    # where nothing was summed into it (a leaf that tf.nest maps, a loop carries)
+    noise: Any = None
 
     def summed_over_replicas(self, context) -> Totals:
         """The scalar sums added up over every replica in one all-reduce; the gradients
@@ -45,10 +47,11 @@ def added(totals: Totals, c: Any) -> Totals:
 
 def zero_totals(terms: int, gradients: list[Any] | None = None, noise: int = 0) -> Totals:
     """Float32 zeros for ``terms`` compiled losses; ``gradients`` the zero gradient sums;
-    ``noise``: the gradient noise scale's sums (``noise_scale.noise_slots``), 0: none."""
+    ``noise``: the gradient noise scale's sums (``noise_scale.noise_slots``), 0: none
+    (an empty tensor, which a loop carries and ``tf.nest`` maps as it maps the rest)."""
     zeros = [tf.constant(0.0)] * terms
     return Totals([] if gradients is None else gradients, zeros, zeros, forward_totals(),
-                  tf.constant(0.0), tf.zeros([noise]) if noise else None)
+                  tf.constant(0.0), tf.zeros([noise]))
 
 
 def sum_loop(step: Callable[[tf.Tensor, Totals], tuple[Totals, tf.Tensor]],
@@ -64,12 +67,9 @@ def sum_loop(step: Callable[[tf.Tensor, Totals], tuple[Totals, tf.Tensor]],
         totals, stop = step(i, totals)
         return i + 1, totals, stop
 
-    noise, totals = start.noise is not None, start
-    if not noise:  # a loop carries no None
-        totals = totals._replace(noise=tf.zeros([0]))
     # parallel_iterations=1: micro-batches run one after another, so the peak memory
     # is one micro-batch's, not several in flight.
     _, totals, stop = tf.while_loop(
         lambda i, _, stop: tf.logical_and(i < count, tf.logical_not(stop)), body,
-        (tf.constant(0), totals, tf.constant(False)), parallel_iterations=1)
-    return (totals if noise else totals._replace(noise=None)), stop
+        (tf.constant(0), start, tf.constant(False)), parallel_iterations=1)
+    return totals, stop
