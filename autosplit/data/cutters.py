@@ -97,28 +97,29 @@ def _element(*piece: Any, materialize, rows: int, row_numbers: bool, all_real: b
 
 
 @tf.autograph.experimental.do_not_convert
-def _shortened_element(piece: Any, length_factor: tf.Tensor, valid: tf.Tensor, *, materialize,
-                     rows: int | None) -> tuple:
+def _shortened_element(piece: Any, length_factor: tf.Tensor, extent: Any, valid: tf.Tensor, *,
+                       materialize, rows: int | None) -> tuple:
     """:func:`_element` of a piece cut by length (``by_length.cut_by_length``): its inputs
-    as a :class:`Shortened` with their length factors (rows None: as the piece comes, its own
-    ``valid``, which marks the rows XLA's shapes padded it with)."""
-    (padded, length_factor, valid), padded_valid = _pad_rows((piece, length_factor, valid), rows)
+    as a :class:`Shortened` with their length factors and extent (rows None: as the piece
+    comes, its own ``valid``, which marks the rows XLA's shapes padded it with)."""
+    (padded, length_factor, extent, valid), padded_valid = _pad_rows(
+        (piece, length_factor, extent, valid), rows)
     valid = valid if rows is None else valid * padded_valid
     x, y, w = materialize(padded)
-    return Shortened(x, length_factor), none_to_empty(y), none_to_empty(w), valid
+    return Shortened(x, length_factor, extent), none_to_empty(y), none_to_empty(w), valid
 
 
 @tf.autograph.experimental.do_not_convert
 def _shortened_rows(numbers: tf.Tensor, length: tf.Tensor, length_factor: tf.Tensor,
-                    valid: tf.Tensor, *, materialize, rows: int | None,
+                    extent: Any, valid: tf.Tensor, *, materialize, rows: int | None,
                     padded: PaddedArrays) -> tuple:
     """:func:`_shortened_element` of a piece of row numbers (``by_length.cut_rows_by_length``):
     the rows gathered, then cut to the piece's length."""
-    (numbers, length_factor, valid), padded_valid = _pad_rows((numbers, length_factor, valid), rows,
-                                                        row_numbers=True)
+    (numbers, length_factor, extent, valid), padded_valid = _pad_rows(
+        (numbers, length_factor, extent, valid), rows, row_numbers=True)
     valid = valid if rows is None else valid * padded_valid
     x, y, w = trim(materialize(numbers), padded, length)
-    return Shortened(x, length_factor), none_to_empty(y), none_to_empty(w), valid
+    return Shortened(x, length_factor, extent), none_to_empty(y), none_to_empty(w), valid
 
 
 def _pad_replicas_of(*element: Any, replicas: int) -> Any:
@@ -168,9 +169,13 @@ class Cutter:
         ``parallel``: map in parallel, in order."""
         ds = self.pieces(rows).map(self.element(), **(_IN_PARALLEL if parallel else {}))
         if self.replicas > 1:  # one piece per local replica, side by side
-            ds = ds.batch(self.replicas).map(functools.partial(_pad_replicas_of,
-                                                               replicas=self.replicas))
+            ds = self.stacked(ds).map(functools.partial(_pad_replicas_of,
+                                                        replicas=self.replicas))
         return ds
+
+    def stacked(self, ds: tf.data.Dataset) -> tf.data.Dataset:
+        """Each run of one element per local replica, side by side: of one shape."""
+        return ds.batch(self.replicas)
 
     def per_batch(self) -> int:
         """The most elements one large batch takes."""
@@ -231,6 +236,12 @@ class ByLength(Cutter):
 
     def pieces(self, rows: tf.data.Dataset) -> tf.data.Dataset:
         return cut_by_length(rows, self.pattern, self.cut, cap=self.rows)
+
+    def stacked(self, ds: tf.data.Dataset) -> tf.data.Dataset:
+        """Each micro-step's pieces, one per local replica and each of its own shape,
+        padded at the end to the most rows and lengths of any: each replica's step cuts
+        its own back out (``length_factor.own_shape``, by its ``extent``)."""
+        return ds.padded_batch(self.replicas)
 
     def element(self) -> Any:
         return functools.partial(_shortened_element, materialize=self.materialize,

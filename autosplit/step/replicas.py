@@ -17,7 +17,7 @@ from typing import Any
 import tensorflow as tf
 
 from autosplit.data.layout import layout
-from autosplit.graph import after
+from autosplit.graph import HOST, after
 from autosplit.keras_hooks import internals as _keras
 
 __all__ = ["Replicas", "row_count", "without_replica_axis"]
@@ -75,13 +75,22 @@ class Replicas:
         """A token that exists once every local replica's ``values`` do."""
         return after([t for out in self.results(values) for t in tf.nest.flatten(out)])
 
-    def split(self, element: Any, axis: int = 0) -> Any:
+    def split(self, element: Any, axis: int = 0, own: Callable | None = None) -> Any:
         """One value per local replica from an element with a local-replica axis at
-        ``axis`` (an element without one, with a single local replica, as it is)."""
+        ``axis`` (an element without one, with a single local replica, as it is), each
+        replica's part taken on the host, then passed through ``own`` (a micro-batch
+        cut back to its own shape, ``length_factor.own_shape``), so that only the part
+        a replica computes on reaches its device. ``tf.distribute`` takes a value of
+        another shape per replica, in graph mode and under XLA alike (each replica's
+        program is compiled for its own shapes)."""
         if self.local == 1:
             return element
-        return tf.nest.map_structure(lambda t: _keras.per_replica(
-            [tf.gather(t, i, axis=axis) for i in range(self.local)]), element)
+        with tf.device(HOST):
+            parts = [tf.nest.map_structure(lambda t, i=i: tf.gather(t, i, axis=axis), element)
+                     for i in range(self.local)]
+            if own is not None:
+                parts = [own(part) for part in parts]
+        return tf.nest.map_structure(lambda *values: _keras.per_replica(list(values)), *parts)
 
     def vote(self, failed: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
         """Collective: ``[failed, rows]`` summed over every worker (one all-reduce of two

@@ -324,6 +324,8 @@ def step_for(model: keras.Model, pipeline: MicroBatches, *, jit_compile: bool | 
         else:
             step.rebind(spec, all_real=pipeline.all_real(), rows=pipeline.rows)
             step.discard()
+    if isinstance(step, TrainStep):
+        step.update.lengths = pipeline.cut.lengths
     return step
 
 

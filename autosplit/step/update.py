@@ -28,7 +28,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from autosplit.data.sequences.length_factor import ShareFactor, inputs_of
+from autosplit.data.sequences.length_factor import ShareFactor, inputs_of, own_shape
+from autosplit.data.sequences.lengths import Lengths
 from autosplit.data.structure import empty_to_none
 from autosplit.errors import UnsupportedModelError
 from autosplit.graph import after
@@ -88,6 +89,9 @@ class LargeBatchUpdate:
         self.share_factor = ShareFactor()
         self._noise = noise
         self.noise_epoch: NoiseEpoch | None = None  # the epoch's estimates, once bound
+        # The input's lengths (Cut.lengths), by which each replica's micro-batch cut by
+        # length is taken back out of its micro-step's stack (own_shape); step_for sets it.
+        self.lengths: Lengths | None = None
 
     def bind(self, element_spec: Any) -> None:
         """Use elements of ``element_spec`` (another micro-batch size) from now on."""
@@ -214,8 +218,9 @@ class LargeBatchUpdate:
             with tf.control_dependencies([after(values)]):
                 summed = self._commit_sums(values)
         else:
+            own = functools.partial(own_shape, lengths=self.lengths, rows_vary=self.rows is None)
             values = replicas.run(functools.partial(self._compute, all_real=all_real),
-                                  *replicas.split((x, y, w, valid)))
+                                  *replicas.split((x, y, w, valid), own=own))
             summed = replicas.done(replicas.run(self._commit_sums, values,
                                                 replicas.done(values)))
         with tf.control_dependencies([summed]):

@@ -38,7 +38,7 @@ from autosplit.data.sequences.pieces import kept_bounds, sorted_pieces
 from autosplit.data.split import Piece
 from autosplit.data.structure import unnumbered
 
-__all__ = ["cut_by_length", "cut_rows_by_length", "trim"]
+__all__ = ["cut_by_length", "cut_rows_by_length", "extent_of", "trim"]
 
 
 def _front(t: tf.Tensor, axis: int) -> tf.Tensor:
@@ -90,7 +90,7 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
     """
     lengths = cut.lengths
     assert lengths is not None
-    bounds = kept_bounds(pattern, cut.replicas)
+    bounds = kept_bounds(pattern)
     structure = ds.element_spec  # of a row, once unbatched
 
     def pieces(leaves, n, row_lengths, longest, ceiling):
@@ -107,7 +107,7 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
                 return _back(dense, found[0])
 
             return tf.nest.pack_sequence_as(structure, [take(i, t) for i, t in enumerate(
-                leaves)]), length_factor, valid
+                leaves)]), length_factor, extent_of(length, index, cut), valid
 
         cut_up = sorted_pieces(row_lengths, n, longest, bounds, cut, cap,
                                ceiling=ceiling).map(piece)
@@ -123,6 +123,14 @@ def cut_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
     else:
         batches = batches.map(lambda *batch: (*batch, batch[3]))
     return batches.flat_map(pieces)
+
+
+def extent_of(length: tf.Tensor, index: tf.Tensor, cut: Cut) -> Any:
+    """A piece's :attr:`~.length_factor.Shortened.extent` on several local replicas: per
+    row, the piece's ``length`` in each of an example's lengths; () on one."""
+    if cut.replicas == 1:
+        return ()
+    return tf.tile(tf.cast(length, tf.int32)[None, :], tf.stack([tf.size(index), 1]))
 
 
 def _measured_batches(ds: tf.data.Dataset, lengths: Lengths, period: int,
@@ -209,11 +217,12 @@ def _with_header(pieces: tf.data.Dataset, leaves: tuple, n: tf.Tensor, longest: 
     ratio = tf.cast(longest, tf.float32)
     header = tf.stack([tf.constant(1.0) if g is None or g >= lengths.number else ratio[g]
                        for g in cut.outputs]) if cut.outputs else tf.zeros([0])
-    share = tf.data.Dataset.from_tensors((row, header[None, :], -tf.ones([1]))).concatenate(
-        pieces)
+    extent = extent_of(tf.maximum(longest, 1), tf.zeros([1]), cut)
+    share = tf.data.Dataset.from_tensors((row, header[None, :], extent, -tf.ones([1]))
+                                         ).concatenate(pieces)
     if cut.tokens is not None:  # token_pieces end each share with an empty piece
         return share
-    end = (row, tf.ones_like(header)[None, :], tf.zeros([1]))
+    end = (row, tf.ones_like(header)[None, :], extent, tf.zeros([1]))
     return share.concatenate(tf.data.Dataset.from_tensors(end))
 
 
@@ -238,7 +247,7 @@ def cut_rows_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
     padded = cut.arrays
     assert padded is not None
     period = sum(p.rows for p in pattern)
-    bounds = kept_bounds(pattern, cut.replicas)
+    bounds = kept_bounds(pattern)
     table = tf.constant(padded.lengths)
     full = tf.constant([padded.length], tf.int64)
 
@@ -246,7 +255,8 @@ def cut_rows_by_length(ds: tf.data.Dataset, pattern: list[Piece], cut: Cut, *,
         n = tf.size(numbers, out_type=tf.int64)
         return sorted_pieces(tf.gather(table, numbers)[:, None], n, full, bounds, cut, cap,
                               static_longest=True).map(lambda index, length, length_factor, valid: (
-                                  tf.gather(numbers, index), length[0], length_factor, valid))
+                                  tf.gather(numbers, index), length[0], length_factor,
+                                  extent_of(length, index, cut), valid))
 
     return ds.unbatch().batch(period).flat_map(pieces)
 

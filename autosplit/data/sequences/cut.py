@@ -35,7 +35,7 @@ class Cut(NamedTuple):
     arrays: PaddedArrays | None = None  # arrays of one shape that hold padded sequences
     tokens: int | None = None  # with by="tokens": the budget (None: the probe finds it)
     packing: Packing = "least_work"
-    replicas: int = 1  # local replicas: each takes row r of every run of R sorted rows
+    replicas: int = 1  # local replicas: each micro-step's R pieces, each its own shape
     # Per model output (keras.tree.flatten's order): the length group its second axis
     # follows, whose length factor its loss and metrics take; None: no length.
     outputs: tuple[int | None, ...] = ()
@@ -60,7 +60,7 @@ tokens; each of 2 workers reads and cuts its own share'
         if self.by == "longest":
             return f"to the large batch's longest row: {self.found}"
         rounded = f" ({described(self.by == 'tokens')})" if self.buckets else ""
-        on = (f" on {self.replicas} replicas, each a row of every {self.replicas}"
+        on = (f" on {self.replicas} replicas, each a micro-batch of its own shape"
               if self.replicas > 1 else "")
         number = 0 if self.lengths is None else self.lengths.number
         several = f"{number} lengths per example, " if number > 1 else ""

@@ -23,9 +23,11 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
+from autosplit.data.sequences.lengths import Lengths
 from autosplit.graph import HOST
 
-__all__ = ["ShareFactor", "Shortened", "inputs_of", "metric_weight", "output_length_factors"]
+__all__ = ["ShareFactor", "Shortened", "inputs_of", "metric_weight", "output_length_factors",
+           "own_shape"]
 
 
 class Shortened(NamedTuple):
@@ -35,11 +37,55 @@ class Shortened(NamedTuple):
     # float32 (rows, outputs): per model output (Cut.outputs), the large batch's padded
     # length over this micro-batch's in the length the output follows (1: none)
     length_factor: tf.Tensor
+    # On several local replicas (else ()): int32 (rows, lengths per example), per row
+    # the lengths its micro-batch is padded to; 0 in a row that only stacks the
+    # replicas' micro-batches side by side (:func:`own_shape`)
+    extent: Any = ()
 
 
 def inputs_of(x: Any) -> Any:
     """The model's inputs, from ``x`` or from a :class:`Shortened`."""
     return x.inputs if isinstance(x, Shortened) else x
+
+
+def own_shape(element: tuple, lengths: Lengths | None, *, rows_vary: bool) -> tuple:
+    """One replica's micro-batch ``(x, y, w, valid)``, taken from the element that stacks
+    every local replica's side by side (each padded there to the most rows and lengths
+    of any), cut back to its own rows and lengths (:attr:`Shortened.extent`), so that a
+    replica computes on its own shape: the rows up to the last of its own, each part
+    that has a length (``lengths``: the input's) as long as its micro-batch in it. The
+    stack pads at the end, so a micro-batch padded at its front keeps its own padding.
+    ``rows_vary``: micro-batches of any row count (in tokens); of a static count every
+    row is the replica's own (copies of its rows pad each), and stays. An element
+    without an extent is returned as it is."""
+    x, y, w, valid = element
+    if not isinstance(x, Shortened) or isinstance(x.extent, tuple):
+        return element
+    assert lengths is not None, "a stack of micro-batches cut by length needs their lengths"
+    rows = tf.shape(valid)[0] if not rows_vary else tf.maximum(tf.reduce_sum(tf.cast(
+        x.extent[:, 0] > 0, tf.int32)), 1)
+    length = tf.maximum(tf.reduce_max(x.extent, axis=0), 1)
+
+    def cut(i: int, t: tf.Tensor) -> tf.Tensor:
+        found = lengths.of(i)
+        size = tf.unstack(tf.shape(t))
+        size[0] = rows
+        shape = t.shape.as_list()
+        if rows_vary:
+            shape[0] = None
+        if found is not None:
+            size[found[0]] = length[found[1]]
+            shape[found[0]] = None
+        cut_t = tf.slice(t, tf.zeros([t.shape.rank], tf.int32), tf.stack(size))
+        cut_t.set_shape(shape)
+        return cut_t
+
+    parts = (x.inputs, y, w)
+    leaves = [cut(i, t) for i, t in enumerate(tf.nest.flatten(parts))]
+    inputs, y, w = tf.nest.pack_sequence_as(parts, leaves)
+    if not rows_vary:
+        return Shortened(inputs, x.length_factor, x.extent), y, w, valid
+    return Shortened(inputs, x.length_factor[:rows], x.extent[:rows]), y, w, valid[:rows]
 
 
 def output_length_factors(length_factor: tf.Tensor | None, y_pred: Any) -> Any:
@@ -94,7 +140,7 @@ class ShareFactor:
         """``x`` with its length factors scaled to the large batch's length."""
         if not isinstance(x, Shortened) or self.variable is None:
             return x
-        return Shortened(x.inputs, x.length_factor * self.variable)
+        return Shortened(x.inputs, x.length_factor * self.variable, x.extent)
 
     def agree(self, local: tf.Tensor,
               bounds: Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]) -> tf.Tensor:

@@ -13,7 +13,8 @@ from typing import Literal
 
 import tensorflow as tf
 
-__all__ = ["STEP_COST", "Packing", "padded_row_count", "rows_within", "token_pieces"]
+__all__ = ["STEP_COST", "Packing", "in_groups", "padded_row_count", "rows_within",
+           "token_pieces"]
 
 Packing = Literal["least_work", "fullest"]
 # A micro-step's own cost (the loop's turn, the pull, adding its gradients), in the
@@ -25,17 +26,21 @@ _BLOCKS = 1024
 
 
 def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
-                 packing: Packing = "least_work", *, padded_rows: bool = False
-                 ) -> tuple[tf.Tensor, tf.Tensor]:
+                 packing: Packing = "least_work", *, padded_rows: bool = False,
+                 replicas: int = 1) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """The (starts, ends) of pieces of rows sorted by what they cost, whose padded
     ``lengths`` are (rows, lengths per example), each of at most ``cap`` rows and of up
     to ``tokens`` tokens (or one row): :func:`_least_work` or :func:`_fullest`.
 
-    The longest piece comes first, then the shortest, then the rest from short to long:
-    the first two a trial step pulls (``autosplit.search.trials``) are the two ends,
-    where the memory per token is highest (under attention, and with costs per row).
-    Last comes an empty piece, ``(n, n)``: the large batch's end, whose element has no
-    row (``autosplit.data.markers.is_end_marker``). Lengths of rank 1 are one length.
+    With ``replicas`` = R local replicas, each run of R pieces, from the longest down,
+    is one micro-step's (:func:`in_groups`: a short last run takes fillers, which weigh
+    nothing), and the order below is the runs'. The longest piece (run) comes first,
+    then the shortest, then the rest from short to long: the first two a trial step
+    pulls (``autosplit.search.trials``) are the two ends, where the memory per token is
+    highest (under attention, and with costs per row). Last come R empty pieces,
+    ``(n, n)``: the large batch's end, whose element has no row
+    (``autosplit.data.markers.is_end_marker``). Returns ``(starts, ends, weights)``,
+    ``weights`` 0.0 for a filler. Lengths of rank 1 are one length.
 
     ``padded_rows``: each piece is padded to the rows the budget holds at its lengths,
     or half that (:func:`padded_row_count`: XLA's shapes,
@@ -46,11 +51,32 @@ def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
     n = tf.shape(lengths, out_type=tf.int64)[0]
     pieces = (_fullest(lengths, n, tokens, cap) if packing == "fullest"
               else _least_work(lengths, n, tokens, cap, padded_rows))
-    count = tf.shape(pieces)[0]
-    order = tf.concat([tf.range(tf.minimum(count, 1)),
-                       tf.range(tf.maximum(count - 1, 0), 0, -1)], 0)
-    pieces = tf.concat([tf.gather(pieces, order), tf.stack([[n, n]])], 0)
-    return pieces[:, 0], pieces[:, 1]
+    starts, ends, weights = in_groups(pieces[:, 0], pieces[:, 1], replicas)
+    runs = tf.shape(starts)[0] // replicas
+    order = tf.concat([tf.range(tf.minimum(runs, 1)), tf.range(tf.maximum(runs - 1, 0), 0, -1)], 0)
+    order = tf.reshape(order[:, None] * replicas + tf.range(replicas)[None, :], [-1])
+    end = tf.fill([replicas], n)
+    return (tf.concat([tf.gather(starts, order), end], 0),
+            tf.concat([tf.gather(ends, order), end], 0),
+            tf.concat([tf.gather(weights, order), tf.ones([replicas])], 0))
+
+
+def in_groups(starts: tf.Tensor, ends: tf.Tensor, replicas: int, filler: tf.Tensor | int = 0
+              ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Pieces ``(starts, ends)`` in runs of ``replicas``, one per local replica of a
+    micro-step, with their weights (1.0): a short last run is filled with pieces of one
+    row, ``filler``'s (the cheapest of the sorted rows), that weigh nothing (0.0), so
+    that every replica runs every micro-step. No piece, no run.
+
+    >>> [t.numpy().tolist() for t in in_groups(tf.constant([0, 3, 5]), tf.constant([3, 5, 8]), 2)]
+    [[0, 3, 5, 0], [3, 5, 8, 1], [1.0, 1.0, 1.0, 0.0]]
+    """
+    count = tf.shape(starts)[0]
+    extra = -count % replicas
+    filler = tf.cast(filler, starts.dtype)
+    return (tf.concat([starts, tf.fill([extra], filler)], 0),
+            tf.concat([ends, tf.fill([extra], filler + 1)], 0),
+            tf.concat([tf.ones([count]), tf.zeros([extra])], 0))
 
 
 def rows_within(tokens: int, cost: tf.Tensor, cap: int | None) -> tf.Tensor:

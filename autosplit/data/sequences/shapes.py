@@ -32,12 +32,16 @@ class Shapes:
     @tf.autograph.experimental.do_not_convert
     def record(self, *element: Any) -> Any:
         """``element`` as it is, once its shape is counted (a map's function)."""
-        shapes = tf.concat([tf.shape(t, out_type=tf.int64) for t in tf.nest.flatten(element)
-                            if isinstance(t, tf.Tensor)], 0)
-        key = tf.strings.reduce_join(tf.strings.as_string(shapes), separator=",")
+        extent = getattr(element[0], "extent", ())
+        if isinstance(extent, tuple):
+            shapes = tf.concat([tf.shape(t, out_type=tf.int64)
+                                for t in tf.nest.flatten(element) if isinstance(t, tf.Tensor)], 0)
+            keys = tf.strings.reduce_join(tf.strings.as_string(shapes), separator=",")[None]
+        else:  # local replicas' micro-batches side by side: each replica's own shape
+            keys = _own_shapes(extent, element[-1])
 
         def insert():
-            with tf.control_dependencies([self._seen.insert(key[None], tf.ones([1], tf.int64))]):
+            with tf.control_dependencies([self._seen.insert(keys, tf.ones_like(keys, tf.int64))]):
                 return tf.constant(True)
 
         # An element with no real row is an end marker (``markers.end_marker``; a header, too).
@@ -48,3 +52,14 @@ class Shapes:
     def count(self) -> int:
         """Distinct shapes given so far."""
         return int(self._seen.size())
+
+
+def _own_shapes(extent: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
+    """Per local replica, a key of the shape its micro-batch is computed at
+    (``length_factor.own_shape``): its rows (the stack's where their count is static) and
+    its lengths."""
+    own = extent[:, :, 0] > 0
+    rows = (tf.fill(tf.shape(extent)[:1], tf.shape(extent)[1]) if valid.shape[1] is not None
+            else tf.reduce_sum(tf.cast(own, tf.int32), axis=1))
+    shape = tf.concat([rows[:, None], tf.reduce_max(extent, axis=1)], 1)
+    return tf.strings.reduce_join(tf.strings.as_string(shape), axis=1, separator=",")

@@ -9,8 +9,8 @@ import tensorflow as tf
 
 from autosplit.data.markers import is_end_marker, is_header
 from autosplit.data.pipeline import MicroBatches
-from autosplit.data.sequences.length_factor import inputs_of
-from autosplit.data.sequences.lengths import group_lengths
+from autosplit.data.sequences.length_factor import inputs_of, own_shape
+from autosplit.data.sequences.lengths import Lengths, group_lengths
 
 __all__ = ["CutStats", "cut_stats"]
 
@@ -46,18 +46,9 @@ def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None
         if is_end_marker((valid,)):  # with tokens, a large batch's end
             read += 1
         else:
-            leaves = tf.nest.flatten((inputs_of(x), y, w))
-            if pipeline.local_replicas > 1:  # a micro-batch per replica, side by side
-                leaves = [tf.reshape(t, [-1, *t.shape[2:]]) for t in leaves]
-                valid = tf.reshape(valid, [-1])
-            rows = valid > 0
-            real += int(tf.reduce_sum(tf.boolean_mask(group_lengths(leaves, lengths, pre=pre),
-                                                      rows)))
-            # Under XLA's buckets every row of the shape is computed, copies included.
-            count = int(tf.size(valid)) if cut.buckets else int(tf.reduce_sum(
-                tf.cast(rows, tf.int64)))
-            cells += count * sum(int(tf.shape(leaves[lengths.members(g)[0]])[
-                lengths.axes[lengths.members(g)[0]]]) for g in range(lengths.number))
+            for part in _replica_parts((x, y, w, valid), pipeline, lengths):
+                real_part, cells_part = _tokens_and_cells(part, lengths, pre, cut.buckets)
+                real, cells = real + real_part, cells + cells_part
             pieces += 1
             if left is not None:
                 left -= 1
@@ -68,3 +59,25 @@ def cut_stats(pipeline: MicroBatches, large_batches: int = 4) -> CutStats | None
     if left is not None and read < large_batches and left != pipeline.elements(read):
         read += 1  # a short last large batch, of an input that does not tell its length
     return CutStats(read, pieces / max(read, 1), 1 - real / cells if cells else 0.0, real)
+
+
+def _replica_parts(element: tuple, pipeline: MicroBatches, lengths: Lengths) -> list[tuple]:
+    """Each local replica's micro-batch of ``element`` at the shape it is computed at."""
+    if pipeline.local_replicas == 1:
+        return [element]
+    return [own_shape(tf.nest.map_structure(lambda t, r=r: t[r], element), lengths,
+                      rows_vary=pipeline.element_rows is None)
+            for r in range(pipeline.local_replicas)]
+
+
+def _tokens_and_cells(part: tuple, lengths: Lengths, pre: bool, buckets: bool
+                      ) -> tuple[int, int]:
+    """A micro-batch's real tokens and the cells it feeds (under XLA's buckets every row
+    of its shape is computed, copies included)."""
+    x, y, w, valid = part
+    leaves = tf.nest.flatten((inputs_of(x), y, w))
+    rows = valid > 0
+    real = int(tf.reduce_sum(tf.boolean_mask(group_lengths(leaves, lengths, pre=pre), rows)))
+    count = int(tf.size(valid)) if buckets else int(tf.reduce_sum(tf.cast(rows, tf.int64)))
+    return real, count * sum(int(tf.shape(leaves[lengths.members(g)[0]])[
+        lengths.axes[lengths.members(g)[0]]]) for g in range(lengths.number))

@@ -22,8 +22,8 @@ def test_the_reason_is_derived_from_what_the_cut_is():
     xla = Cut("length", TWO_LENGTHS, buckets=True, replicas=2, found="f")
     assert xla.why == (
         "by length (under XLA each length rounded up to a bucket: 8, 16, 24, 32, 40, 56, "
-        "... each 1.25x) on 2 replicas, each a row of every 2: 2 lengths per example, the "
-        "model ignores padding (f)")
+        "... each 1.25x) on 2 replicas, each a micro-batch of its own shape: 2 lengths per "
+        "example, the model ignores padding (f)")
     tokens = xla.in_tokens(512)
     assert tokens.why.startswith("by length (under XLA each length rounded up to a bucket: "
                                  "8, 16, 32, 56, 96, 160, ... each 1.6x; rows to what the "

@@ -15,7 +15,7 @@ from autosplit.data.sequences.packing import STEP_COST, token_pieces
 @functools.cache
 def _traced(tokens, cap, packing):
     # as the pipeline runs it: in a graph (run eagerly, 1,000 loop turns take seconds)
-    return tf.function(lambda lengths: token_pieces(lengths, tokens, cap, packing))
+    return tf.function(lambda lengths: token_pieces(lengths, tokens, cap, packing)[:2])
 
 
 def _pieces(lengths, tokens, cap=None, packing="least_work"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from _sequences import B, cut_by_length, dataset, sequences
 
 from autosplit.data.inputs import get_input
@@ -14,6 +15,7 @@ from autosplit.data.markers import is_end_marker
 from autosplit.data.pipeline import MicroBatches
 from autosplit.data.sequences.buckets import TOKEN_BUCKETS
 from autosplit.data.sequences.cut import Cut
+from autosplit.data.sequences.length_factor import own_shape
 from autosplit.data.sequences.packing import rows_within
 
 # 4 rows of the longest (60), 80 of the shortest (3; 30 in XLA's bucket of 8)
@@ -91,21 +93,56 @@ def test_a_bucket_never_reaches_past_the_longest_row_met_so_far(tokens):
     assert max(longest[:len(longest) // 2]) == 300 and max(longest) == 500, longest
 
 
+def _pieces(pipeline, replicas=1):
+    """Each micro-step's pieces, as each replica computes it (``own_shape``), each an
+    (ids, valid) pair; None for a large batch's end (in tokens)."""
+    steps = []
+    for element in pipeline.dataset():
+        if is_end_marker((element[3],)):
+            steps.append(None)
+            continue
+        parts = [element] if replicas == 1 else [own_shape(tuple(
+            tf.nest.map_structure(lambda t, r=r: t[r], element)), pipeline.cut.lengths,
+            rows_vary=pipeline.element_rows is None)
+            for r in range(replicas)]
+        steps.append([(x.inputs.numpy(), valid.numpy()) for x, _, _, valid in parts])
+    return steps
+
+
+def _key(piece):
+    return piece[0].shape, piece[0].tobytes(), piece[1].tobytes()
+
+
 @pytest.mark.parametrize("tokens", [None, 160])
-def test_each_replica_takes_a_row_of_every_two_sorted_rows_padded_to_their_longest(tokens):
-    # 185 rows: the last large batch has 57, one replica a row short (a copy, valid 0).
+def test_two_replicas_take_one_devices_pieces_two_at_a_time_each_of_its_own_shape(tokens):
+    # 185 rows: the last large batch has 57. Each micro-step gives each replica one of
+    # the pieces one device cuts at the same m (or budget), padded to its own longest
+    # row, the two neighbours in length; a step short of a piece takes a filler: one
+    # row (in rows, copies of it) that weighs nothing.
     seqs = sequences(185)
     adapter = get_input(dataset(seqs, "gru").padded_batch(16))
-    cut = cut_by_length(adapter, tokens=tokens, replicas=2)
-    rows = []
-    for x, _, _, valid in MicroBatches(adapter, B, 8, TWO, cut=cut).dataset():
-        if is_end_marker((valid,)):
-            continue
-        ids, valid = x.inputs.numpy(), valid.numpy()
-        assert ids.shape[0] == 2 and ids.shape[1] <= (8 if tokens is None else 160)
-        real = [np.trim_zeros(r, "b") for r in ids[valid > 0]]
-        assert ids.shape[2] == max(len(r) for r in real)  # the run's longest, no more
+    one = _pieces(MicroBatches(adapter, B, 8, cut=cut_by_length(adapter, tokens=tokens)))
+    two = _pieces(MicroBatches(adapter, B, 8, TWO, cut=cut_by_length(adapter, tokens=tokens,
+                                                                      replicas=2)), 2)
+    assert one.count(None) == two.count(None) == (0 if tokens is None else 3)
+    expected = []  # one device's pieces, in the pairs each micro-step should hold
+    batches, batch = [], []
+    for step in one + ([None] if tokens is None else []):
+        if step is None:
+            batches.append(batch)
+            batch = []
+        else:
+            batch.append(step[0])
+    for batch in batches:
+        # token_pieces' order is the longest, the shortest, then short to long; the
+        # pairs are taken from the longest down, and come in that order
+        ranked = batch if tokens is None else [batch[0], *batch[:0:-1]]
+        pairs = [ranked[i:i + 2] for i in range(0, len(ranked), 2)]
         if tokens is not None:
-            assert ids.shape[1] == 1 or ids.shape[1] * ids.shape[2] <= tokens
-        rows += [tuple(r) for r in real]
-    assert sorted(rows) == sorted(tuple(s) for s in seqs)  # every row once, copies 0
+            pairs = [pairs[0], *pairs[:0:-1]]
+        expected += [[_key(p) for p in pair] for pair in pairs]
+    got = [[_key(p) for p in step if p[1].any()] for step in two if step is not None]
+    assert got == expected
+    fillers = [p for step in two if step is not None for p in step if not p[1].any()]
+    assert len(fillers) == sum(len(pair) == 1 for pair in expected)
+    assert all((ids == ids[:1]).all() and (1 if tokens else 8) == len(ids) for ids, _ in fillers)
