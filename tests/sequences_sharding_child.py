@@ -1,6 +1,6 @@
 """One worker of two on localhost (``TF_CONFIG``) training a per-token language model on
 record files of token ids of varying length, as a user would:
-``python tests/sequences_sharding_child.py RECORDS_DIR OUT``.
+``python tests/sequences_sharding_child.py RECORDS_DIR OUT [oom]``.
 
 Per run it saves the weights (``OUT.<run>.npz``) and, once, the padded batches
 TensorFlow's own distributed iterator hands this worker step by step from
@@ -105,6 +105,32 @@ def train(strategy, records, run, out):
             "loss_scale": None if scale is None else float(scale.numpy())}
 
 
+def oom(records, out):
+    """Only the run under a cap (worker 1's, set by the parent): the language model
+    behind ``HungryRows``, whose micro-batch with the marked row runs out of memory on
+    this worker; in ``OUT.json`` its report, with the recoveries."""
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120.0)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    tf_batches(strategy, records, out)
+    with strategy.scope():
+        model = model_of("lm_hungry")
+    reads = Reads()
+    report = {}
+    try:
+        history = autosplit.fit_large_batch(model, examples(records, reads), batch_size=B,
+                                            epochs=EPOCHS, verbose=0, cache=False,
+                                            callbacks=[reads], micro_batch_tokens=60)
+        report = {"reads_per_epoch": reads.per_epoch, "logs": history.history,
+                  "iterations": int(model.optimizer.iterations.numpy()),
+                  "padding": history.autosplit.padding, "tokens": history.autosplit.tokens,
+                  "recoveries": [r._asdict() for r in history.autosplit.oom_recoveries]}
+        np.savez(f"{out}.oom.npz", *model.get_weights())
+    except Exception as exc:  # reported to the parent, which checks the type and text
+        report["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+    with open(f"{out}.json", "w") as handle:
+        handle.write(json.dumps(report))
+
+
 def main(records, out):
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=60.0)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
@@ -126,4 +152,4 @@ def main(records, out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    (oom if sys.argv[3:] == ["oom"] else main)(sys.argv[1], sys.argv[2])

@@ -152,7 +152,8 @@ def fit_large_batch(
             steps of that cut; with a given ``micro_batch_size``, micro-batches of that
             many rows. An int: that budget (a given ``micro_batch_size`` caps the rows).
             None: micro-batches of ``micro_batch_size`` rows. Several local replicas
-            each take a row of every R sorted rows; several workers take tokens where
+            each take one of one device's micro-batches per micro-step, of its own
+            shape; several workers take tokens where
             each reads its own share of a ``tf.data`` input (one replica each).
             Under XLA lengths round up to coarser buckets (8, 16, 32, 56, ..., 1.6x) and
             rows to what the budget holds there or half, padded with weightless copies

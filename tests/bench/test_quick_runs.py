@@ -149,6 +149,36 @@ def test_sequences_checks_follow_the_figures():
 
 
 @pytest.mark.slow
+def test_sequence_replicas_quick_run_against_the_unpacked_baseline(tmp_path):
+    from benchmarks import sequence_replicas
+
+    assert sequence_replicas.main(["--quick", "--out", str(tmp_path)]) == 0
+    results = read(tmp_path, "sequence_replicas")["results"]
+    assert set(results) == {"gru_rows", "gru_tokens"}
+    for by in results.values():
+        assert set(by) == set(sequence_replicas.METHODS)
+        # Counted, not timed: two replicas feed one device's padding; the baseline,
+        # which dealt sorted rows out, its own (each child checked whose package ran).
+        assert by["own"]["padding_share"] == by["one_device"]["padding_share"]
+        assert "its own shape" in by["own"]["padding"]
+        assert "its own shape" not in by["dealt"]["padding"]
+        assert all(r["tokens_per_s"] > 0 for r in by.values())
+
+
+def test_sequence_replicas_checks_follow_the_figures():
+    from benchmarks import sequence_replicas
+
+    def run(share, vs_dealt):
+        return {"padding_share": share, "vs_dealt": vs_dealt}
+
+    results = {"gru_rows": {"one_device": run(0.30, 1.1), "dealt": run(0.50, 1.0),
+                            "own": run(0.32, 1.2)}}
+    assert [c["status"] for c in sequence_replicas.checks(results)] == ["PASS"] * 2
+    results["gru_rows"]["own"] = run(0.34, 0.9)
+    assert [c["status"] for c in sequence_replicas.checks(results)] == ["MISS"] * 2
+
+
+@pytest.mark.slow
 def test_sequences_xla_quick_run(tmp_path):
     from benchmarks import sequences_xla
 

@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 from common import TESTS, local_workers, relative_error, saved_steps
 
+from autosplit.capped import capped_cpu_env
 from autosplit.data.sequences.cut import Cut
 
 pytestmark = pytest.mark.slow
@@ -25,15 +26,18 @@ FILE_ROWS = (25, 25, 25, 23)  # worker 0 reads files 0 and 2 (50 rows), worker 1
 EPOCHS = 2
 
 
-def write_records(directory):
-    """Four record files of token ids (1..49), lengths lognormal as a corpus's (3 to 60)."""
+def write_records(directory, marked=None):
+    """Four record files of token ids (1..49), lengths lognormal as a corpus's (3 to 60);
+    with ``marked`` = (file, row), ids 1..48 but for a 49 in that row (``HungryRows``)."""
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(np.log(10), 0.6, sum(FILE_ROWS)).astype(int), 3, 60)
     rows = iter(lengths)
     for index, count in enumerate(FILE_ROWS):
         with tf.io.TFRecordWriter(str(directory / f"part-{index}.tfrecord")) as writer:
-            for _ in range(count):
-                ids = rng.integers(1, 50, next(rows)).tolist()
+            for row in range(count):
+                ids = rng.integers(1, 50 if marked is None else 49, next(rows)).tolist()
+                if marked == (index, row):
+                    ids[0] = 49
                 feature = {"ids": tf.train.Feature(int64_list=tf.train.Int64List(value=ids))}
                 writer.write(tf.train.Example(features=tf.train.Features(
                     feature=feature)).SerializeToString())
@@ -167,3 +171,43 @@ def test_translation_pairs_are_sharded_and_cut_in_each_of_their_lengths(workers,
         print(f"pairs {kind}: padding fed {result['padding_share']:.2f} against "
               f"{result['full']:.2f}")
         assert result["padding_share"] <= result["full"] / 2
+
+
+def test_an_oom_inside_one_workers_share_is_redone_there_and_both_stay_exact(tmp_path):
+    """Worker 1 alone, under a real cap of 256 MiB, cannot fit the token micro-batch
+    that holds the marked row (a short row: many rows come with it, at 40 MB each,
+    ``HungryRows``): it redoes that micro-batch in smaller pieces, losing and repeating
+    nothing, while worker 0 waits in the agreement; both apply each large batch once,
+    as model.fit on the union of their shares."""
+    records = tmp_path / "records"
+    records.mkdir()
+    lengths = np.clip(np.random.default_rng(0).lognormal(np.log(10), 0.6, sum(FILE_ROWS))
+                      .astype(int), 3, 60)
+    short = int(np.argmin(lengths[25:50]))  # file 1 (worker 1's): its shortest row
+    write_records(records, marked=(1, short))
+
+    def env_of(index, env):
+        return capped_cpu_env(256 * 2**20, env) if index == 1 else env
+
+    codes = local_workers(lambda index: [str(TESTS / "sequences_sharding_child.py"),
+                                         str(records), str(tmp_path / f"worker{index}"),
+                                         "oom"], tmp_path, env_of=env_of)
+    reports = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(2)]
+    assert codes == [0, 0], [(tmp_path / f"worker{i}.stderr").read_text()[-3000:]
+                             for i in range(2)]
+    for report in reports:
+        assert "error" not in report, report
+        assert report["iterations"] == EPOCHS * 5, report
+    assert reports[1]["recoveries"], reports[1]
+    assert not reports[0]["recoveries"], reports[0]
+    assert reports[0]["reads_per_epoch"] == [50] * EPOCHS, reports[0]  # its files, once
+    assert reports[1]["reads_per_epoch"] == [48] * EPOCHS, reports[1]
+    per_worker = [shares(tmp_path / f"worker{i}") for i in range(2)]
+    batches = [padded(a + b) for a, b in zip(*per_worker, strict=True)]
+    weights_expected, iterations, logs, _ = reference(batches)
+    assert iterations == EPOCHS * 5
+    for i in range(2):
+        got = weights(tmp_path / f"worker{i}", "oom")
+        for expected_w, got_w in zip(weights_expected, got, strict=True):
+            assert relative_error(expected_w, got_w) <= 1e-5
+    np.testing.assert_allclose(reports[0]["logs"]["loss"], logs["loss"], rtol=1e-5)

@@ -17,15 +17,15 @@ import autosplit
 WIDTH = 16
 
 
-def pairs(n=192, seed=0):
+def pairs(n=192, seed=0, median=10, longest=60):
     """(source, target) token ids of correlated lengths, as a parallel corpus's: the
-    source lognormal (median 10, 3 to 60 tokens), the target 0.8-1.3 times as long, and
-    1 more for its start token."""
+    source lognormal (median 10, 3 to ``longest`` tokens), the target 0.8-1.3 times as
+    long, and 1 more for its start token."""
     r = np.random.default_rng(seed + 1)
-    sources = sequences(n, seed)
+    sources = sequences(n, seed, median=median, longest=longest)
     found = []
     for s in sources:
-        length = int(np.clip(round(len(s) * r.uniform(0.8, 1.3)), 3, 60))
+        length = int(np.clip(round(len(s) * r.uniform(0.8, 1.3)), 3, longest))
         found.append((s, r.integers(1, VOCAB, length + 1).astype("int32")))
     return found
 

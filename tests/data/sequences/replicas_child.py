@@ -38,6 +38,15 @@ def main() -> None:
         got = trains_as_model_fit("gru", dataset(seqs, "gru").padded_batch(16), seqs=seqs,
                                   strategy=strategy, **options)
         found[name] = report(got, full)
+    # Under XLA: each replica's own shape, of the buckets' bounded set.
+    seqs = sequences(256)
+    for name, kind, options in (("xla_tokens", "gru", {"micro_batch_tokens": 240}),
+                                ("xla_rows", "lm_sample_weight", {"micro_batch_size": 16})):
+        got = trains_as_model_fit(kind, dataset(seqs, kind).padded_batch(32), seqs=seqs,
+                                  strategy=strategy, batch_size=128, jit_compile=True,
+                                  **options)
+        found[name] = report(got, large_batch_padding(dataset(seqs, kind).padded_batch(128)))
+        found[name]["programs"] = got.autosplit.programs
     seqs = sequences()
     got = trains_as_model_fit("lm_sample_weight", dataset(seqs, "lm_sample_weight")
                               .padded_batch(32), seqs=seqs, strategy=strategy,
