@@ -12,6 +12,7 @@ of ``tests/data/test_pairs.py`` checks against model.fit in the worker itself.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -123,7 +124,7 @@ def oom(records, out):
         report = {"reads_per_epoch": reads.per_epoch, "logs": history.history,
                   "iterations": int(model.optimizer.iterations.numpy()),
                   "padding": history.autosplit.padding, "tokens": history.autosplit.tokens,
-                  "recoveries": [r._asdict() for r in history.autosplit.oom_recoveries]}
+                  "recoveries": [dataclasses.asdict(r) for r in history.autosplit.oom_recoveries]}
         np.savez(f"{out}.oom.npz", *model.get_weights())
     except Exception as exc:  # reported to the parent, which checks the type and text
         report["error"] = f"{type(exc).__name__}: {exc}"[:3000]
