@@ -169,13 +169,14 @@ class Cutter:
         ``parallel``: map in parallel, in order."""
         ds = self.pieces(rows).map(self.element(), **(_IN_PARALLEL if parallel else {}))
         if self.replicas > 1:  # one piece per local replica, side by side
-            ds = self.stacked(ds).map(functools.partial(_pad_replicas_of,
-                                                        replicas=self.replicas))
+            ds = self.stacked(ds)
         return ds
 
     def stacked(self, ds: tf.data.Dataset) -> tf.data.Dataset:
-        """Each run of one element per local replica, side by side: of one shape."""
-        return ds.batch(self.replicas)
+        """Each run of one element per local replica, side by side: of one shape; a
+        short last run padded with copies that weigh nothing."""
+        return ds.batch(self.replicas).map(functools.partial(_pad_replicas_of,
+                                                             replicas=self.replicas))
 
     def per_batch(self) -> int:
         """The most elements one large batch takes."""
@@ -240,7 +241,8 @@ class ByLength(Cutter):
     def stacked(self, ds: tf.data.Dataset) -> tf.data.Dataset:
         """Each micro-step's pieces, one per local replica and each of its own shape,
         padded at the end to the most rows and lengths of any: each replica's step cuts
-        its own back out (``length_factor.own_shape``, by its ``extent``)."""
+        its own back out (``length_factor.own_shape``, by its ``extent``). Every run is
+        whole: the cut fills a short one (``packing.in_groups``)."""
         return ds.padded_batch(self.replicas)
 
     def element(self) -> Any:

@@ -27,7 +27,7 @@ from autosplit.data.sequences.lengths import Lengths
 from autosplit.graph import HOST
 
 __all__ = ["ShareFactor", "Shortened", "inputs_of", "metric_weight", "output_length_factors",
-           "own_shape"]
+           "own_shape", "own_size"]
 
 
 class Shortened(NamedTuple):
@@ -62,9 +62,7 @@ def own_shape(element: tuple, lengths: Lengths | None, *, rows_vary: bool) -> tu
     if not isinstance(x, Shortened) or isinstance(x.extent, tuple):
         return element
     assert lengths is not None, "a stack of micro-batches cut by length needs their lengths"
-    rows = tf.shape(valid)[0] if not rows_vary else tf.maximum(tf.reduce_sum(tf.cast(
-        x.extent[:, 0] > 0, tf.int32)), 1)
-    length = tf.maximum(tf.reduce_max(x.extent, axis=0), 1)
+    rows, length = own_size(x.extent, None if rows_vary else tf.shape(valid)[0])
 
     def cut(i: int, t: tf.Tensor) -> tf.Tensor:
         found = lengths.of(i)
@@ -86,6 +84,18 @@ def own_shape(element: tuple, lengths: Lengths | None, *, rows_vary: bool) -> tu
     if not rows_vary:
         return Shortened(inputs, x.length_factor, x.extent), y, w, valid
     return Shortened(inputs, x.length_factor[:rows], x.extent[:rows]), y, w, valid[:rows]
+
+
+def own_size(extent: tf.Tensor, rows: tf.Tensor | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+    """Per micro-batch of ``extent`` (its :attr:`Shortened.extent`, rows and lengths on
+    its last two axes, any before), the rows and lengths it is computed at
+    (:func:`own_shape`): ``rows`` where their count is static, else up to its last own
+    row; each length its own; at least 1 each."""
+    if rows is None:
+        rows = tf.maximum(tf.reduce_sum(tf.cast(extent[..., 0] > 0, tf.int32), axis=-1), 1)
+    else:
+        rows = tf.fill(tf.shape(extent)[:-2], rows)
+    return rows, tf.maximum(tf.reduce_max(extent, axis=-2), 1)
 
 
 def output_length_factors(length_factor: tf.Tensor | None, y_pred: Any) -> Any:

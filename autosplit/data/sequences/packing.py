@@ -61,21 +61,20 @@ def token_pieces(lengths: tf.Tensor, tokens: int, cap: int | None,
             tf.concat([tf.gather(weights, order), tf.ones([replicas])], 0))
 
 
-def in_groups(starts: tf.Tensor, ends: tf.Tensor, replicas: int, filler: tf.Tensor | int = 0
+def in_groups(starts: tf.Tensor, ends: tf.Tensor, replicas: int
               ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Pieces ``(starts, ends)`` in runs of ``replicas``, one per local replica of a
     micro-step, with their weights (1.0): a short last run is filled with pieces of one
-    row, ``filler``'s (the cheapest of the sorted rows), that weigh nothing (0.0), so
-    that every replica runs every micro-step. No piece, no run.
+    row, the first (the cheapest of the sorted rows), that weigh nothing (0.0), so that
+    every replica runs every micro-step. No piece, no run.
 
     >>> [t.numpy().tolist() for t in in_groups(tf.constant([0, 3, 5]), tf.constant([3, 5, 8]), 2)]
     [[0, 3, 5, 0], [3, 5, 8, 1], [1.0, 1.0, 1.0, 0.0]]
     """
     count = tf.shape(starts)[0]
     extra = -count % replicas
-    filler = tf.cast(filler, starts.dtype)
-    return (tf.concat([starts, tf.fill([extra], filler)], 0),
-            tf.concat([ends, tf.fill([extra], filler + 1)], 0),
+    return (tf.concat([starts, tf.zeros([extra], starts.dtype)], 0),
+            tf.concat([ends, tf.ones([extra], ends.dtype)], 0),
             tf.concat([tf.ones([count]), tf.zeros([extra])], 0))
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from autosplit.data.sequences.length_factor import own_size
 from autosplit.graph import HOST
 
 __all__ = ["Shapes"]
@@ -56,10 +57,8 @@ class Shapes:
 
 def _own_shapes(extent: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
     """Per local replica, a key of the shape its micro-batch is computed at
-    (``length_factor.own_shape``): its rows (the stack's where their count is static) and
-    its lengths."""
-    own = extent[:, :, 0] > 0
-    rows = (tf.fill(tf.shape(extent)[:1], tf.shape(extent)[1]) if valid.shape[1] is not None
-            else tf.reduce_sum(tf.cast(own, tf.int32), axis=1))
-    shape = tf.concat([rows[:, None], tf.reduce_max(extent, axis=1)], 1)
+    (``length_factor.own_size``): its rows and its lengths."""
+    rows, lengths = own_size(extent, tf.shape(extent)[1] if valid.shape[1] is not None
+                             else None)
+    shape = tf.concat([rows[:, None], lengths], 1)
     return tf.strings.reduce_join(tf.strings.as_string(shape), axis=1, separator=",")
