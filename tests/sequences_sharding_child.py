@@ -1,6 +1,7 @@
 """One worker of two on localhost (``TF_CONFIG``) training a per-token language model on
 record files of token ids of varying length, as a user would:
-``python tests/sequences_sharding_child.py RECORDS_DIR OUT [oom]``.
+``python tests/sequences_sharding_child.py RECORDS_DIR OUT [oom | local]``; ``local``: on
+two local replicas (:func:`two_local_replicas`), a few of the runs.
 
 Per run it saves the weights (``OUT.<run>.npz``) and, once, the padded batches
 TensorFlow's own distributed iterator hands this worker step by step from
@@ -37,6 +38,24 @@ RUNS = {"rows": (None, {"micro_batch_size": 4}),
         "auto": (None, {"micro_batch_tokens": "auto"}),  # the probe's budget, in lockstep
         "xla": (None, {"micro_batch_tokens": 60, "jit_compile": True}),
         "mixed": (None, {"micro_batch_tokens": 60})}  # under mixed_float16
+LOCAL_RUNS = ("rows", "tokens", "xla", "mixed")  # on two local replicas per worker
+
+
+def two_local_replicas():
+    """Two logical CPUs in this worker and a MultiWorkerMirroredStrategy replica on each,
+    as on a worker of two GPUs. TensorFlow places one replica on a worker without GPUs
+    (``CollectiveAllReduceExtended._initialize_local_devices``: one CPU device), so its
+    device list is replaced, before any strategy is made; the devices, the collectives
+    across the four replicas and the distributed iterator are TensorFlow's own."""
+    from tensorflow.python.distribute import collective_all_reduce_strategy as collective
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+    def two_cpus(self, cluster_resolver, worker_device):
+        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(2)), "CPU"
+
+    collective.CollectiveAllReduceExtended._initialize_local_devices = two_cpus
 
 
 class Reads(keras.callbacks.Callback):
@@ -77,8 +96,16 @@ def tf_batches(strategy, records, out):
     arrays = {}
     for step, element in enumerate(x):
         for part, value in enumerate(element):
-            arrays[f"{step}_{part}"] = strategy.experimental_local_results(value)[0].numpy()
+            arrays[f"{step}_{part}"] = joined(strategy.experimental_local_results(value))
     np.savez(f"{out}.batches.npz", **arrays)
+
+
+def joined(parts):
+    """The local replicas' batches of one step as one, padded with zeros to the longest."""
+    arrays = [part.numpy() for part in parts]
+    most = np.max([a.shape for a in arrays], axis=0)
+    return np.concatenate([np.pad(a, [(0, 0)] + [(0, m - n) for m, n in zip(
+        most[1:], a.shape[1:], strict=True)]) for a in arrays])
 
 
 def train(strategy, records, run, out):
@@ -132,11 +159,14 @@ def oom(records, out):
         handle.write(json.dumps(report))
 
 
-def main(records, out):
+def main(records, out, local=False):
+    if local:
+        two_local_replicas()
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=60.0)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    assert strategy.num_replicas_in_sync == (4 if local else 2), strategy.num_replicas_in_sync
     tf_batches(strategy, records, out)
-    report = {run: train(strategy, records, run, out) for run in RUNS}
+    report = {run: train(strategy, records, run, out) for run in (LOCAL_RUNS if local else RUNS)}
     # Translation pairs of two lengths from a generator (no files: AUTO shards by DATA,
     # each worker reading every row and keeping its half of each large batch); the
     # helper asserts they train as single-device model.fit on padded_batch(B).
@@ -153,4 +183,7 @@ def main(records, out):
 
 
 if __name__ == "__main__":
-    (oom if sys.argv[3:] == ["oom"] else main)(sys.argv[1], sys.argv[2])
+    if sys.argv[3:] == ["oom"]:
+        oom(sys.argv[1], sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2], local=sys.argv[3:] == ["local"])

@@ -37,7 +37,7 @@ from autosplit.data.sequences.cut import Cut
 from autosplit.data.sequences.length_factor import Shortened
 from autosplit.data.sequences.lengths import PaddedArrays
 from autosplit.data.sequences.longest import pad_to_longest
-from autosplit.data.sharded import SHARE_ELEMENTS, cut_shares
+from autosplit.data.sharded import SHARE_ELEMENTS, cut_shares, joined_shares
 from autosplit.data.split import Piece, piece_pattern
 from autosplit.data.structure import none_to_empty
 
@@ -282,16 +282,21 @@ class Shares(Cutter):
 
 class SharesByLength(Shares):
     """A worker's share of sequences, sorted and cut by length after its header (the
-    share's length, which the workers agree on), ended by a marker in rows."""
+    share's length, which the workers agree on), ended by a marker in rows. On several
+    local replicas the share is their per-replica batches joined, cut as one device
+    cuts it, and each micro-step's pieces stacked, one per replica (:class:`ByLength`)."""
 
     ends: Batch = "header"
 
     def elements(self, rows: tf.data.Dataset, parallel: bool) -> tf.data.Dataset:
         share = piece_pattern(sum(p.rows for p in self.pattern) // self.where.workers,
                               self.rows)
-        return cut_by_length(rows, share, self.cut, cap=self.rows, shares=True).map(
+        if self.replicas > 1:
+            rows = joined_shares(rows, self.replicas)
+        ds = cut_by_length(rows, share, self.cut, cap=self.rows, shares=True).map(
             functools.partial(_shortened_element, materialize=self.materialize,
                               rows=None if self.tokens else self.rows))
+        return ds.padded_batch(self.replicas) if self.replicas > 1 else ds
 
 
 def cutter_for(adapter: InputAdapter, cut: Cut, pattern: list[Piece], rows: int,

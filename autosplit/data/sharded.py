@@ -12,14 +12,16 @@ w, w+W, ... alone; with DATA it reads every row and keeps every W-th piece of ea
 batch, as TensorFlow's DATA does. With the policy OFF the dataset stays as it is:
 every worker reads it whole and keeps its share (``autosplit.data.split``).
 
-Sequences of varying length cut by length (``Cut.sorted``) on one replica per worker
-are sharded alike, ``padded_batch(B)`` first (:func:`shards_by_length`): each worker
-sorts and cuts its own share, and since a per-token denominator and a metric count the
-large batch's padded length, each share's pieces come after a header that holds the
-share's length per model output (``by_length.cut_by_length``); the workers agree on the
-longest before the share's first micro-step (``TrainStep.agree_lengths``). Sequences
-padded to the large batch's longest row (a model that reads its padding), or on
-several local replicas, are read whole by every worker, each keeping its share.
+Sequences of varying length cut by length (``Cut.sorted``) are sharded alike,
+``padded_batch(B)`` first (:func:`shards_by_length`): each worker sorts and cuts its own
+share, and since a per-token denominator and a metric count the large batch's padded
+length, each share's pieces come after a header that holds the share's length per model
+output (``by_length.cut_by_length``); the workers agree on the longest before the share's
+first micro-step (``TrainStep.agree_lengths``). On R local replicas a step's R
+per-replica batches are joined into the share first (:func:`joined_shares`), which is
+cut as one device cuts it, each replica taking one of its micro-batches per micro-step.
+Sequences padded to the large batch's longest row (a model that reads its padding) are
+read whole by every worker, each keeping its share.
 
 A large batch is then the union of every worker's share of one step: R per-replica
 batches in turn on a worker of R local replicas (:class:`ShardedInput`). The shares
@@ -63,6 +65,7 @@ __all__ = [
     "SHARE_ELEMENTS",
     "ShardedInput",
     "cut_shares",
+    "joined_shares",
     "reads_whole",
     "sharded_input",
     "shards_by_length",
@@ -132,7 +135,7 @@ def shards_by_length(adapter: InputAdapter, where: Layout) -> bool:
     """Whether ``adapter``'s sequences of varying length, cut by length, are sharded
     across workers (:func:`sharded_input` with a sorted cut)."""
     return (isinstance(adapter, DatasetInput) and where.multi_worker and adapter.rows_vary
-            and where.local_replicas == 1 and not reads_whole(adapter.dataset))
+            and not reads_whole(adapter.dataset))
 
 
 def sharded_input(adapter: InputAdapter, strategy: tf.distribute.Strategy, where: Layout,
@@ -193,3 +196,23 @@ def cut_shares(ds: tf.data.Dataset, *, rows: int, local_replicas: int,
     if local_replicas > 1:
         ds = ds.window(local_replicas)
     return ds.flat_map(pieces)
+
+
+def joined_shares(ds: tf.data.Dataset, local_replicas: int) -> tf.data.Dataset:
+    """A worker's pipeline of sequences (``local_replicas`` per-replica batches of each
+    step in turn, each padded to its own longest row) as one batch per step, its share:
+    the batches' rows together, every part padded with zeros at the end to the most of
+    any along each axis but the rows, which stay the batches' own (none added)."""
+    def rows_of(*element: Any) -> tuple:
+        whole = element[0] if len(element) == 1 else element
+        return whole, tf.shape(tf.nest.flatten(whole)[0])[0]
+
+    def joined(element: Any, rows: tf.Tensor) -> Any:
+        real = tf.sequence_mask(rows, tf.reduce_max(rows))
+        return tf.nest.map_structure(lambda t: tf.boolean_mask(t, real), element)
+
+    def share(*parts: Any) -> tf.data.Dataset:
+        window = tf.data.Dataset.zip(parts[0] if len(parts) == 1 else parts)
+        return window.map(rows_of).padded_batch(local_replicas).map(joined)
+
+    return ds.window(local_replicas).flat_map(share)

@@ -49,7 +49,7 @@ def tokens_refused(where: Layout, jit: bool, averages: bool, sharded: bool = Fal
     if where.workers > 1 and not sharded:
         return (f"{where.workers} workers that each read the whole input and keep a slice "
                 "of every large batch (sharded and sized in tokens is a tf.data.Dataset "
-                "whose auto_shard_policy is not OFF, on one replica per worker)")
+                "whose auto_shard_policy is not OFF)")
     if jit and averages:
         return ("jit_compile with a model that averages over a micro-batch's rows on its "
                 "own (its own train_step, a loss added in call(), BatchNormalization): "

@@ -248,7 +248,8 @@ class TrainStep:
                 if not bool(is_header(element)):
                     raise DatasetError("Expected a share's header before its micro-batches. "
                                        "Received: a micro-batch; the pipeline lost its order.")
-                local = element[0].length_factor[0]
+                factor = element[0].length_factor  # its first row's (of the first replica)
+                local = factor[(0,) * (factor.shape.rank - 1)]
         except (tf.errors.OpError, DatasetError) as error:
             local, failure = -tf.ones(scale.shape), error
         least = self._function("lengths", self.update.agree_lengths)(local)

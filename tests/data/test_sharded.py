@@ -104,9 +104,9 @@ def test_a_dataset_stays_as_it_is_for_one_worker_or_when_read_whole(strategy):
                               cut=Cut("length", lengths=padded.lengths()))
     assert isinstance(by_length, ShardedInput) and by_length.rows_vary
     assert by_length.lengths() == padded.lengths()
+    # a worker of two local replicas shards them too (joined per step: SharesByLength)
     two_local = Layout(workers=2, worker=1, local_replicas=2, replicas=4)
-    assert sharded_input(padded, strategy, two_local, 4,
-                         cut=Cut("length", lengths=padded.lengths())) is padded
+    assert shards_by_length(padded, two_local)
 
 
 @pytest.mark.parametrize("tokens", [None, 40])
@@ -194,7 +194,7 @@ def test_several_workers_take_tokens_where_each_reads_its_own_share(strategy):
     for adapter, where, shared in [(get_input(sequences), two, True),
                                    (get_input(sequences.padded_batch(4)), two, True),
                                    (get_input(sequences.with_options(options)), two, False),
-                                   (get_input(sequences), two_local, False)]:
+                                   (get_input(sequences), two_local, True)]:
         refused = tokens_refused(where, False, False, shards_by_length(adapter, where))
         assert (refused is None) == shared, (adapter.kind, where, refused)
         if refused:

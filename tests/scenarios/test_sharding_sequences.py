@@ -43,18 +43,29 @@ def write_records(directory, marked=None):
                     feature=feature)).SerializeToString())
 
 
-@pytest.fixture(scope="module")
-def workers(tmp_path_factory):
+def run_workers(tmp, *mode):
     """Both workers' reports and the path prefixes of what they saved."""
-    tmp = tmp_path_factory.mktemp("sequences_sharding")
     records = tmp / "records"
     records.mkdir()
     write_records(records)
     codes = local_workers(lambda index: [str(TESTS / "sequences_sharding_child.py"),
-                                         str(records), str(tmp / f"worker{index}")], tmp)
+                                         str(records), str(tmp / f"worker{index}"), *mode],
+                          tmp)
     assert codes == [0, 0], [(tmp / f"worker{i}.stderr").read_text()[-3000:] for i in range(2)]
     reports = [json.loads((tmp / f"worker{i}.json").read_text()) for i in range(2)]
     return reports, [tmp / f"worker{i}" for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    return run_workers(tmp_path_factory.mktemp("sequences_sharding"))
+
+
+@pytest.fixture(scope="module")
+def two_local(tmp_path_factory):
+    """As :func:`workers`, each worker of two local replicas (the child's
+    ``two_local_replicas``)."""
+    return run_workers(tmp_path_factory.mktemp("sequences_sharding_local"), "local")
 
 
 def shares(prefix):
@@ -94,9 +105,9 @@ def reference(batches, jit_compile=False, mixed=False):
             None if scale is None else float(scale.numpy()))
 
 
-@pytest.fixture(scope="module")
-def expected(workers):
-    _, prefixes = workers
+def references(prefixes):
+    """model.fit on the union of the workers' shares of each step, in float32, under XLA
+    and under mixed_float16; and the share of padding in its first 4 large batches."""
     per_worker = [shares(prefix) for prefix in prefixes]
     assert len(per_worker[0]) == len(per_worker[1])
     unions = [a + b for a, b in zip(*per_worker, strict=True)]
@@ -113,6 +124,11 @@ def expected(workers):
             for run in ("float32", "xla", "mixed")}, full
 
 
+@pytest.fixture(scope="module")
+def expected(workers):
+    return references(workers[1])
+
+
 def weights(prefix, run):
     saved = np.load(f"{prefix}.{run}.npz")
     return [saved[f"arr_{i}"] for i in range(len(saved.files))]
@@ -127,6 +143,33 @@ def test_each_worker_reads_its_files_and_cuts_its_share_by_length_as_model_fit(
     read 1.4e-2 from model.fit, as one worker's split of the same large batches does
     (each micro-batch's float16 gradient sums round apart; model.fit itself moved
     1.4e-7 with each batch's rows reversed)."""
+    check_run(workers, expected, run)
+
+
+@pytest.mark.parametrize("run", ["rows", "tokens", "xla", "mixed"])
+def test_two_local_replicas_per_worker_cut_their_workers_share_as_one_device(
+        two_local, workers, run):
+    """Two workers of two replicas each (four in all): each worker reads its own files
+    and cuts its share by length as one device would, each local replica taking one of
+    its micro-batches per micro-step, in its own shape; the weights, iterations, logs
+    and loss scale as model.fit on the union of the shares, and the padding fed at most
+    1.1x a worker of one replica's at the same rows or tokens per replica.
+
+    Under XLA the padding bounds are not met, and are not asserted: a share here is 12
+    rows, two or three micro-batches of 60 tokens, so most micro-steps' second replica
+    takes a filler (``packing.in_groups``), one row that XLA's shapes pad to half the
+    rows the budget holds (0.34 and 0.31 fed against 0.28 on one replica per worker).
+    Exactness and the programs' bound hold there."""
+    check_run(two_local, references(two_local[1]), run, replicas=2)
+    if run == "xla":
+        return
+    for local, one in zip(two_local[0], workers[0], strict=True):
+        assert local[run]["padding_share"] <= 1.1 * one[run]["padding_share"], (
+            local[run]["padding_share"], one[run]["padding_share"])
+
+
+def check_run(workers, expected, run, replicas=1):
+    """Each worker's report and weights of ``run`` against model.fit (``expected``)."""
     reports, prefixes = workers
     references, full = expected
     weights_expected, iterations, logs, loss_scale = references.get(run, references["float32"])
@@ -138,6 +181,9 @@ def test_each_worker_reads_its_files_and_cuts_its_share_by_length_as_model_fit(
         assert "sharded across workers" in result["input"], result["input"]
         assert result["padding"].startswith("by length"), result["padding"]
         assert "each of 2 workers reads and cuts its own share" in result["padding"]
+        if replicas > 1:
+            assert f"on {replicas} replicas, each a micro-batch of its own shape" in (
+                result["padding"]), result["padding"]
         if run in ("tokens", "xla", "mixed"):
             assert "micro-batches of up to 60 tokens" in result["padding"]
         if run == "auto":
@@ -148,11 +194,13 @@ def test_each_worker_reads_its_files_and_cuts_its_share_by_length_as_model_fit(
         assert result["iterations"] == iterations
         assert result["loss_scale"] == loss_scale
         # each worker's micro-batches feed at most half the padding of the large batch's
-        assert result["padding_share"] <= full / 2, (result["padding_share"], full)
+        # (not under XLA on two local replicas: see the test of two local replicas)
+        if not (replicas > 1 and run == "xla"):
+            assert result["padding_share"] <= full / 2, (result["padding_share"], full)
         error = relative_error(weights_expected, weights(prefix, run))
-        print(f"{run}: weights {error:.1e} from model.fit, padding fed "
-              f"{result['padding_share']:.2f} against {full:.2f}, tokens {result['tokens']}, "
-              f"programs {result['programs']}")
+        print(f"{run} on {replicas} local replica(s): weights {error:.1e} from model.fit, "
+              f"padding fed {result['padding_share']:.2f} against {full:.2f}, tokens "
+              f"{result['tokens']}, programs {result['programs']}")
         assert error <= rtol, (run, error)
         for key, values in logs.items():
             np.testing.assert_allclose(result["logs"][key], values, rtol=rtol, err_msg=key)

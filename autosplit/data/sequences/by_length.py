@@ -218,12 +218,13 @@ def _with_header(pieces: tf.data.Dataset, leaves: tuple, n: tf.Tensor, longest: 
     header = tf.stack([tf.constant(1.0) if g is None or g >= lengths.number else ratio[g]
                        for g in cut.outputs]) if cut.outputs else tf.zeros([0])
     extent = extent_of(tf.maximum(longest, 1), tf.zeros([1]), cut)
+    # One per local replica, as every micro-step's pieces (a run of R, packing.in_groups)
     share = tf.data.Dataset.from_tensors((row, header[None, :], extent, -tf.ones([1]))
-                                         ).concatenate(pieces)
-    if cut.tokens is not None:  # token_pieces end each share with an empty piece
+                                         ).repeat(cut.replicas).concatenate(pieces)
+    if cut.tokens is not None:  # token_pieces end each share with R empty pieces
         return share
     end = (row, tf.ones_like(header)[None, :], extent, tf.zeros([1]))
-    return share.concatenate(tf.data.Dataset.from_tensors(end))
+    return share.concatenate(tf.data.Dataset.from_tensors(end).repeat(cut.replicas))
 
 
 def trim(rows: Any, padded: PaddedArrays, length: tf.Tensor) -> Any:
