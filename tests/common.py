@@ -56,8 +56,9 @@ def assert_within_reorder_noise(reference, reordered, weights, rtol=1e-5):
     its own size). Its size says nothing, so its error is measured at the model's scale:
     within ``rtol`` of the largest weight. A gradient that did not cancel would move it by
     the learning rate's scale, far past that."""
-    model_scale = max(float(np.max(np.abs(w))) for w in reference.get_weights() if w.size)
-    for variable, e, noisy, a in zip(reference.weights, reference.get_weights(),
+    expected = reference.get_weights()
+    model_scale = max(float(np.max(np.abs(w))) for w in expected if w.size)
+    for variable, e, noisy, a in zip(reference.weights, expected,
                                      reordered.get_weights(), weights, strict=True):
         bound = max(rtol, 3 * tensor_relative_error(e, noisy))
         if tensor_relative_error(e, a) <= bound:
